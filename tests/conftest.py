@@ -1,0 +1,42 @@
+"""Shared fixtures. The whole suite runs offline: hub access is disabled and non-loopback sockets refused."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+
+import pytest
+
+# Set before anything imports huggingface_hub / transformers / wandb; inherited by child processes.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_real_connect = socket.socket.connect
+
+
+def _loopback_only_connect(self, address):
+    # A test that reaches the network is a bug here: CI and users' laptops may have none.
+    if self.family in (socket.AF_INET, socket.AF_INET6):
+        host = address[0]
+        try:
+            ok = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            ok = host == "localhost"
+        if not ok:
+            raise OSError(f"test tried to reach the network ({host}); the suite must run offline")
+    return _real_connect(self, address)
+
+
+socket.socket.connect = _loopback_only_connect
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny model + tokenizer on disk, built once per session."""
+    from verifiers_rl.tiny import save_tiny_model
+
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))

@@ -1,0 +1,41 @@
+"""The README's set-up commands are the ones CI runs; docs name real modules."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    setup = text.split("## Set up and test", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.+?)\n```", setup)
+
+
+def test_readme_has_install_and_test_commands():
+    install, test = _readme_commands()[:2]
+    assert "pip install" in install and "constraints" not in install  # the pin lives in requirements-dev.txt
+    assert "pytest" in test
+
+
+def test_ci_runs_the_readme_commands():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for cmd in _readme_commands()[:2]:
+        assert cmd in ci, f"README command not run by .ci/run: {cmd}"
+
+
+def test_install_pins_cpu_torch():
+    req = (ROOT / "requirements-dev.txt").read_text()
+    assert "-c constraints.txt" in req
+    assert re.search(r"^torch==\S+$", (ROOT / "constraints.txt").read_text(), re.M)
+    meta = (ROOT / "pyproject.toml").read_text()
+    assert "torch==" not in meta and "+cpu" not in meta
+
+
+def test_architecture_doc_names_existing_modules():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    for mod in re.findall(r"`(verifiers_rl(?:\.\w+)+)`", doc):
+        if "(planned)" in doc.split(mod, 1)[1].split("\n", 1)[0]:
+            continue
+        path = ROOT / Path(*mod.split("."))
+        assert path.with_suffix(".py").exists() or (path / "__init__.py").exists(), mod
