@@ -1,0 +1,301 @@
+"""The CPU engine: transformers continuous batching with our sampler, plus in-place weight updates.
+
+Concurrent requests share batches and the paged KV cache (transformers' ContinuousBatchingManager). The
+manager's own sampler has no per-request seed, min-p or penalties, so we replace the model runner's sampling
+step with `sampling.process_logits` + `sampling.sample`; rows map to the batch's requests in order.
+That hook reads two internals (`inputs_and_outputs.requests_in_batch`, `FutureRequestState.has_new_token`),
+checked at start-up so a transformers upgrade fails loudly instead of sampling wrongly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from verifiers_rl.rl.inference.sampling import SamplingParams, process_logits, request_generator, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    stop_reason: str | int | None = None
+    policy_version: int = 0
+
+
+@dataclass
+class _Request:
+    params: SamplingParams
+    prompt_ids: list[int]
+    generator: torch.Generator | None
+    eos_ids: set[int]
+    policy_version: int
+    future: asyncio.Future | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    stop_tail: int = 0
+    done: bool = field(default=False)
+
+
+_RETIRED = _Request(SamplingParams(temperature=0.0), [], None, set(), 0, done=True)
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class CPUEngine:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_model_len: int = 4096,
+        max_num_seqs: int = 64,
+        max_batch_tokens: int | None = None,
+        page_size: int = 64,
+        num_blocks: int | None = None,
+    ):
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.version = 0
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._pause_stack: contextlib.ExitStack | None = None
+        self._pristine: dict[str, torch.Tensor] = {}  # base weights kept for adapter-only LoRA sync
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+
+        blocks = num_blocks or max(16, (max_num_seqs * max_model_len) // page_size // 4)
+        cb_config = ContinuousBatchingConfig(
+            return_logprobs=True,
+            page_size=page_size,
+            num_blocks=blocks,
+            max_batch_tokens=max_batch_tokens or max(256, min(4096, max_model_len)),
+            max_requests_per_batch=max_num_seqs,
+            allow_block_sharing=True,
+            use_cuda_graph=False,
+            use_async_batching=False,
+        )
+        # Greedy, no processors: the manager must hand raw logits to our sampling hook.
+        gen_config = GenerationConfig(
+            do_sample=False, max_new_tokens=max_model_len, eos_token_id=sorted(self.eos_token_ids) or -1
+        )
+        self.manager = model.init_continuous_batching(gen_config, cb_config)
+        self.manager.warmup()  # creates the batch processor so the hook is in place before the first batch
+        runner = self.manager.batch_processor.model_runner
+        if runner.logit_processor.do_processing or not hasattr(runner, "_sample"):
+            raise EngineError("unsupported transformers continuous-batching layout; use transformers==5.23.x")
+        runner._sample = self._sample_hook
+        self._runner = runner
+        self.manager.start()
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, **kwargs) -> "CPUEngine":
+        from verifiers_rl.rl.trainer.utils import get_model, get_tokenizer
+
+        tokenizer = get_tokenizer(name_or_path)
+        model = get_model(name_or_path, device="cpu")
+        return cls(model, tokenizer, **kwargs)
+
+    # ------------------------------------------------------------------ sampling (generation thread)
+
+    def _sample_hook(self, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+        futures = self._runner.inputs_and_outputs.requests_in_batch
+        states = [f.state for f in futures if f.has_new_token]
+        # Rows follow the requests that get a token this step, in batch order; rows past them are padding
+        # for requests still mid-prefill.
+        if scores.shape[1] < len(states):
+            raise EngineError(f"sampling hook saw {scores.shape[1]} rows for {len(states)} requests")
+        logits = scores[0, : len(states)]
+        # A request cancelled after a stop string can still sit in this batch; sample it greedily and discard.
+        reqs = [self._requests.get(s.request_id, _RETIRED) for s in states]
+        outputs = [(s.initial_tokens + s.generated_tokens)[len(r.prompt_ids) :] for s, r in zip(states, reqs)]
+        params = [r.params for r in reqs]
+        processed = process_logits(logits, params, [r.prompt_ids for r in reqs], outputs)
+        tokens, logprobs = sample(processed, [p.greedy for p in params], [r.generator for r in reqs])
+        n = tokens.shape[0]
+        output_ids[0, :n].copy_(tokens)
+        output_ids[1, :n].copy_(logprobs.float().view(torch.int32))
+
+    # ------------------------------------------------------------------ requests (event loop)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt_ids) + (params.max_tokens or 1)} tokens ({len(prompt_ids)} in the messages, "
+                f"{params.max_tokens or 1} in the completion). Please reduce the length of the messages or completion."
+            )
+        max_tokens = params.max_tokens or room
+        eos = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        loop = asyncio.get_running_loop()
+        base = f"r{next(self._ids)}"
+        futures = []
+        for i in range(params.n):
+            rid = f"{base}-{i}"
+            req = _Request(
+                params=params,
+                prompt_ids=list(prompt_ids),
+                generator=request_generator(params.seed, i),
+                eos_ids=eos,
+                policy_version=self.version,
+                future=loop.create_future(),
+                loop=loop,
+                stop_tail=max((len(s.encode()) for s in params.stop), default=0) + 8,
+            )
+            self._requests[rid] = req
+            futures.append(req.future)
+            self.manager.register_result_handler(rid, lambda out, rid=rid: self._on_output(rid, out))
+            self.manager.add_request(
+                list(prompt_ids),
+                request_id=rid,
+                max_new_tokens=max_tokens,
+                streaming=bool(params.stop),
+                eos_token_id=sorted(eos) or -1,
+            )
+        try:
+            return list(await asyncio.gather(*futures))
+        finally:
+            for i in range(params.n):
+                rid = f"{base}-{i}"
+                req = self._requests.pop(rid, None)
+                if req is not None and not req.done:  # client went away: free the batch slot
+                    self.manager.cancel_request(rid)
+
+    def _on_output(self, rid: str, out) -> None:
+        req = self._requests.get(rid)
+        if req is None or req.done:
+            return
+        if out.error is not None:
+            req.done = True
+            req.future.set_exception(EngineError(f"generation failed: {out.error}"))
+            return
+        tokens, logprobs = list(out.generated_tokens), list(out.logprobs)
+        if req.params.stop:
+            hit = self._find_stop(req, tokens)
+            if hit is not None:
+                n_tokens, stop = hit
+                req.done = True
+                self.manager.cancel_request(rid)
+                req.future.set_result(
+                    Completion(tokens[:n_tokens], logprobs[:n_tokens], "stop", stop, req.policy_version)
+                )
+                return
+        if not out.is_finished():
+            return
+        req.done = True
+        last = tokens[-1] if tokens else None
+        if last is not None and last in req.eos_ids:
+            finish, reason = "stop", (last if last in req.params.stop_token_ids else None)
+        else:
+            finish, reason = "length", None
+        req.future.set_result(Completion(tokens, logprobs, finish, reason, req.policy_version))
+
+    def _find_stop(self, req: _Request, tokens: list[int]) -> tuple[int, str] | None:
+        """Shortest token prefix whose text contains a stop string (checked on the tail, so O(1) per token)."""
+        skip = req.params.skip_special_tokens  # matched on the text the client sees, as vLLM does
+        tail = self.tokenizer.decode(tokens[-req.stop_tail :], skip_special_tokens=skip)
+        if not any(s in tail for s in req.params.stop):
+            return None
+        for n in range(1, len(tokens) + 1):
+            text = self.tokenizer.decode(tokens[:n], skip_special_tokens=skip)
+            for s in req.params.stop:
+                if s in text:
+                    return n, s
+        return None
+
+    # ------------------------------------------------------------------ weights (any thread but the loop's)
+
+    @property
+    def is_paused(self) -> bool:
+        return self._pause_stack is not None
+
+    def pause(self) -> None:
+        """Stop scheduling batches (in-flight requests keep their cache and resume later)."""
+        with self._lock:
+            if self._pause_stack is None:
+                stack = contextlib.ExitStack()
+                stack.enter_context(self.manager.pause())
+                self._pause_stack = stack
+
+    def resume(self) -> None:
+        with self._lock:
+            if self._pause_stack is not None:
+                self._pause_stack.close()
+                self._pause_stack = None
+
+    def load_weights(self, named_tensors, *, lora_scaling: float | None = None) -> int:
+        """Copy tensors into the model (HF names). With `lora_scaling`, `X.lora_A`/`X.lora_B` pairs become
+        X.weight = X0 + scaling * B @ A against pristine base weights; other names are copied as they are."""
+        params = dict(self.model.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        count = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if lora_scaling is not None and (name.endswith(".lora_A") or name.endswith(".lora_B")):
+                    module, kind = name.rsplit(".", 1)
+                    pending.setdefault(module, {})[kind] = tensor.clone()
+                    if len(pending[module]) == 2:
+                        self._merge_adapter(params, module, pending.pop(module), lora_scaling)
+                        count += 1
+                    continue
+                if name not in params:
+                    raise KeyError(f"engine model has no parameter {name!r}")
+                params[name].copy_(tensor)
+                self._pristine.pop(name, None)  # a full update replaces the base
+                count += 1
+        if pending:
+            raise ValueError(f"LoRA update is missing lora_A or lora_B for {sorted(pending)}")
+        return count
+
+    def _merge_adapter(self, params, module: str, ab: dict[str, torch.Tensor], scaling: float) -> None:
+        name = f"{module}.weight"
+        if name not in params:
+            raise KeyError(f"engine model has no parameter {name!r} for LoRA module {module!r}")
+        w = params[name]
+        base = self._pristine.setdefault(name, w.detach().clone())
+        delta = (ab["lora_B"].float() @ ab["lora_A"].float()) * scaling
+        w.copy_((base.float() + delta).to(w.dtype))
+
+    def finish_update(self, version: int | None = None) -> int:
+        self.version = self.version + 1 if version is None else int(version)
+        self.reset_prefix_cache()
+        return self.version
+
+    def reset_prefix_cache(self) -> None:
+        # Blocks cached for prefix sharing hold keys/values computed with the old weights.
+        bp = self.manager.batch_processor
+        if bp is not None:
+            with self.manager.pause() if not self.is_paused else contextlib.nullcontext():
+                bp.cache.evict_cached_blocks()
+
+    def close(self) -> None:
+        self.resume()
+        if self.manager.is_running():
+            self.manager.stop(block=True, timeout=10)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        v = getattr(src, "eos_token_id", None)
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return {i for i in ids if i >= 0}

@@ -1,0 +1,1 @@
+"""Weight transfer trainer -> engine: bucket planning and packing, the gloo group, peft name mapping, NCCL."""

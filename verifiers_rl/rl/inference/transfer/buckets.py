@@ -1,0 +1,104 @@
+"""Bucketed weight transfer: both peers derive the same bucket plan from (names, dtypes, shapes, bucket size),
+so one control request describes a whole sync and the data moves in a few large broadcasts.
+
+A bucket is a flat uint8 buffer holding consecutive tensors' raw bytes (mixed dtypes are fine); a tensor larger
+than the bucket size travels alone. Per-tensor broadcasts were what made the old design's syncs take minutes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    metas: tuple[TensorMeta, ...]
+    offsets: tuple[int, ...]  # byte offset of each tensor inside the bucket
+    nbytes: int
+
+
+def plan_buckets(metas: list[TensorMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+    """Group consecutive tensors into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+    buckets: list[Bucket] = []
+    cur: list[TensorMeta] = []
+    offsets: list[int] = []
+    size = 0
+    for meta in metas:
+        if cur and size + meta.nbytes > bucket_bytes:
+            buckets.append(Bucket(tuple(cur), tuple(offsets), size))
+            cur, offsets, size = [], [], 0
+        cur.append(meta)
+        offsets.append(size)
+        size += meta.nbytes
+    if cur:
+        buckets.append(Bucket(tuple(cur), tuple(offsets), size))
+    return buckets
+
+
+def pack(bucket: Bucket, tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy `tensors` (in bucket order) into one flat uint8 buffer."""
+    buf = out if out is not None else torch.empty(bucket.nbytes, dtype=torch.uint8)
+    for meta, off, t in zip(bucket.metas, bucket.offsets, tensors):
+        if t.dtype != meta.dtype or tuple(t.shape) != meta.shape:
+            raise ValueError(
+                f"tensor {meta.name!r} is {t.dtype}{tuple(t.shape)}, its plan says {meta.dtype}{meta.shape}"
+            )
+        buf[off : off + meta.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return buf
+
+
+def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views into `buf`, one per tensor: no copy. Copy them out before reusing `buf`."""
+    out = []
+    for meta, off in zip(bucket.metas, bucket.offsets):
+        out.append((meta.name, buf[off : off + meta.nbytes].view(meta.dtype).view(meta.shape)))
+    return out
+
+
+def metas_to_update_info(metas: list[TensorMeta]) -> dict:
+    """The per-sync description in vLLM's own update_info format (names, dtype_names, shapes)."""
+    return {
+        "names": [m.name for m in metas],
+        "dtype_names": [dtype_name(m.dtype) for m in metas],
+        "shapes": [list(m.shape) for m in metas],
+    }
+
+
+def metas_from_update_info(info: dict) -> list[TensorMeta]:
+    names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(
+            f"update_info lists differ in length: names={len(names)} dtype_names={len(dtypes)} shapes={len(shapes)}"
+        )
+    return [TensorMeta(n, dtype_from_name(d), tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
