@@ -219,6 +219,22 @@ class CPUEngine:
                     return n, s
         return None
 
+    def abort_all(self) -> int:
+        """Cancel every in-flight request (vLLM's /pause?mode=abort); their callers get an EngineError."""
+        aborted = 0
+        for rid, req in list(self._requests.items()):
+            if req.done:
+                continue
+            req.done = True
+            self.manager.cancel_request(rid)
+            req.loop.call_soon_threadsafe(_fail, req.future, EngineError("request aborted by /pause (mode=abort)"))
+            aborted += 1
+        return aborted
+
+    async def wait_idle(self, poll_s: float = 0.01) -> None:
+        while any(not r.done for r in self._requests.values()):
+            await asyncio.sleep(poll_s)
+
     # ------------------------------------------------------------------ weights (any thread but the loop's)
 
     @property
@@ -288,6 +304,11 @@ class CPUEngine:
         self.resume()
         if self.manager.is_running():
             self.manager.stop(block=True, timeout=10)
+
+
+def _fail(future: asyncio.Future, error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -8,6 +8,7 @@ trainer's own DDP group (if any) stays untouched. Methods are called on the Proc
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,26 +18,32 @@ from verifiers_rl.rl.inference.transfer.buckets import Bucket, pack, plan_bucket
 _PREFIX = "verifiers_rl_weights"
 
 
-def create_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0):
+@dataclass
+class WeightGroup:
+    pg: object  # ProcessGroupGloo
+    store: object  # kept alive with the group: gloo reads the store lazily
+    rank: int
+    world_size: int
+
+
+def create_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> WeightGroup:
     """Rank 0 (the trainer) hosts the store; other ranks connect to it. Blocks until all ranks joined."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(
         host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
     )
     pg = dist.ProcessGroupGloo(dist.PrefixStore(_PREFIX, store), rank, world_size, timeout)
-    # Keep the store alive as long as the group: gloo reads it lazily.
-    pg._vf_store = store  # type: ignore[attr-defined]
-    return pg
+    return WeightGroup(pg, store, rank, world_size)
 
 
-def broadcast(pg, tensor: torch.Tensor, root: int = 0) -> None:
+def broadcast(group: WeightGroup, tensor: torch.Tensor, root: int = 0) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     opts.rootTensor = 0
-    pg.broadcast([tensor], opts).wait()
+    group.pg.broadcast([tensor], opts).wait()
 
 
-def send_buckets(pg, buckets: list[Bucket], tensors_by_name: dict[str, torch.Tensor]) -> int:
+def send_buckets(pg: WeightGroup, buckets: list[Bucket], tensors_by_name: dict[str, torch.Tensor]) -> int:
     """Trainer side: pack and broadcast each bucket; returns bytes sent."""
     sent = 0
     for bucket in buckets:
@@ -46,7 +53,7 @@ def send_buckets(pg, buckets: list[Bucket], tensors_by_name: dict[str, torch.Ten
     return sent
 
 
-def receive_buckets(pg, buckets: list[Bucket], on_bucket) -> None:
+def receive_buckets(pg: WeightGroup, buckets: list[Bucket], on_bucket) -> None:
     """Receiver side: for each bucket, receive it and hand `on_bucket` its [(name, tensor view)] list."""
     buf = torch.empty(max((b.nbytes for b in buckets), default=0), dtype=torch.uint8)
     for bucket in buckets:
@@ -55,4 +62,4 @@ def receive_buckets(pg, buckets: list[Bucket], on_bucket) -> None:
         on_bucket(unpack(bucket, view))
 
 
-__all__ = ["create_group", "broadcast", "send_buckets", "receive_buckets", "plan_buckets"]
+__all__ = ["WeightGroup", "create_group", "broadcast", "send_buckets", "receive_buckets", "plan_buckets"]

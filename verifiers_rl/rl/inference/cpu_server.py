@@ -1,0 +1,286 @@
+"""HTTP server for the CPU engine: OpenAI routes + vLLM's RL weight routes, same payloads as vLLM.
+
+Control routes (pause, weights, ...) answer only loopback clients unless `allow_remote_control`, and require
+`Authorization: Bearer <control token>` when the launcher set one (it always does). Blocking work (gloo
+receives, waiting for the batching loop to pause) runs in worker threads so generation keeps flowing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Body, FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse
+
+from verifiers_rl.rl.inference import protocol
+from verifiers_rl.rl.inference.control_auth import ControlGuard
+from verifiers_rl.rl.inference.engine import CPUEngine, EngineError
+from verifiers_rl.rl.inference.transfer import gloo
+from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES, metas_from_update_info, plan_buckets
+
+logger = logging.getLogger("verifiers_rl.server")
+
+class WeightReceiver:
+    """Server side of the gloo weight transfer (same init_info/update_info as our vLLM plugin)."""
+
+    def __init__(self, engine: CPUEngine):
+        self.engine = engine
+        self.pg = None
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        self.paused_by_update = False
+
+    def init(self, info: dict[str, Any]) -> None:
+        try:
+            host, port = info["master_address"], int(info["master_port"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"init_info needs master_address and master_port: {e}") from e
+        world = int(info.get("world_size", 2))
+        rank = int(info.get("rank_offset", 1))
+        self.bucket_bytes = int(info.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
+        self.pg = gloo.create_group(host, port, rank, world, timeout_s=float(info.get("timeout_s", 300)))
+
+    def start(self) -> None:
+        if not self.engine.is_paused:
+            self.engine.pause()
+            self.paused_by_update = True
+
+    def update(self, info: dict[str, Any]) -> int:
+        if self.pg is None:
+            raise ValueError("call /init_weight_transfer_engine before /update_weights")
+        metas = metas_from_update_info(info)
+        scaling = info.get("lora_scaling")
+        if not self.engine.is_paused:  # vLLM allows updates without /start_weight_update; stay consistent
+            self.start()
+        loaded, error = 0, None
+
+        def on_bucket(named):
+            # After a failure keep receiving (and dropping) the remaining buckets: the trainer is mid-broadcast
+            # and would otherwise block until the gloo timeout.
+            nonlocal loaded, error
+            if error is None:
+                try:
+                    loaded += self.engine.load_weights(named, lora_scaling=scaling)
+                except (KeyError, ValueError, RuntimeError) as e:
+                    error = e
+
+        gloo.receive_buckets(self.pg, plan_buckets(metas, self.bucket_bytes), on_bucket)
+        if error is not None:
+            raise ValueError(f"weight update failed: {error}") from error
+        return loaded
+
+    def finish(self, version: str | None) -> int:
+        v = self.engine.finish_update(int(version) if version is not None else None)
+        if self.paused_by_update:
+            self.engine.resume()
+            self.paused_by_update = False
+        return v
+
+    def shutdown(self) -> None:
+        self.pg = None
+
+
+class ApiKeyGuard:
+    """vLLM's --api-key: OpenAI routes (/v1/...) need `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1/"):
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            if not secrets.compare_digest(auth, self.expected):
+                response = JSONResponse(protocol.error_body("missing or wrong API key", 401, "Unauthorized"), 401)
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def create_app(
+    engine: CPUEngine,
+    served_model_name: str,
+    *,
+    control_token: str | None = None,
+    api_key: str | None = None,
+    allow_remote_control: bool = False,
+) -> FastAPI:
+    receiver = WeightReceiver(engine)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.to_thread(engine.close)
+
+    app = FastAPI(title="verifiers-rl CPU engine", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.receiver = receiver
+
+    app.add_middleware(ControlGuard, token=control_token, allow_remote=allow_remote_control)
+    if api_key:
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
+
+    def bad_request(e: Exception) -> JSONResponse:
+        return JSONResponse(protocol.error_body(str(e)), 400)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "policy_version": engine.version, "is_paused": engine.is_paused}
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "verifiers-rl",
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: protocol.ChatCompletionRequest):
+        try:
+            params = req.to_sampling_params()
+            prompt_ids = protocol.render_chat(engine.tokenizer, req)
+            completions = await engine.generate(prompt_ids, params)
+        except (ValueError, TypeError) as e:
+            return bad_request(e)
+        except EngineError as e:
+            return JSONResponse(protocol.error_body(str(e), 500, "InternalServerError"), 500)
+        return protocol.chat_response(engine.tokenizer, req.model or served_model_name, req, params, prompt_ids, completions)
+
+    @app.post("/v1/completions")
+    async def completions(req: protocol.CompletionRequest):
+        try:
+            params = req.to_sampling_params()
+            prompts = protocol.completion_prompts(engine.tokenizer, req.prompt)
+            results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        except (ValueError, TypeError) as e:
+            return bad_request(e)
+        except EngineError as e:
+            return JSONResponse(protocol.error_body(str(e), 500, "InternalServerError"), 500)
+        choices = []
+        for p, comps in zip(prompts, results):
+            choices += protocol.completion_choices(engine.tokenizer, req, params, p, comps, len(choices))
+        all_comps = [c for comps in results for c in comps]
+        return {
+            "id": f"cmpl-{secrets.token_hex(12)}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": req.model or served_model_name,
+            "choices": choices,
+            "usage": protocol._usage([t for p in prompts for t in p], all_comps),
+        }
+
+    # ---------------------------------------------------------------- vLLM RL routes (same payloads)
+
+    @app.get("/get_world_size")
+    async def world_size():
+        return {"world_size": 1}
+
+    @app.post("/pause")
+    async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True)):
+        if mode not in ("abort", "wait", "keep"):
+            return bad_request(ValueError(f"mode={mode!r}; allowed: abort, wait, keep"))
+        if mode == "abort":
+            await asyncio.to_thread(engine.abort_all)
+        elif mode == "wait":
+            await engine.wait_idle()
+        await asyncio.to_thread(engine.pause)
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume():
+        await asyncio.to_thread(engine.resume)
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": engine.is_paused}
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_transfer(init_info: dict[str, Any] = Body(..., embed=True)):
+        try:
+            await asyncio.to_thread(receiver.init, init_info)
+        except ValueError as e:
+            return bad_request(e)
+        return {"message": "Weight transfer initialized"}
+
+    @app.post("/start_weight_update")
+    async def start_update():
+        await asyncio.to_thread(receiver.start)
+        return {"message": "Weight update started"}
+
+    @app.post("/update_weights")
+    async def update_weights(update_info: dict[str, Any] | list[dict[str, Any]] = Body(..., embed=True)):
+        infos = update_info if isinstance(update_info, list) else [update_info]
+        try:
+            loaded = 0
+            for info in infos:
+                loaded += await asyncio.to_thread(receiver.update, info)
+        except (ValueError, KeyError) as e:
+            return bad_request(e)
+        return {"message": "Weights updated", "tensors": loaded}
+
+    @app.post("/finish_weight_update")
+    async def finish_update(weight_version: str | None = Body(None, embed=True)):
+        v = await asyncio.to_thread(receiver.finish, weight_version)
+        return {"message": "Weight update finished", "weight_version": str(v)}
+
+    @app.post("/shutdown_weight_transfer_engine")
+    async def shutdown_transfer():
+        receiver.shutdown()
+        return {"message": "Weight transfer shut down"}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        await asyncio.to_thread(engine.reset_prefix_cache)
+        return {"status": "ok"}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(new_version: str = Body(..., embed=True)):
+        engine.version = int(new_version)
+        return {"success": True, "new_version": new_version}
+
+    @app.get("/weight_info")
+    async def weight_info():
+        return {"weight_version": str(engine.version)}
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):
+        return JSONResponse(protocol.error_body(str(exc.detail), exc.status_code), exc.status_code)
+
+    return app
+
+
+def serve(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    served_model_name: str | None = None,
+    max_model_len: int = 4096,
+    max_num_seqs: int = 64,
+    control_token: str | None = None,
+    api_key: str | None = None,
+    allow_remote_control: bool = False,
+    log_level: str = "info",
+) -> None:
+    import uvicorn
+
+    engine = CPUEngine.from_pretrained(model, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    app = create_app(
+        engine,
+        served_model_name or model,
+        control_token=control_token,
+        api_key=api_key,
+        allow_remote_control=allow_remote_control,
+    )
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

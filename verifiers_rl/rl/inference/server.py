@@ -1,0 +1,147 @@
+"""`vf-vllm`: start the RL inference server — real vLLM on GPU, our CPU engine elsewhere.
+
+    vf-vllm --model Qwen/Qwen3-0.6B --port 8000 [any vLLM flag ...]
+    vf-vllm --engine cpu --model ./tiny --host 127.0.0.1 --port 8000
+
+`--engine auto` (default) picks vLLM when it is installed and CUDA is visible, else the CPU engine. Flags this
+parser does not know are passed to vLLM untouched (the CPU engine warns that it ignores them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from verifiers_rl.rl.inference.launcher import PARENT_ENV
+
+logger = logging.getLogger("verifiers_rl.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vf-vllm",
+        description="Inference server for verifiers-rl: vLLM (GPU) or the built-in CPU engine, one protocol.",
+        epilog="Unknown flags are passed through to vLLM (e.g. --tensor-parallel-size 2 --gpu-memory-utilization 0.8).",
+    )
+    p.add_argument("--model", required=True, help="hub id or local directory")
+    p.add_argument("--engine", choices=["auto", "cpu", "vllm"], default="auto", help="default: vllm if CUDA+vLLM, else cpu")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; control routes stay loopback-only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: --model)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="prompt + completion token limit")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="CPU engine: sequences per batch")
+    p.add_argument("--api-key", default=None, help="require this key on /v1 routes")
+    p.add_argument("--weight-transfer-backend", choices=["nccl", "gloo"], default=None,
+                   help="vLLM weight-sync backend (default nccl; gloo for CPU builds of vLLM)")
+    p.add_argument("--allow-remote-control", action="store_true",
+                   help="let non-loopback clients call the weight/control routes (still token-protected)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def choose_engine(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import torch
+
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    return "vllm" if has_vllm and torch.cuda.is_available() else "cpu"
+
+
+def _watch_parent(expected_ppid: int, stop) -> None:
+    """Take our whole process group down when the process that launched us is gone (kill -9 included)."""
+    while True:
+        if os.getppid() != expected_ppid:
+            logger.warning("parent process %d exited; shutting the inference server down", expected_ppid)
+            stop()
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def _start_watchdog(stop) -> None:
+    ppid = os.environ.get(PARENT_ENV)
+    if ppid and ppid.isdigit():
+        threading.Thread(target=_watch_parent, args=(int(ppid), stop), daemon=True).start()
+
+
+def run_vllm(args, passthrough: list[str]) -> int:
+    from verifiers_rl.rl.inference.vllm_command import build_vllm_command, check_vllm
+
+    try:
+        version = check_vllm()
+    except RuntimeError as e:
+        print(f"vf-vllm: {e}", file=sys.stderr)
+        return 2
+    extra = list(passthrough) + ["--middleware", "verifiers_rl.rl.inference.control_auth.ControlGuard"]
+    extra += ["--max-model-len", str(args.max_model_len)] if "--max-model-len" not in passthrough else []
+    if args.served_model_name:
+        extra += ["--served-model-name", args.served_model_name]
+    if args.api_key:
+        extra += ["--api-key", args.api_key]
+    argv, env_add = build_vllm_command(
+        args.model, args.host, args.port, extra, weight_backend=args.weight_transfer_backend or "nccl"
+    )
+    env = {**os.environ, **env_add}
+    if args.allow_remote_control:
+        env["VF_ALLOW_REMOTE_CONTROL"] = "1"
+    print(f"vf-vllm: vLLM {version}: {' '.join(argv)}", flush=True)
+    proc = subprocess.Popen(argv, env=env)
+
+    def stop():
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    _start_watchdog(stop)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: (stop(), sys.exit(0)))
+    return proc.wait()
+
+
+def run_cpu(args, passthrough: list[str]) -> int:
+    from verifiers_rl.rl.inference.control_auth import TOKEN_ENV
+    from verifiers_rl.rl.inference.cpu_server import serve
+
+    if passthrough:
+        logger.warning("CPU engine ignores vLLM-only flags: %s", " ".join(passthrough))
+    _start_watchdog(lambda: None)
+    try:
+        serve(
+            args.model,
+            args.host,
+            args.port,
+            served_model_name=args.served_model_name,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            control_token=os.environ.get(TOKEN_ENV) or None,
+            api_key=args.api_key,
+            allow_remote_control=args.allow_remote_control,
+            log_level=args.log_level,
+        )
+    except (FileNotFoundError, NotADirectoryError, ValueError, OSError) as e:
+        print(f"vf-vllm: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, passthrough = build_parser().parse_known_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = choose_engine(args.engine)
+    if engine == "vllm":
+        return run_vllm(args, passthrough)
+    return run_cpu(args, passthrough)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
