@@ -75,6 +75,7 @@ class CPUEngine:
         self._lock = threading.Lock()
         self._pause_stack: contextlib.ExitStack | None = None
         self._pristine: dict[str, torch.Tensor] = {}  # base weights kept for adapter-only LoRA sync
+        self._overwritten: set[str] = set()  # weights replaced by full tensors before any pristine copy
         self.eos_token_ids = _eos_ids(model, tokenizer)
 
         blocks = num_blocks or max(16, (max_num_seqs * max_model_len) // page_size // 4)
@@ -273,7 +274,8 @@ class CPUEngine:
                 if name not in params:
                     raise KeyError(f"engine model has no parameter {name!r}")
                 params[name].copy_(tensor)
-                self._pristine.pop(name, None)  # a full update replaces the base
+                if name not in self._pristine:
+                    self._overwritten.add(name)
                 count += 1
         if pending:
             raise ValueError(f"LoRA update is missing lora_A or lora_B for {sorted(pending)}")
@@ -284,6 +286,11 @@ class CPUEngine:
         if name not in params:
             raise KeyError(f"engine model has no parameter {name!r} for LoRA module {module!r}")
         w = params[name]
+        if name not in self._pristine and name in self._overwritten:
+            raise ValueError(
+                f"{name} was replaced by a merged (full-weight) sync, so its pristine base is gone; adapter-only "
+                "sync cannot follow merged sync on one server: keep one lora_sync mode per run"
+            )
         base = self._pristine.setdefault(name, w.detach().clone())
         delta = (ab["lora_B"].float() @ ab["lora_A"].float()) * scaling
         w.copy_((base.float() + delta).to(w.dtype))

@@ -58,6 +58,7 @@ class InferenceServer:
         extra_args: list[str] | tuple[str, ...] = (),
         startup_timeout: float = 600.0,
         env: dict[str, str] | None = None,
+        python: str = sys.executable,
     ):
         if engine not in ("auto", "cpu", "vllm"):
             raise ValueError(f"engine={engine!r}; allowed: auto, cpu, vllm")
@@ -69,13 +70,14 @@ class InferenceServer:
         self.log_path = Path(output_dir) / "logs" / "inference.log"
         self.token = secrets.token_urlsafe(24)
         self.extra_env = dict(env or {})
+        self.python = python  # another interpreter, e.g. a venv that holds vLLM
         self.process: subprocess.Popen | None = None
         self.client: VLLMClient | None = None
         self._lock = threading.Lock()
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "verifiers_rl.rl.inference.server",
+            self.python, "-m", "verifiers_rl.rl.inference.server",
             "--engine", self.engine, "--model", self.model,
             "--host", self.host, "--port", str(self.port), *self.extra_args,
         ]  # fmt: skip

@@ -1,0 +1,184 @@
+"""One conformance suite, two engines: our CPU engine always; real vLLM (CPU build) when VF_VLLM_PYTHON is set.
+
+Everything goes over real HTTP through the `openai` client or httpx, and weight syncs over real gloo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+from openai import AsyncOpenAI, OpenAI
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from servers import ENGINES, start_server
+from verifiers_rl.tiny import build_tiny_model
+
+MSG = [{"role": "user", "content": "Reverse: hello"}]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def server(request, tiny_model_dir, tmp_path_factory):
+    srv = start_server(request.param, tiny_model_dir, tmp_path_factory.mktemp(f"srv-{request.param}"))
+    srv.engine_name = request.param
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return OpenAI(base_url=server.base_url + "/v1", api_key="x")
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _chat(oai, model, **kw):
+    body = dict(model=model, messages=MSG, max_tokens=12, logprobs=True, extra_body={"return_token_ids": True})
+    body.update(kw)
+    return oai.chat.completions.create(**body)
+
+
+def _teacher_forced(model, prompt_ids, completion_ids, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + completion_ids])).logits[0, len(prompt_ids) - 1 : -1]
+    lp = torch.log_softmax(logits.float() / temperature, -1)
+    return lp.gather(1, torch.tensor(completion_ids)[:, None]).squeeze(1), logits
+
+
+def test_models_route(server, oai, tiny_model_dir):
+    ids = [m.id for m in oai.models.list().data]
+    assert tiny_model_dir in ids
+
+
+def test_chat_returns_vllm_token_fields(server, oai, hf, tiny_model_dir):
+    _, tok = hf
+    r = _chat(oai, tiny_model_dir, max_tokens=10, seed=1, temperature=1.0)
+    choice = r.choices[0]
+    prompt_ids = r.model_extra["prompt_token_ids"]
+    token_ids = choice.model_extra["token_ids"]
+    assert prompt_ids == tok.apply_chat_template(MSG, add_generation_prompt=True)["input_ids"]
+    assert len(token_ids) == len(choice.logprobs.content) >= 1
+    assert all(c.logprob <= 0 for c in choice.logprobs.content)
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.usage.completion_tokens == len(token_ids)
+    if len(token_ids) == 10:
+        assert choice.finish_reason == "length"
+
+
+def test_logprobs_are_processed_at_temperature(server, oai, hf, tiny_model_dir):
+    model, _ = hf
+    r = _chat(oai, tiny_model_dir, max_tokens=16, temperature=0.7, seed=3)
+    prompt_ids, ids = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
+    ref, _ = _teacher_forced(model, prompt_ids, ids, temperature=0.7)
+    got = torch.tensor([c.logprob for c in r.choices[0].logprobs.content])
+    assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
+
+
+def test_greedy_equals_hf_argmax(server, oai, hf, tiny_model_dir):
+    model, _ = hf
+    r = _chat(oai, tiny_model_dir, max_tokens=12, temperature=0)
+    prompt_ids, ids = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
+    _, logits = _teacher_forced(model, prompt_ids, ids)
+    assert ids == logits.argmax(-1).tolist()
+
+
+def test_seeded_requests_reproduce(server, oai, tiny_model_dir):
+    a = _chat(oai, tiny_model_dir, max_tokens=16, seed=11).choices[0].model_extra["token_ids"]
+    b = _chat(oai, tiny_model_dir, max_tokens=16, seed=11).choices[0].model_extra["token_ids"]
+    assert a == b
+
+
+def test_n_choices(server, oai, tiny_model_dir):
+    r = _chat(oai, tiny_model_dir, n=3, max_tokens=8, seed=5)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    seqs = {tuple(c.model_extra["token_ids"]) for c in r.choices}
+    assert len(seqs) > 1
+
+
+def test_stop_string_truncates(server, oai, tiny_model_dir):
+    full = _chat(oai, tiny_model_dir, max_tokens=24, temperature=0).choices[0]
+    text = full.message.content
+    stop = next((ch for ch in text[3:] if ch.isascii() and ch.isprintable() and ch.strip()), None)
+    if stop is None:
+        pytest.skip("greedy text has no printable ASCII to stop on")
+    cut = text.index(stop, 3) if stop in text[3:] else text.index(stop)
+    r = _chat(oai, tiny_model_dir, max_tokens=24, temperature=0, stop=[stop]).choices[0]
+    assert r.finish_reason == "stop"
+    assert stop not in r.message.content
+    assert text.startswith(r.message.content)
+    assert len(r.message.content) <= cut
+
+
+def test_completions_route(server, oai, hf, tiny_model_dir):
+    _, tok = hf
+    r = oai.completions.create(
+        model=tiny_model_dir, prompt="abc", max_tokens=6, logprobs=0, seed=2, extra_body={"return_token_ids": True}
+    )
+    c = r.choices[0]
+    assert c.model_extra["prompt_token_ids"] == tok("abc", add_special_tokens=False)["input_ids"]
+    assert len(c.model_extra["token_ids"]) == len(c.logprobs.token_logprobs)
+    r2 = oai.completions.create(model=tiny_model_dir, prompt=[97, 98, 99], max_tokens=6, seed=2)
+    assert r2.choices[0].text == c.text
+
+
+def test_context_overflow_is_a_400(server, oai, tiny_model_dir):
+    with pytest.raises(Exception) as err:
+        _chat(oai, tiny_model_dir, max_tokens=5000)
+    assert getattr(err.value, "status_code", None) == 400
+
+
+def test_32_concurrent_requests_complete(server, tiny_model_dir):
+    async def go():
+        client = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x")
+        rs = await asyncio.gather(
+            *[
+                client.chat.completions.create(
+                    model=tiny_model_dir, messages=[{"role": "user", "content": f"q{i}"}], max_tokens=16, seed=i
+                )
+                for i in range(32)
+            ]
+        )
+        await client.close()
+        return rs
+
+    rs = asyncio.run(go())
+    assert len(rs) == 32
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in rs)
+
+
+def test_control_routes_need_the_token(server):
+    r = httpx.post(server.base_url + "/pause")
+    assert r.status_code == 401
+    r = httpx.get(server.base_url + "/is_paused", headers={"Authorization": f"Bearer {server.token}"})
+    assert r.status_code == 200 and r.json()["is_paused"] is False
+
+
+def test_pause_resume(server):
+    client = server.client
+    client.pause("keep")
+    assert client.is_paused()
+    client.resume()
+    assert not client.is_paused()
+    assert client.get_world_size() >= 1
+
+
+def test_merged_sync_matches_trainer_model(server, oai, tiny_model_dir):
+    """Runs last in this module: it changes the served weights."""
+    client = server.client
+    perturbed, _ = build_tiny_model(seed=1)
+    client.init_weight_transfer(bucket_bytes=64 * 1024)  # several buckets
+    before = client.weight_version()
+    stats = client.update_weights(perturbed.named_parameters(), version=7)
+    assert stats.buckets > 1 and stats.tensors == len(list(perturbed.parameters()))
+    assert client.weight_version() == "7" != before
+    r = _chat(oai, tiny_model_dir, max_tokens=12, temperature=0.8, seed=4)
+    prompt_ids, ids = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
+    ref, _ = _teacher_forced(perturbed, prompt_ids, ids, temperature=0.8)
+    got = torch.tensor([c.logprob for c in r.choices[0].logprobs.content])
+    assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
+    if server.engine_name == "cpu":
+        assert r.model_extra["policy_version"] == 7
