@@ -166,6 +166,28 @@ def test_pause_resume(server):
     assert client.get_world_size() >= 1
 
 
+def test_verifiers_env_generate_gets_trajectory_tokens(server, tiny_model_dir):
+    import verifiers as vf
+    from datasets import Dataset
+
+    ds = Dataset.from_list([{"question": f"say {w}", "answer": w} for w in ["cat", "dog"]])
+    env = vf.SingleTurnEnv(dataset=ds, rubric=vf.Rubric(funcs=[lambda completion, answer, **kw: float(len(str(completion)))]))
+    client = vf.OpenAIChatCompletionsClient(AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x"))
+    sampling = {"max_tokens": 8, "temperature": 1.0, "logprobs": True, "extra_body": {"return_token_ids": True}}
+    out = asyncio.run(
+        env.generate(env.get_dataset().repeat(2), client, tiny_model_dir, sampling_args=sampling, state_columns=["trajectory"])
+    )
+    rollouts = out["outputs"]
+    assert sorted(r["example_id"] for r in rollouts) == [0, 0, 1, 1]
+    for r in rollouts:
+        assert r["error"] is None
+        tokens = r["trajectory"][0]["tokens"]
+        assert tokens is not None, "server response lacked the fields verifiers needs for token data"
+        assert len(tokens["completion_ids"]) == len(tokens["completion_logprobs"]) >= 1
+        assert tokens["prompt_ids"][0] == 257  # <|im_start|>
+        assert r["is_truncated"] == (len(tokens["completion_ids"]) == 8 and tokens["completion_ids"][-1] != 258)
+
+
 def test_merged_sync_matches_trainer_model(server, oai, tiny_model_dir):
     """Runs last in this module: it changes the served weights."""
     client = server.client

