@@ -1,0 +1,200 @@
+"""A `gloo` weight-transfer backend for real vLLM, so a CPU trainer (or a GPU box without a spare GPU for NCCL)
+can push weights into a running vLLM server over the same bucketed wire protocol our own CPU engine speaks.
+
+vLLM discovers it through the `vllm.general_plugins` entry point (`register`), which it calls in the API
+server, the engine core and every worker; only the workers ever instantiate the engine. Start vLLM with
+`--weight-transfer-config '{"backend": "gloo"}'` and `VLLM_SERVER_DEV_MODE=1`.
+
+Trainer side, per sync (the same requests our CPU engine accepts):
+  POST /start_weight_update
+  POST /update_weights {"update_info": metas_to_update_info(metas)}   while send_buckets(pg, plan, tensors) runs
+  POST /finish_weight_update {"weight_version": "<n>"}
+  POST /reset_prefix_cache
+
+Nothing here imports vLLM at module level: the trainer imports the dataclasses below without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES
+
+BACKEND_NAME = "gloo"
+
+
+@dataclass
+class GlooInitInfo:
+    """Body of `/init_weight_transfer_engine`'s `init_info`: where the trainer's TCPStore listens."""
+
+    master_address: str
+    master_port: int
+    # Worker ranks start after the trainer's rank 0, as in vLLM's NCCL backend.
+    rank_offset: int = 1
+    world_size: int = 2
+    # Must equal the trainer's bucket size: both sides derive the bucket plan from it.
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self):
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes={self.bucket_bytes} must be > 0")
+        if self.world_size < 2 or not (0 < self.rank_offset < self.world_size):
+            raise ValueError(f"rank_offset={self.rank_offset} does not fit world_size={self.world_size}")
+
+
+@dataclass
+class GlooUpdateInfo:
+    """Body of `/update_weights`' `update_info`; the same shape as vLLM's NCCL update info."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self):
+        n = len(self.names)
+        if len(self.dtype_names) != n or len(self.shapes) != n:
+            raise ValueError(
+                f"update_info lists differ in length: names={n} dtype_names={len(self.dtype_names)} "
+                f"shapes={len(self.shapes)}"
+            )
+
+
+def _worker_rank(parallel_config) -> int:
+    # Unique across data-parallel replicas, matching how vLLM's own backends number their workers.
+    dp_index = getattr(parallel_config, "data_parallel_index", None)
+    if dp_index is None:
+        dp_index = getattr(parallel_config, "data_parallel_rank", 0)
+    return dp_index * parallel_config.world_size + parallel_config.rank
+
+
+def _retie_cpu_lm_head(model, model_config) -> None:
+    """Re-pack a tied lm_head after a reload on CPU.
+
+    vLLM's CPU linear kernels run from a packed copy of the weight made when the layer is processed. A tied
+    lm_head shares `embed_tokens.weight`, but layerwise reload only processes the embedding, so the head
+    would keep sampling from the old packed weights while the embedding uses the new ones.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is None or not hasattr(lm_head, "cpu_linear") or getattr(lm_head.weight, "is_meta", True):
+        return
+    hf_config = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
+
+
+def _mtp_check_disabled():
+    # vLLM's NCCL backend loads under this guard so a partial (no-MTP-head) checkpoint is accepted; older
+    # vLLMs do not have it.
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:
+        return contextlib.nullcontext()
+    return disable_mtp_completeness_check()
+
+
+@functools.cache
+def engine_class():
+    """Build the worker engine class on first use: it must subclass vLLM's base, which needs vLLM."""
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    from verifiers_rl.rl.inference.transfer.buckets import metas_from_update_info, plan_buckets
+    from verifiers_rl.rl.inference.transfer.gloo import create_group, receive_buckets
+
+    class GlooWeightTransferEngine(WeightTransferEngine):
+        """Receives bucketed gloo broadcasts from the trainer and loads them with layerwise reload."""
+
+        init_info_cls = GlooInitInfo
+        update_info_cls = GlooUpdateInfo
+        # Draft models would need their own name mapping on the trainer side; not offered yet.
+        supports_draft_weight_update = False
+
+        def __init__(self, config, vllm_config, device, model) -> None:
+            super().__init__(config, vllm_config, device, model)
+            self._group = None
+            self._bucket_bytes = DEFAULT_BUCKET_BYTES
+
+        def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+            if self._group is not None:
+                # A restarted trainer re-initializes: drop the stale group rather than keep two.
+                self.shutdown()
+            rank = init_info.rank_offset + _worker_rank(self.parallel_config)
+            if rank >= init_info.world_size:
+                raise ValueError(f"worker rank {rank} does not fit world_size={init_info.world_size}")
+            self._bucket_bytes = init_info.bucket_bytes
+            self._group = create_group(init_info.master_address, init_info.master_port, rank, init_info.world_size)
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only host.
+            # gloo receives are synchronous, so there is nothing to wait for.
+            self.receive_weights(self.parse_update_info(update_info))
+
+        def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+            if self._group is None:
+                raise RuntimeError("gloo weight transfer is not initialized: POST /init_weight_transfer_engine first")
+            metas = metas_from_update_info(dataclasses.asdict(update_info))
+            device = self.device
+
+            def load(items):
+                # Layerwise reload keeps the loaded tensors until every weight of a layer has arrived, and a
+                # layer (q/k/v, gate/up) can straddle buckets: the views point into a receive buffer that the
+                # next bucket overwrites, so each tensor is copied out first.
+                self.model.load_weights([(name, t.to(device=device, copy=True)) for name, t in items])
+
+            with _mtp_check_disabled():
+                receive_buckets(self._group, plan_buckets(metas, self._bucket_bytes), load)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+            _retie_cpu_lm_head(self.model, self.model_config)
+
+        def shutdown(self) -> None:
+            group, self._group = self._group, None
+            if group is not None:
+                # Best effort: the trainer may already be gone, and a dead peer must not fail the worker.
+                with contextlib.suppress(Exception):
+                    group.pg.shutdown()
+
+    # Built in a function, but named like the module attribute that the factory's lazy loader looks up.
+    GlooWeightTransferEngine.__qualname__ = "GlooWeightTransferEngine"
+    return GlooWeightTransferEngine
+
+
+def __getattr__(name: str):
+    # `from verifiers_rl.rl.inference.vllm_plugin import GlooWeightTransferEngine` works where vLLM is installed.
+    if name == "GlooWeightTransferEngine":
+        return engine_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def register() -> None:
+    """`vllm.general_plugins` entry point: make `--weight-transfer-config '{"backend": "gloo"}'` resolvable."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    # vLLM calls plugins once per process, but several processes can share one interpreter's modules
+    # (in-process engine core) and the factory raises on a second registration.
+    if BACKEND_NAME in WeightTransferEngineFactory._registry:
+        return
+    with contextlib.suppress(ValueError):
+        # Lazy by module path, so the API server and engine core never build the class.
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, __name__, "GlooWeightTransferEngine")
+
+
+__all__ = ["BACKEND_NAME", "GlooInitInfo", "GlooUpdateInfo", "engine_class", "register"]
