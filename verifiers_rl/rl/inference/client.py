@@ -72,6 +72,7 @@ class VLLMClient:
         headers = {"Authorization": f"Bearer {control_token}"} if control_token else {}
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=request_timeout)
         self._pg = None
+        self._nccl = None
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
         self.version = 0
 
@@ -136,15 +137,20 @@ class VLLMClient:
         self, *, backend: str = "gloo", host: str = "127.0.0.1", port: int | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0,
     ) -> None:
-        """Create the trainer-side group (rank 0, store owner) while the server joins it."""
-        if backend != "gloo":
-            raise ValueError(
-                f"backend={backend!r}: this client sends over gloo; for NCCL use "
-                "verifiers_rl.rl.inference.transfer.nccl (GPU only)"
-            )
+        """Create the trainer-side group (rank 0, store owner) while the server joins it.
+
+        gloo: our bucketed broadcast (CPU engine, and vLLM with our plugin). nccl: vLLM's own packed NCCL
+        engine (GPU only; trainer and server on different GPUs)."""
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend={backend!r}; allowed: gloo, nccl")
         world = 1 + self.get_world_size()
         port = port or free_port(host)
         self.bucket_bytes = bucket_bytes
+        if backend == "nccl":
+            from verifiers_rl.rl.inference.transfer.nccl import NCCLSender
+
+            self._nccl = NCCLSender(self, host=host, port=port, world_size=world, bucket_bytes=bucket_bytes).init()
+            return
         info = {
             "master_address": host,
             "master_port": port,
@@ -161,6 +167,8 @@ class VLLMClient:
         lora_scaling: float | None = None,
     ) -> SyncStats:
         """One sync: one update_weights request describing every tensor, then bucketed broadcasts."""
+        if self._nccl is not None:
+            return self._update_weights_nccl(named_tensors, version)
         if self._pg is None:
             raise ServerError("call init_weight_transfer() before update_weights()")
         t0 = time.perf_counter()
@@ -183,7 +191,21 @@ class VLLMClient:
             self.resume()
         return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), self.version)
 
+    def _update_weights_nccl(self, named_tensors, version: int | None) -> SyncStats:
+        t0 = time.perf_counter()
+        self.version = self.version + 1 if version is None else version
+        self.pause("keep")
+        try:
+            n, nbytes = self._nccl.send(named_tensors, self.version)
+            self.reset_prefix_cache()
+        finally:
+            self.resume()
+        return SyncStats(time.perf_counter() - t0, nbytes, n, 0, self.version)
+
     def close_weight_transfer(self) -> None:
+        if self._nccl is not None:
+            self._nccl.shutdown()
+            self._nccl = None
         if self._pg is not None:
             try:
                 self._post("/shutdown_weight_transfer_engine")
