@@ -1,0 +1,156 @@
+"""Training samples -> micro-batches: planning under a token budget, then padded or packed collation.
+
+A sample is a dict with `input_ids: list[int]`, `loss_mask: list[bool]` (True on completion tokens to train),
+`sampler_logprobs: list[float]` (the engine's log-prob of each token; 0.0 where untrained) and `advantage`.
+
+Alignment (both layouts): the logits at position t predict token t+1, so every per-target tensor is shifted
+by one against `input_ids`: index j of `target_ids`, `loss_mask`, `sampler_logprobs` (and, packed,
+`advantages`, `seq_index`) describes token j+1, scored with the logits / final hidden state at position j:
+
+    logp[:, j] = log_softmax(logits[:, j])[target_ids[:, j]],   logits = model(...).logits[:, :-1]
+
+A sample's token 0 has no context and is never trained, whatever its loss_mask says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_KEYS = ("input_ids", "loss_mask", "sampler_logprobs")
+
+
+def plan_microbatches(
+    lengths: list[int],
+    max_tokens_per_microbatch: int,
+    *,
+    bucket_by_length: bool = True,
+    packed: bool = False,
+    max_samples: int | None = None,
+) -> list[list[int]]:
+    """Greedy partition of sample indices into micro-batches whose cost stays <= the budget.
+
+    cost(mb) = len(mb) * max_{i in mb} lengths[i]   (padded)   or   sum_{i in mb} lengths[i]   (packed).
+    A sample longer than the budget on its own gets a micro-batch to itself; `max_samples` also caps the
+    samples per micro-batch. With bucketing, samples are
+    visited longest first (ties by index), so neighbours have similar lengths and padding stays small; the
+    longest micro-batch also comes first, so an out-of-memory shows at the start of a step, not the end.
+    """
+    if max_tokens_per_microbatch < 1:
+        raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
+    if any(n < 0 for n in lengths):
+        raise ValueError("lengths must be >= 0")
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"max_samples must be >= 1 or None, got {max_samples}")
+    order = range(len(lengths))
+    if bucket_by_length:
+        order = sorted(order, key=lambda i: (-lengths[i], i))
+    plan: list[list[int]] = []
+    current: list[int] = []
+    longest = total = 0
+    for i in order:
+        n = lengths[i]
+        cost = total + n if packed else (len(current) + 1) * max(longest, n)
+        full = max_samples is not None and len(current) >= max_samples
+        if current and (cost > max_tokens_per_microbatch or full):
+            plan.append(current)
+            current, longest, total = [], 0, 0
+        current.append(i)
+        longest, total = max(longest, n), total + n
+    if current:
+        plan.append(current)
+    return plan
+
+
+def _validate(samples: Sequence[dict]) -> None:
+    if not samples:
+        raise ValueError("samples must not be empty")
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"])
+        if n == 0:
+            raise ValueError(f"sample {i} has no input_ids")
+        for key in _KEYS[1:]:
+            if len(s[key]) != n:
+                raise ValueError(f"sample {i}: len({key})={len(s[key])} != len(input_ids)={n}")
+
+
+def _untrain_first_token(loss_mask: list[bool]) -> list[bool]:
+    return [False, *map(bool, loss_mask[1:])]
+
+
+def collate_padded(samples: Sequence[dict], pad_token_id: int) -> dict:
+    """Right-padded [B, T] batch (T = longest sample); per-target tensors are [B, T-1] (see module docstring).
+
+    Keys: input_ids, attention_mask [B, T]; target_ids, loss_mask (bool), sampler_logprobs [B, T-1];
+    advantages [B]; ints num_real_tokens (sum of lengths), num_padded_tokens (pad slots, B*T - real),
+    num_loss_tokens (trained targets), num_sequences.
+    """
+    _validate(samples)
+    b, t = len(samples), max(len(s["input_ids"]) for s in samples)
+    input_ids = torch.full((b, t), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros(b, t, dtype=torch.long)
+    loss_mask = torch.zeros(b, t, dtype=torch.bool)
+    sampler = torch.zeros(b, t, dtype=torch.float32)
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        input_ids[row, :n] = torch.tensor(s["input_ids"], dtype=torch.long)
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = torch.tensor(_untrain_first_token(s["loss_mask"]), dtype=torch.bool)
+        sampler[row, :n] = torch.tensor(s["sampler_logprobs"], dtype=torch.float32)
+    real = int(attention_mask.sum())
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "target_ids": input_ids[:, 1:],
+        "loss_mask": loss_mask[:, 1:],
+        "sampler_logprobs": sampler[:, 1:],
+        "advantages": torch.tensor([float(s["advantage"]) for s in samples], dtype=torch.float32),
+        "num_real_tokens": real,
+        "num_padded_tokens": b * t - real,
+        "num_loss_tokens": int(loss_mask.sum()),
+        "num_sequences": b,
+    }
+
+
+def collate_packed(samples: Sequence[dict]) -> dict:
+    """All samples concatenated into one row of N = sum(len) tokens, no padding and no attention_mask.
+
+    `position_ids` restart at 0 for each sample; transformers turns that into a block-diagonal causal mask
+    (SDPA/eager) or varlen kernels (flash-attention), but only with attention_mask=None and no KV cache, so
+    call the model with use_cache=False. Keys: input_ids, position_ids [1, N]; target_ids, loss_mask,
+    sampler_logprobs, advantages (per token), seq_index (sample of each target) [1, N-1]; the counts of
+    collate_padded. The position before each sample start (last token of sample i predicting the first of
+    i+1) is never trained: sample starts are untrained targets. Pass seq_index to `losses.policy_loss`.
+    """
+    _validate(samples)
+    ids, pos, mask, sampler, adv, seq = [], [], [], [], [], []
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids += s["input_ids"]
+        pos += range(n)
+        mask += _untrain_first_token(s["loss_mask"])
+        sampler += s["sampler_logprobs"]
+        adv += [float(s["advantage"])] * n
+        seq += [i] * n
+    loss_mask = torch.tensor(mask, dtype=torch.bool)
+    return {
+        "input_ids": torch.tensor([ids], dtype=torch.long),
+        "position_ids": torch.tensor([pos], dtype=torch.long),
+        "target_ids": torch.tensor([ids[1:]], dtype=torch.long),
+        "loss_mask": loss_mask[None, 1:],
+        "sampler_logprobs": torch.tensor([sampler[1:]], dtype=torch.float32),
+        "advantages": torch.tensor([adv[1:]], dtype=torch.float32),
+        "seq_index": torch.tensor([seq[1:]], dtype=torch.long),
+        "num_real_tokens": len(ids),
+        "num_padded_tokens": 0,
+        "num_loss_tokens": int(loss_mask.sum()),
+        "num_sequences": len(samples),
+    }
+
+
+def padding_fraction(batches: Sequence[dict]) -> float:
+    """Pad slots / all slots over collated batches (0.0 for none): the compute a layout wastes."""
+    pad = sum(b["num_padded_tokens"] for b in batches)
+    total = pad + sum(b["num_real_tokens"] for b in batches)
+    return pad / total if total else 0.0

@@ -1,0 +1,110 @@
+"""Callbacks: the trainer's step hooks, a rich progress bar with a sample panel, and metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from transformers import TrainerCallback
+
+
+class StepHooks(TrainerCallback):
+    """Runs the trainer's own hooks at the right points of the HF loop (after checkpoint restore; after the
+    optimizer step)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.on_train_begin()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.on_step_end()
+
+
+class MetricsFileCallback(TrainerCallback):
+    """Appends every log line to <output_dir>/metrics.jsonl (plot it with any tool; vf-rl draws the curve)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        os.makedirs(args.output_dir, exist_ok=True)
+        row = {"step": state.global_step, **{k: v for k, v in logs.items() if _jsonable(v)}}
+        with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _jsonable(v) -> bool:
+    return isinstance(v, (int, str, bool)) or (isinstance(v, float) and math.isfinite(v))
+
+
+class RichProgressCallback(TrainerCallback):
+    """A progress bar with reward and throughput, and a sample prompt/completion/reward every logging step."""
+
+    def __init__(self, trainer=None):
+        self.trainer = trainer
+        self.progress = None
+        self.task = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]RL"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            refresh_per_second=2,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=state.max_steps, completed=state.global_step, info="")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            self.progress.update(self.task, completed=state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.progress is None or not logs:
+            return
+        if "reward" in logs:
+            info = f"reward {logs['reward']:.3f}  {logs.get('tokens_per_s', 0):.0f} tok/s  lag {logs.get('async_lag', 0):.0f}"
+            self.progress.update(self.task, info=info)
+            if self.trainer is not None and args.log_completions:
+                self._sample_panel(logs)
+        elif any(k.endswith("/reward") for k in logs):
+            key = next(k for k in logs if k.endswith("/reward"))
+            self.progress.console.print(f"[bold green]{key}[/] = {logs[key]:.4f} (step {state.global_step})")
+
+    def _sample_panel(self, logs):
+        rollouts = self.trainer.runtime.last_rollouts
+        if not rollouts:
+            return
+        from rich.panel import Panel
+
+        r = rollouts[0]
+        body = f"[dim]{r.prompt_text[-400:]}[/]\n\n{r.completion_text[:600]}\n\n[bold]reward[/] {r.reward:.3f}"
+        self.progress.console.print(Panel(body, title=f"step {self.trainer.state.global_step}", expand=False))
+        _log_wandb_table(self.trainer, rollouts)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def _log_wandb_table(trainer, rollouts) -> None:
+    if "wandb" not in (trainer.args.report_to or []):
+        return
+    try:
+        import wandb
+    except ImportError:
+        return
+    if wandb.run is None:
+        return
+    rows = [[trainer.state.global_step, r.prompt_text, r.completion_text, r.reward] for r in rollouts]
+    table = wandb.Table(columns=["step", "prompt", "completion", "reward"], data=rows[: trainer.args.num_completions_to_log])
+    wandb.log({"completions": table}, step=trainer.state.global_step)

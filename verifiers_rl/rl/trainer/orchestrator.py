@@ -1,0 +1,255 @@
+"""Orchestrator: grouped rollouts generated ahead of training, on one background event loop.
+
+Batch b holds prompts [b*P, (b+1)*P) of an endless stream of seeded per-epoch permutations of the dataset,
+each repeated `rollouts_per_example` times. Because a batch is a pure function of its index, the data cursor
+is just the index of the next batch to train, and every rollout gets a seed derived from (seed, batch,
+prompt, rollout, turn): the same checkpoint resumes to the same samples.
+
+One thread owns one long-lived event loop and one HTTP client (verifiers' `generate_sync` opens and closes a
+loop per call, which breaks a reused client). Up to `max_async_level` batches generate while the trainer
+trains; a failure comes back to the trainer as an exception from `get()`, never as a silent hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import verifiers as vf
+from openai import AsyncOpenAI
+
+from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY, Rollout, rollouts_from_outputs
+
+logger = logging.getLogger(__name__)
+
+ROLLOUT_KEY = "vf_rl_rollout"  # added to each input row; our client derives the sampling seed from it
+
+
+class GenerationError(RuntimeError):
+    """Rollout generation failed; the message carries the environment's or server's error."""
+
+
+def rollout_seed(base_seed: int, key: str, turn: int) -> int:
+    digest = hashlib.blake2b(f"{base_seed}|{key}|{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF
+
+
+class RolloutClient(vf.OpenAIChatCompletionsClient):
+    """verifiers' chat client plus a per-rollout, per-turn seed and the server's policy version per response."""
+
+    def __init__(self, client: AsyncOpenAI, base_seed: int | None):
+        super().__init__(client)
+        self.base_seed = base_seed
+
+    async def get_native_response(self, prompt, model, sampling_args, tools=None, **kwargs):
+        state = kwargs.get("state")
+        key = _input_value(state, ROLLOUT_KEY) if state is not None else None
+        if self.base_seed is not None and key is not None:
+            turn = len(state.get("trajectory") or [])
+            sampling_args = {**sampling_args, "seed": rollout_seed(self.base_seed, key, turn)}
+        response = await super().get_native_response(prompt, model, sampling_args, tools, **kwargs)
+        if state is not None:
+            version = (getattr(response, "model_extra", None) or {}).get("policy_version")
+            state.setdefault(POLICY_VERSIONS_KEY, []).append(version)
+        return response
+
+
+def _input_value(state, key):
+    inp = state.get("input") if hasattr(state, "get") else None
+    if isinstance(inp, dict) and key in inp:
+        return inp[key]
+    return None
+
+
+@dataclass
+class RolloutBatch:
+    index: int
+    rollouts: list[Rollout]
+    submitted_version: int
+    generation_seconds: float
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def batch_rows(index: int, prompts_per_batch: int, dataset_len: int, seed: int, shuffle: bool) -> list[int]:
+    """Dataset rows of batch `index`: a slice of the endless concatenation of per-epoch permutations."""
+    start = index * prompts_per_batch
+    rows = []
+    for pos in range(start, start + prompts_per_batch):
+        epoch, i = divmod(pos, dataset_len)
+        rows.append(int(_epoch_order(seed, epoch, dataset_len)[i]) if shuffle else i)
+    return rows
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        env,
+        dataset,
+        *,
+        base_url: str,
+        model_name: str,
+        sampling_args: dict[str, Any],
+        rollouts_per_example: int,
+        prompts_per_batch: int,
+        max_concurrent: int = 1024,
+        generation_timeout: float = 600.0,
+        seed: int | None = 0,
+        shuffle: bool = True,
+        api_key: str = "EMPTY",
+        version_fn: Callable[[], int] = lambda: 0,
+    ):
+        if len(dataset) == 0:
+            raise ValueError("the training dataset is empty (after filtering over-long prompts)")
+        self.env, self.dataset = env, dataset
+        self.base_url, self.model_name, self.api_key = base_url, model_name, api_key
+        self.sampling_args = sampling_args
+        self.group_size, self.prompts_per_batch = rollouts_per_example, prompts_per_batch
+        self.max_concurrent, self.timeout = max_concurrent, generation_timeout
+        self.seed, self.shuffle = seed if seed is not None else 0, shuffle
+        self.version_fn = version_fn
+        self._futures: dict[int, Future] = {}
+        self._ready: dict[int, RolloutBatch] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._client: RolloutClient | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        started = threading.Event()
+
+        def run():
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            self._client = RolloutClient(
+                AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=self.timeout),
+                self.seed,
+            )
+            started.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="vf-rl-orchestrator", daemon=True)
+        self._thread.start()
+        started.wait()
+
+    def close(self) -> None:
+        for fut in self._futures.values():
+            fut.cancel()
+        self._futures.clear()
+        if self._loop is not None and self._thread is not None:
+            if self._client is not None:
+                asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(5)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+        self._thread = self._loop = self._client = None
+
+    # ------------------------------------------------------------------ batches
+
+    def inputs_for(self, index: int) -> tuple[list[dict], list[int]]:
+        rows = batch_rows(index, self.prompts_per_batch, len(self.dataset), self.seed, self.shuffle)
+        inputs, groups = [], []
+        for j, row in enumerate(rows):
+            base = dict(self.dataset[row])
+            base.setdefault("example_id", row)
+            for r in range(self.group_size):
+                inputs.append({**base, ROLLOUT_KEY: f"{index}:{j}:{r}"})
+                groups.append(j)
+        return inputs, groups
+
+    def submit(self, index: int) -> None:
+        if index in self._futures or index in self._ready:
+            return
+        self.start()
+        version = self.version_fn()
+        coro = self._generate(index, version)
+        self._futures[index] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _generate(self, index: int, version: int) -> RolloutBatch:
+        inputs, groups = self.inputs_for(index)
+        t0 = time.perf_counter()
+        out = await self._run(inputs, self.sampling_args)
+        rollouts = rollouts_from_outputs(out["outputs"], groups, version)
+        return RolloutBatch(index, rollouts, version, time.perf_counter() - t0)
+
+    async def _run(self, inputs: list[dict], sampling_args: dict) -> dict:
+        quiet = lambda *a, **k: None  # noqa: E731 - the trainer draws its own progress bar
+        return await self.env.generate(
+            inputs,
+            self._client,
+            self.model_name,
+            sampling_args=sampling_args,
+            max_concurrent=self.max_concurrent,
+            state_columns=["trajectory", POLICY_VERSIONS_KEY],
+            on_start=quiet,
+            on_progress=quiet,
+        )
+
+    def get(self, index: int) -> RolloutBatch:
+        """The batch `index`, waiting for it if needed (submitting it first if nobody did)."""
+        if index in self._ready:
+            return self._ready.pop(index)
+        self.submit(index)
+        fut = self._futures[index]
+        try:
+            batch = fut.result(timeout=self.timeout)
+        except FutureTimeout:
+            raise GenerationError(
+                f"rollout batch {index} did not finish within generation_timeout={self.timeout:.0f}s; "
+                "check the inference server log, or raise generation_timeout / lower batch_size"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - re-raised with context for the training loop
+            raise GenerationError(f"rollout batch {index} failed: {type(e).__name__}: {e}") from e
+        finally:
+            if fut.done():
+                self._futures.pop(index, None)
+        return batch
+
+    def pending(self) -> list[int]:
+        return sorted(set(self._futures) | set(self._ready))
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict:
+        """Finish in-flight batches and keep them: after a resume they are trained exactly as they would have been."""
+        ready = dict(self._ready)
+        for index in sorted(self._futures):
+            ready[index] = self.get(index)
+        self._ready = dict(ready)
+        return {"ready": ready}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._ready.update(state.get("ready", {}))
+
+    # ------------------------------------------------------------------ eval
+
+    def evaluate(self, dataset, rollouts_per_example: int, sampling_args: dict) -> list[Rollout]:
+        self.start()
+        inputs, groups = [], []
+        for j in range(len(dataset)):
+            base = dict(dataset[j])
+            base.setdefault("example_id", j)
+            for r in range(rollouts_per_example):
+                inputs.append({**base, ROLLOUT_KEY: f"eval:{j}:{r}"})
+                groups.append(j)
+        version = self.version_fn()
+        fut = asyncio.run_coroutine_threadsafe(self._run(inputs, sampling_args), self._loop)
+        try:
+            out = fut.result(timeout=self.timeout)
+        except Exception as e:  # noqa: BLE001
+            raise GenerationError(f"evaluation rollouts failed: {type(e).__name__}: {e}") from e
+        return rollouts_from_outputs(out["outputs"], groups, version)

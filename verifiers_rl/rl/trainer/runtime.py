@@ -1,0 +1,192 @@
+"""The trainer's side of inference: spawn or connect to the server, sync weights, run the orchestrator, evaluate."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+from verifiers_rl.rl.inference.client import VLLMClient
+from verifiers_rl.rl.inference.control_auth import TOKEN_ENV
+from verifiers_rl.rl.inference.launcher import InferenceServer
+from verifiers_rl.rl.inference.transfer.names import adapter_weights, merged_weights
+from verifiers_rl.rl.trainer.orchestrator import Orchestrator, RolloutBatch
+from verifiers_rl.rl.trainer.rollouts import Rollout
+
+logger = logging.getLogger(__name__)
+
+
+def prompt_length(tokenizer, prompt) -> int:
+    if isinstance(prompt, str):
+        return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+    return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def filter_prompts(dataset, tokenizer, max_prompt_len: int | None):
+    """Drop rows whose rendered prompt exceeds max_prompt_len tokens (once, up front); return (rows, dropped)."""
+    if max_prompt_len is None or dataset is None or "prompt" not in dataset.column_names:
+        return dataset, 0
+    keep = dataset.filter(lambda row: prompt_length(tokenizer, row["prompt"]) <= max_prompt_len, desc="prompt length")
+    dropped = len(dataset) - len(keep)
+    if dropped:
+        logger.warning("filtered %d of %d prompts longer than max_prompt_len=%d tokens", dropped, len(dataset), max_prompt_len)
+    return keep, dropped
+
+
+class InferenceRuntime:
+    def __init__(self, args, model_path: str | None, env):
+        self.args, self.model_path, self.env = args, model_path, env
+        self.server: InferenceServer | None = None
+        self.client: VLLMClient | None = None
+        self.orchestrator: Orchestrator | None = None
+        self.model_name: str | None = None
+        self.synced_version: int | None = None
+        self.last_rollouts: list[Rollout] = []
+        self.last_sync = None
+
+    # ------------------------------------------------------------------ server
+
+    def _served_path(self, model, tokenizer) -> str:
+        from verifiers_rl.rl.trainer.utils import resolve_model_path
+
+        if self.model_path:
+            try:
+                return resolve_model_path(self.model_path)
+            except (FileNotFoundError, NotADirectoryError, ValueError):
+                pass
+        # An in-memory model: write its (adapter-free) weights where the server can load them.
+        path = os.path.join(self.args.output_dir, "served_base")
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.save_pretrained(path, state_dict=dict(merged_weights(model)))
+        tokenizer.save_pretrained(path)
+        return path
+
+    def ensure_server(self, model, tokenizer) -> VLLMClient:
+        if self.client is not None:
+            return self.client
+        args = self.args
+        if args.server_mode == "spawn":
+            extra = ["--max-model-len", str(args.server_max_model_len or args.max_seq_len), *(args.server_args or [])]
+            self.server = InferenceServer(
+                self._served_path(model, tokenizer),
+                engine=args.server_engine,
+                host=args.vllm_server_host,
+                port=args.vllm_server_port,
+                output_dir=args.output_dir,
+                gpus=args.server_gpus,
+                extra_args=extra,
+                startup_timeout=args.vllm_server_timeout,
+            )
+            client = self.server.start()
+        else:
+            token = args.server_control_token or os.environ.get(TOKEN_ENV)
+            client = VLLMClient(args.vllm_server_host, args.vllm_server_port or 8000, control_token=token)
+            client.wait_for_health(args.vllm_server_timeout)
+        models = client._http.get("/v1/models").json()["data"]
+        self.model_name = models[0]["id"]
+        backend = args.sync_backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() and args.server_engine != "cpu" else "gloo"
+        client.init_weight_transfer(backend=backend, bucket_bytes=args.sync_bucket_mb << 20)
+        self.client = client
+        return client
+
+    # ------------------------------------------------------------------ training
+
+    def start(self, model, tokenizer, rows, global_step: int, orchestrator_state: dict | None = None) -> None:
+        client = self.ensure_server(model, tokenizer)
+        if self.orchestrator is None:
+            args = self.args
+            self.orchestrator = Orchestrator(
+                self.env,
+                rows,
+                base_url=client.base_url + "/v1",
+                model_name=self.model_name,
+                sampling_args=args.sampling_args(),
+                rollouts_per_example=args.rollouts_per_example,
+                prompts_per_batch=args.prompts_per_batch,
+                max_concurrent=args.max_concurrent,
+                generation_timeout=args.generation_timeout,
+                seed=args.seed,
+                shuffle=args.shuffle_dataset,
+                version_fn=lambda: client.version,
+            )
+        if orchestrator_state:
+            self.orchestrator.load_state_dict(orchestrator_state)
+        self.orchestrator.start()
+
+    def submit_ahead(self, global_step: int) -> None:
+        for b in range(global_step, global_step + self.args.max_async_level + 1):
+            self.orchestrator.submit(b)
+
+    def next_batch(self, global_step: int) -> RolloutBatch:
+        return self.orchestrator.get(global_step)
+
+    def sync(self, model, version: int) -> float:
+        if self.args.lora_sync == "adapter":
+            stats = self.client.update_weights(adapter_weights(model), version=version, lora_scaling=1.0)
+        else:
+            stats = self.client.update_weights(merged_weights(model), version=version)
+        self.synced_version, self.last_sync = version, stats
+        return stats.seconds
+
+    def remember_samples(self, rollouts: list[Rollout], prepared) -> None:
+        self.last_rollouts = rollouts[: max(self.args.num_completions_to_log, 1)]
+
+    def stop_rollouts(self) -> None:
+        if self.orchestrator is not None:
+            self.orchestrator.close()
+            self.orchestrator = None
+
+    def close(self) -> None:
+        self.stop_rollouts()
+        if self.server is not None:
+            self.server.stop()
+        elif self.client is not None:
+            self.client.close()
+        self.server = self.client = None
+
+    # ------------------------------------------------------------------ eval
+
+    def evaluate(self, model, tokenizer, prefix: str = "eval", global_step: int = 0) -> dict[str, float]:
+        args = self.args
+        self.ensure_server(model, tokenizer)
+        if self.synced_version != global_step:
+            self.sync(model, global_step)
+        rows = self.env.get_eval_dataset(n=args.num_eval_examples or -1)
+        rows, _ = filter_prompts(rows, tokenizer, args.max_prompt_len)
+        orch = self.orchestrator or Orchestrator(
+            self.env, rows, base_url=self.client.base_url + "/v1", model_name=self.model_name,
+            sampling_args=args.sampling_args(), rollouts_per_example=args.eval_rollouts_per_example,
+            prompts_per_batch=1, generation_timeout=args.generation_timeout, seed=args.seed,
+        )  # fmt: skip
+        try:
+            rollouts = orch.evaluate(rows, args.eval_rollouts_per_example, args.sampling_args())
+        finally:
+            if orch is not self.orchestrator:
+                orch.close()
+        return rollout_metrics(rollouts, prefix)
+
+
+def rollout_metrics(rollouts: list[Rollout], prefix: str) -> dict[str, float]:
+    ok = [r for r in rollouts if r.error is None and math.isfinite(r.reward)]
+    rewards = [r.reward for r in ok]
+    mean = sum(rewards) / len(rewards) if rewards else float("nan")
+    std = (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5 if rewards else float("nan")
+    out = {
+        f"{prefix}/reward": mean,
+        f"{prefix}/reward_std": std,
+        f"{prefix}/rollouts": float(len(rollouts)),
+        f"{prefix}/rollouts_errored": float(sum(r.error is not None for r in rollouts)),
+        f"{prefix}/truncated_frac": sum(r.is_truncated for r in rollouts) / max(len(rollouts), 1),
+        f"{prefix}/completion_tokens_mean": sum(sum(len(s.completion_ids) for s in r.steps) for r in ok) / max(len(ok), 1),
+    }
+    keys = {k for r in ok for k in r.metrics}
+    for k in sorted(keys):
+        vals = [r.metrics[k] for r in ok if k in r.metrics and math.isfinite(r.metrics[k])]
+        if vals:
+            out[f"{prefix}/rewards/{k}"] = sum(vals) / len(vals)
+    return out
