@@ -94,7 +94,9 @@ class RLTrainer(Trainer):
         if not args.use_lora or hasattr(model, "peft_config"):
             return model
         from peft import LoraConfig, get_peft_model
+        from transformers import set_seed
 
+        set_seed(args.seed)  # LoRA A is random-initialised: seed it so runs (and ranks) start identically
         config = LoraConfig(
             r=args.lora_rank,
             lora_alpha=args.lora_alpha,
@@ -173,7 +175,8 @@ class RLTrainer(Trainer):
         metrics["timing/step_s"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(metrics["timing/step_s"], 1e-9)
         self._step_metrics = metrics
-        return loss.detach()
+        # each rank holds a partial sum of a globally normalised loss; Trainer logs the mean over ranks
+        return loss.detach() * self.accelerator.num_processes
 
     def _microbatches(self, prepared: PreparedBatch) -> list[dict]:
         args: RLConfig = self.args

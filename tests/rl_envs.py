@@ -1,0 +1,43 @@
+"""Small verifiers environments for trainer tests (classic 0.1.14 API, data generated in code)."""
+
+from __future__ import annotations
+
+import verifiers as vf
+from datasets import Dataset
+
+WORDS = ["cat", "dog", "sun", "map", "pen", "cup", "hat", "box", "owl", "ink", "jam", "kit"]
+
+
+def _text(completion) -> str:
+    if isinstance(completion, list):
+        return "".join(str(m.get("content") or "") for m in completion if m.get("role") == "assistant")
+    return str(completion)
+
+
+def char_match(completion, answer, **kwargs) -> float:
+    """Fraction of answer characters matched position by position: dense enough for a random tiny model."""
+    text = _text(completion)
+    return sum(a == b for a, b in zip(text, answer)) / len(answer)
+
+
+def length_bonus(completion, **kwargs) -> float:
+    return min(len(_text(completion)), 8) / 8
+
+
+def reverse_env(n: int = 12) -> vf.SingleTurnEnv:
+    rows = [{"question": f"Reverse: {w}", "answer": w[::-1]} for w in WORDS[:n]]
+    ds = Dataset.from_list(rows)
+    rubric = vf.Rubric(funcs=[char_match, length_bonus], weights=[1.0, 0.1])
+    return vf.SingleTurnEnv(dataset=ds, eval_dataset=Dataset.from_list(rows[:4]), rubric=rubric)
+
+
+class AgainEnv(vf.MultiTurnEnv):
+    """Two assistant turns: the environment answers the first with 'again'."""
+
+    async def env_response(self, messages, state, **kwargs):
+        return [{"role": "user", "content": "again"}]
+
+
+def again_env() -> AgainEnv:
+    ds = Dataset.from_list([{"question": f"Say {w}", "answer": w} for w in WORDS[:6]])
+    return AgainEnv(dataset=ds, rubric=vf.Rubric(funcs=[char_match]), max_turns=2)
