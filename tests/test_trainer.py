@@ -45,7 +45,7 @@ def _lora_b(model) -> dict[str, torch.Tensor]:
 
 
 def test_single_turn_steps_log_sync_and_checkpoint(tiny_model_dir, tmp_path):
-    args = _args(tmp_path, max_async_level=1, save_strategy="steps", save_steps=2)
+    args = _args(tmp_path, max_async_level=1, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2)
     trainer = RLTrainer(model=tiny_model_dir, env=reverse_env(), args=args)
     before = _lora_b(trainer.model)
     try:
@@ -69,6 +69,8 @@ def test_single_turn_steps_log_sync_and_checkpoint(tiny_model_dir, tmp_path):
         for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json", "orchestrator.pt",
                      "adapter_model.safetensors"):
             assert (ckpt / name).exists(), name
+        evals = [json.loads(x) for x in (Path(args.output_dir) / "metrics.jsonl").read_text().splitlines()]
+        assert any("eval/reward" in r and r["step"] == 2 for r in evals), "eval_steps did not evaluate"
         eval_metrics = trainer.evaluate()
         assert eval_metrics["eval/rollouts"] == 4 and "eval/reward" in eval_metrics
     finally:
@@ -77,14 +79,19 @@ def test_single_turn_steps_log_sync_and_checkpoint(tiny_model_dir, tmp_path):
     assert (Path(args.output_dir) / "logs" / "inference.log").exists()
 
 
-def test_multi_turn_env_trains_each_turn(tiny_model_dir, tmp_path):
+def test_multi_turn_env_trains_each_turn_full_finetune(tiny_model_dir, tmp_path):
     args = _args(tmp_path, batch_size=8, rollouts_per_example=2, micro_batch_size=4, max_steps=1,
-                 max_async_level=0, max_tokens=4)  # fmt: skip
+                 max_async_level=0, max_tokens=4, use_lora=False, gradient_checkpointing=True,
+                 pack_sequences=False, learning_rate=1e-3)  # fmt: skip
     trainer = RLTrainer(model=tiny_model_dir, env=again_env(), args=args)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     try:
         trainer.train()
+        assert trainer.runtime.client.weight_version() == "1"
     finally:
         trainer.close()
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)]
+    assert "lm_head.weight" in changed and "model.layers.0.mlp.down_proj.weight" in changed
     m = _metrics(args.output_dir)[0]
     ok = m["rollouts"] - m["rollouts_errored"]
     assert m["turns_mean"] == 2.0
@@ -178,3 +185,16 @@ def test_verifiers_shim_exposes_our_classes():
     assert lora.r == 4 and lora.lora_alpha == 8
     with pytest.warns(DeprecationWarning):
         assert isinstance(GRPOConfig(output_dir="x", use_cpu=True), RLConfig)
+
+
+def test_long_prompts_are_filtered_once_and_counted():
+    from datasets import Dataset
+
+    from verifiers_rl.rl.trainer.runtime import filter_prompts
+    from verifiers_rl.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": "x" * n}]} for n in (5, 50, 500)])
+    kept, dropped = filter_prompts(ds, tok, max_prompt_len=100)
+    assert dropped == 1 and len(kept) == 2
+    assert filter_prompts(ds, tok, None) == (ds, 0)

@@ -51,7 +51,8 @@ class RLConfig(TrainingArguments):
     max_seq_len: int = field(default=2048, metadata=_help("Longest training sample (prompt + completion tokens); longer ones are handled per overlong_policy."))
     overlong_policy: str = field(default="truncate", metadata=_help("Samples over max_seq_len: 'truncate' (cut the tail, train the rest) or 'drop'."))
     max_prompt_len: int | None = field(
-        default=512, metadata=_help("Prompts longer than this (tokens, chat template applied) are filtered out of the dataset once, and counted.")
+        default=None,
+        metadata=_help("Prompts longer than this (tokens, chat template applied) are filtered out of the dataset once, and counted; None: max_seq_len - 1."),
     )
     max_steps: int = field(default=500, metadata=_help("Optimizer steps to train for."))
     max_concurrent: int = field(default=1024, metadata=_help("Most rollouts in flight at once against the server."))
@@ -181,6 +182,10 @@ class RLConfig(TrainingArguments):
     @property
     def prompts_per_batch(self) -> int:
         return self.batch_size // self.rollouts_per_example
+
+    @property
+    def prompt_limit(self) -> int:
+        return self.max_prompt_len if self.max_prompt_len is not None else self.max_seq_len - 1
 
     @property
     def token_budget(self) -> int:

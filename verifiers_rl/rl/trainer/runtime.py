@@ -157,7 +157,7 @@ class InferenceRuntime:
         if self.synced_version != global_step:
             self.sync(model, global_step)
         rows = self.env.get_eval_dataset(n=args.num_eval_examples or -1)
-        rows, _ = filter_prompts(rows, tokenizer, args.max_prompt_len)
+        rows, _ = filter_prompts(rows, tokenizer, args.prompt_limit)
         orch = self.orchestrator or Orchestrator(
             self.env, rows, base_url=self.client.base_url + "/v1", model_name=self.model_name,
             sampling_args=args.sampling_args(), rollouts_per_example=args.eval_rollouts_per_example,

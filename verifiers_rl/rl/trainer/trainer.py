@@ -69,7 +69,7 @@ class RLTrainer(Trainer):
         model = self._wrap_lora(model, args)
         self.env = env
         self.model_path = model_path
-        self.train_rows, self.prompts_filtered = filter_prompts(env.get_dataset(), processing_class, args.max_prompt_len)
+        self.train_rows, self.prompts_filtered = filter_prompts(env.get_dataset(), processing_class, args.prompt_limit)
         self.runtime = InferenceRuntime(args, model_path, env)
         self.hooks = StepHooks(self)
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -174,6 +174,7 @@ class RLTrainer(Trainer):
         metrics["timing/train_s"] = time.perf_counter() - t_train
         metrics["timing/step_s"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(metrics["timing/step_s"], 1e-9)
+        metrics["prompts_filtered"] = float(self.prompts_filtered)
         self._step_metrics = metrics
         # each rank holds a partial sum of a globally normalised loss; Trainer logs the mean over ranks
         return loss.detach() * self.accelerator.num_processes

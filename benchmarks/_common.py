@@ -1,0 +1,98 @@
+"""Shared helpers for the benchmarks: timing statistics, the result table, and the JSON result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def machine() -> dict:
+    import torch
+
+    return {
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "loadavg_1_5_15": list(os.getloadavg()),
+    }
+
+
+def row(name: str, baseline, ours, ratio, goal: str, passed: bool | None, unit: str = "", **extra) -> dict:
+    """One line of a result table. `passed` is None for rows that only report (no goal)."""
+    return {
+        "name": name,
+        "baseline": baseline,
+        "ours": ours,
+        "ratio": ratio,
+        "goal": goal,
+        "pass": passed,
+        "unit": unit,
+        **extra,
+    }
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if v != v:  # nan
+            return "nan"
+        if abs(v) >= 100:
+            return f"{v:,.0f}"
+        if abs(v) >= 1:
+            return f"{v:.2f}"
+        return f"{v:.4f}"
+    return str(v)
+
+
+def print_table(title: str, rows: list[dict], file=sys.stdout) -> None:
+    headers = ["metric", "unit", "baseline", "ours", "ratio", "goal", "pass"]
+    cells = [
+        [
+            r["name"],
+            r.get("unit", ""),
+            _fmt(r["baseline"]),
+            _fmt(r["ours"]),
+            (_fmt(r["ratio"]) + "x") if isinstance(r["ratio"], (int, float)) else _fmt(r["ratio"]),
+            r["goal"] or "-",
+            {True: "PASS", False: "FAIL", None: "-"}[r["pass"]],
+        ]
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    print(f"\n== {title} ==", file=file)
+    print(line, file=file)
+    print("-" * len(line), file=file)
+    for c in cells:
+        print("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths))), file=file)
+    file.flush()
+
+
+def write_results(name: str, result: dict) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    result = {**result, "machine": machine(), "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return path
+
+
+def all_passed(rows: list[dict]) -> bool:
+    return all(r["pass"] is not False for r in rows)

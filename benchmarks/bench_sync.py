@@ -1,0 +1,325 @@
+"""Weight-sync benchmark: bucketed sync (ours) vs one request + one broadcast per tensor (the old design),
+raw gloo bandwidth between two local processes, and adapter-only vs merged sync of a LoRA model.
+
+    /work/main/.venv/bin/python benchmarks/bench_sync.py [--quick]
+
+Every sync goes trainer -> a running CPU-engine server (`InferenceServer(engine="cpu")`) over loopback gloo.
+Times are medians of N repeats after one warm-up sync. `--quick` drops the ~100M model and uses fewer repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from _common import all_passed, median, print_table, row, write_results  # noqa: E402
+
+NAME = "bench_sync"
+
+# (label, hidden, layers): Qwen3 tiny kit, 11 tensors per layer + 3 (embed, final norm, untied lm_head).
+MODELS = [
+    ("~1M", 128, 4),
+    ("~10M", 256, 16),
+    ("~100M", 704, 22),
+]
+SPEEDUP_GOAL = 10.0  # bucketed vs per-tensor
+BANDWIDTH_GOAL = 0.5  # bucketed GB/s vs raw gloo GB/s at ~100M
+
+
+# ---------------------------------------------------------------------------------------- syncs
+
+
+def bucketed_sync(client, model) -> tuple[float, int]:
+    stats = client.update_weights(model.named_parameters())
+    return stats.seconds, stats.bytes
+
+
+def per_tensor_sync(client, model, pool: ThreadPoolExecutor) -> tuple[float, int]:
+    """The old design, on the same server and group: pause, start, then for every tensor one /update_weights
+    request describing that tensor alone while the trainer broadcasts that tensor alone; then finish, reset the
+    prefix cache and resume. Tensors are broadcast in place (no packing copy), and the control requests reuse a
+    thread pool and keep-alive connection, so this baseline is, if anything, flattered."""
+    from verifiers_rl.rl.inference.transfer import gloo
+    from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, metas_to_update_info
+
+    pg = client._pg
+    if pg is None:
+        raise RuntimeError("init_weight_transfer() first")
+    t0 = time.perf_counter()
+    sent = 0
+    client.version += 1
+    client.pause("keep")
+    try:
+        client._post("/start_weight_update")
+        for name, p in model.named_parameters():
+            t = p.detach().contiguous()
+            info = metas_to_update_info([TensorMeta(name, t.dtype, tuple(t.shape))])
+            # the server plans this one tensor with its bucket size: a tensor travels alone at >= its size
+            fut = pool.submit(client._post, "/update_weights", {"update_info": info})
+            gloo.broadcast(pg, t.reshape(-1).view(torch.uint8))
+            fut.result()
+            sent += t.numel() * t.element_size()
+        client._post("/finish_weight_update", json={"weight_version": str(client.version)})
+        client.reset_prefix_cache()
+    finally:
+        client.resume()
+    return time.perf_counter() - t0, sent
+
+
+def measure(fn, repeats: int) -> dict:
+    return measure_interleaved([fn], repeats)[0]
+
+
+def measure_interleaved(fns, repeats: int) -> list[dict]:
+    """One warm-up each, then `repeats` rounds of a, b, ... in turn: a background load on this small machine
+    then hits every variant alike instead of skewing whichever ran during it."""
+    for fn in fns:
+        fn()
+    secs = [[] for _ in fns]
+    nbytes = [0] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            s, nbytes[i] = fn()
+            secs[i].append(s)
+    return [{"seconds": median(s), "all_seconds": s, "bytes": b} for s, b in zip(secs, nbytes)]
+
+
+# ---------------------------------------------------------------------------------------- raw gloo
+
+
+def _gloo_peer(host: str, port: int, nbytes: int, reps: int, fresh: bool = False) -> None:
+    """Rank 1 of the raw-bandwidth test (runs in a child process). `fresh`: a new receive buffer per broadcast,
+    as the current receiver allocates one per sync (its pages are faulted in while the data arrives)."""
+    from verifiers_rl.rl.inference.transfer import gloo
+
+    g = gloo.create_group(host, port, 1, 2, timeout_s=120)
+    buf = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+    tick = torch.zeros(1, dtype=torch.uint8)
+    for _ in range(reps):
+        if fresh:
+            del buf
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        gloo.broadcast(g, tick, root=0)  # start together
+        gloo.broadcast(g, buf, root=0)
+        gloo.broadcast(g, tick, root=1)  # ack: the sender stops its clock on this
+
+
+def raw_gloo_bandwidth(nbytes: int, repeats: int, fresh: bool = False) -> dict:
+    """One flat `nbytes` broadcast between two local processes; the clock covers the broadcast and a 1-byte
+    ack from the receiver (so it measures delivery, not only the sender's buffer hand-off)."""
+    from verifiers_rl.rl.inference.client import free_port
+    from verifiers_rl.rl.inference.transfer import gloo
+
+    host, port = "127.0.0.1", free_port()
+    reps = repeats + 1
+    peer = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--gloo-peer", host, str(port), str(nbytes), str(reps)]
+        + (["--fresh"] if fresh else []),
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        g = gloo.create_group(host, port, 0, 2, timeout_s=120)
+        buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        tick = torch.zeros(1, dtype=torch.uint8)
+        secs = []
+        for _ in range(reps):
+            gloo.broadcast(g, tick, root=0)
+            t0 = time.perf_counter()
+            gloo.broadcast(g, buf, root=0)
+            gloo.broadcast(g, tick, root=1)
+            secs.append(time.perf_counter() - t0)
+        peer.wait(60)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait(10)
+    secs = secs[1:]  # first is warm-up
+    s = median(secs)
+    return {"bytes": nbytes, "seconds": s, "all_seconds": secs, "gb_per_s": nbytes / s / 1e9}
+
+
+# ---------------------------------------------------------------------------------------- LoRA
+
+
+def lora_syncs(client, model, repeats: int) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    from verifiers_rl.rl.inference.transfer.names import adapter_weights, merged_weights
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets))
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.01)  # B starts at zero: give the adapter a real delta
+
+    def adapter():
+        st = client.update_weights(adapter_weights(peft), lora_scaling=1.0)
+        return st.seconds, st.bytes
+
+    def merged():
+        st = client.update_weights(merged_weights(peft))
+        return st.seconds, st.bytes
+
+    # Adapter-only first: the engine records pristine base weights on the first adapter sync.
+    a, m = measure_interleaved([adapter, merged], repeats)
+    out = {"adapter": a, "merged": m}
+    out["adapter"]["tensors"] = sum(1 for _ in adapter_weights(peft))
+    out["merged"]["tensors"] = sum(1 for _ in merged_weights(peft))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- run
+
+
+def run(quick: bool = False) -> dict:
+    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.tiny import build_tiny_model, save_tiny_model
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    models = MODELS[:2] if quick else MODELS
+    repeats = 3 if quick else 5
+    sweep = [] if quick else [16 << 20, 64 << 20]  # extra bucket sizes tried on the biggest model
+    results: dict = {"name": NAME, "quick": quick, "repeats": repeats, "models": {}}
+    rows, info_rows = [], []
+    t_start = time.perf_counter()
+    pool = ThreadPoolExecutor(1)
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="bench_sync_") as tmp:
+        for i, (label, hidden, layers) in enumerate(models):
+            model_dir = save_tiny_model(os.path.join(tmp, f"m{hidden}x{layers}"), hidden=hidden, layers=layers)
+            model, _ = build_tiny_model(hidden=hidden, layers=layers)
+            n_params = sum(p.numel() for p in model.parameters())
+            n_tensors = sum(1 for _ in model.parameters())
+            nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            is_last = i == len(models) - 1
+            server = InferenceServer(
+                str(model_dir), engine="cpu", output_dir=os.path.join(tmp, "out"),
+                extra_args=["--max-model-len", "1024", "--max-num-seqs", "8", "--log-level", "warning"],
+                startup_timeout=300,
+            )  # fmt: skip
+            info = {"hidden": hidden, "layers": layers, "params": n_params, "tensors": n_tensors, "bytes": nbytes}
+            with server as client:
+                client.init_weight_transfer()  # the default bucket size (256 MiB)
+                info["bucket_bytes"] = client.bucket_bytes
+                if is_last:  # adapter-only first: the engine records pristine base weights on its first one
+                    lora_model = build_tiny_model(hidden=hidden, layers=layers)[0]
+                    info["lora"] = lora_syncs(client, lora_model, repeats)
+                    del lora_model
+                    log(f"{label}: LoRA syncs done")
+                ours, base = measure_interleaved(
+                    [lambda: bucketed_sync(client, model), lambda: per_tensor_sync(client, model, pool)], repeats
+                )
+                info["bucketed"], info["per_tensor"] = ours, base
+                if is_last and sweep:
+                    info["bucket_sweep"] = {}
+                    for bb in sweep:
+                        client.close_weight_transfer()
+                        client.init_weight_transfer(bucket_bytes=bb)
+                        info["bucket_sweep"][bb] = measure(lambda: bucketed_sync(client, model), repeats)
+            sp = base["seconds"] / ours["seconds"]
+            info.update(
+                speedup=sp,
+                bucketed_gb_per_s=ours["bytes"] / ours["seconds"] / 1e9,
+                per_tensor_gb_per_s=base["bytes"] / base["seconds"] / 1e9,
+            )
+            results["models"][label] = info
+            many = n_tensors >= 100  # the goal is about many-tensor models; ~1M (47 tensors) only reports
+            rows.append(
+                row(
+                    f"sync {label} ({n_params / 1e6:.2f}M params, {n_tensors} tensors, {nbytes / 1e6:.0f} MB)",
+                    base["seconds"], ours["seconds"], sp, f">={SPEEDUP_GOAL:.0f}x" if many else "(report)",
+                    (sp >= SPEEDUP_GOAL) if many else None, unit="s",
+                )
+            )  # fmt: skip
+            log(
+                f"{label}: {n_params:,} params, {n_tensors} tensors, {nbytes / 1e6:.1f} MB; bucketed "
+                f"{ours['seconds'] * 1e3:.1f} ms, per-tensor {base['seconds'] * 1e3:.1f} ms ({sp:.1f}x)"
+            )
+            del model
+        label = models[-1][0]
+        biggest = results["models"][label]
+        results["raw_gloo"] = raw = raw_gloo_bandwidth(biggest["bytes"], repeats)
+        results["raw_gloo_fresh_recv"] = raw_fresh = raw_gloo_bandwidth(biggest["bytes"], repeats, fresh=True)
+        log(f"raw gloo {raw['gb_per_s']:.2f} GB/s; with a fresh receive buffer each time {raw_fresh['gb_per_s']:.2f} GB/s")
+        bw, mb = biggest["bucketed_gb_per_s"], biggest["bytes"] / 1e6
+        rows.append(
+            row(
+                f"bandwidth {label} ({mb:.0f} MB): raw gloo vs bucketed sync", raw["gb_per_s"], bw,
+                bw / raw["gb_per_s"], f">={BANDWIDTH_GOAL:.0%} of raw" if not quick else "(report)",
+                (bw / raw["gb_per_s"] >= BANDWIDTH_GOAL) if not quick else None, unit="GB/s",
+            )
+        )  # fmt: skip
+        lora = biggest["lora"]
+        rows.append(
+            row(
+                f"LoRA r16 {label}: merged vs adapter-only ({lora['merged']['tensors']} vs "
+                f"{lora['adapter']['tensors']} tensors)", lora["merged"]["bytes"] / 1e6,
+                lora["adapter"]["bytes"] / 1e6, lora["merged"]["bytes"] / lora["adapter"]["bytes"], "(report)", None,
+                unit="MB",
+            )
+        )  # fmt: skip
+        rows.append(
+            row(
+                f"LoRA r16 {label}: merged vs adapter-only", lora["merged"]["seconds"],
+                lora["adapter"]["seconds"], lora["merged"]["seconds"] / lora["adapter"]["seconds"], "(report)", None,
+                unit="s",
+            )
+        )  # fmt: skip
+        # informational: what the receiver's per-sync buffer allocation and the bucket size cost
+        info_rows.append(
+            row(
+                f"raw gloo {mb:.0f} MB: reused vs fresh receive buffer", raw["gb_per_s"], raw_fresh["gb_per_s"],
+                raw_fresh["gb_per_s"] / raw["gb_per_s"], "(info)", None, unit="GB/s",
+            )
+        )  # fmt: skip
+        for bb, m in biggest.get("bucket_sweep", {}).items():
+            info_rows.append(
+                row(
+                    f"bucketed {label}: 256 MiB vs {bb >> 20} MiB buckets", biggest["bucketed"]["seconds"],
+                    m["seconds"], biggest["bucketed"]["seconds"] / m["seconds"], "(info)", None, unit="s",
+                    gb_per_s=m["bytes"] / m["seconds"] / 1e9,
+                )
+            )  # fmt: skip
+    pool.shutdown()
+    results["rows"] = rows
+    results["info_rows"] = info_rows
+    results["passed"] = all_passed(rows)
+    results["wall_seconds"] = time.perf_counter() - t_start
+    print_table(f"weight sync ({'quick' if quick else 'full'}; median of {repeats} after a warm-up)", rows)
+    print_table("weight sync: diagnostics", info_rows)
+    print(f"total {results['wall_seconds']:.1f}s")
+    path = write_results(NAME + ("_quick" if quick else ""), results)
+    print(f"results: {path}")
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="drop the ~100M model, fewer repeats (< 60 s)")
+    p.add_argument("--gloo-peer", nargs=4, metavar=("HOST", "PORT", "NBYTES", "REPS"), help=argparse.SUPPRESS)
+    p.add_argument("--fresh", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.gloo_peer:
+        host, port, nbytes, reps = args.gloo_peer
+        _gloo_peer(host, int(port), int(nbytes), int(reps), fresh=args.fresh)
+        return 0
+    res = run(quick=args.quick)
+    return 0 if res["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Every RLConfig field does what its name says.
+
+Two walks over the fields RLConfig adds to TrainingArguments: (1) each one is read by the library outside
+config.py (a field nobody reads does nothing); (2) the ones with a direct, cheap effect are checked for that
+effect here. Trainer-level effects (LoRA, async level, losses, resume, masking) are covered in test_trainer.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+from transformers import TrainingArguments
+
+from verifiers_rl.rl.trainer.config import DEFAULT_LORA_TARGETS, RLConfig
+
+LIB = Path(__file__).resolve().parents[1] / "verifiers_rl"
+OURS = [f.name for f in dataclasses.fields(RLConfig) if f.name not in {g.name for g in dataclasses.fields(TrainingArguments)}]
+ESTABLISHED = (
+    "use_lora lora_rank lora_alpha lora_dropout lora_target_modules lora_modules_to_save lora_use_rslora "
+    "rollouts_per_example batch_size micro_batch_size max_seq_len max_prompt_len max_concurrent mask_ratio_low "
+    "mask_ratio_high mask_env_responses mask_truncated_completions zero_truncated_completions max_tokens temperature "
+    "top_p top_k min_p repetition_penalty presence_penalty frequency_penalty generation_timeout vllm_server_host "
+    "vllm_server_port vllm_server_timeout shuffle_dataset"
+).split()
+
+
+def _library_source() -> str:
+    return "\n".join(p.read_text() for p in LIB.rglob("*.py") if p.name != "config.py")
+
+
+def test_established_field_names_exist():
+    names = {f.name for f in dataclasses.fields(RLConfig)}
+    assert set(ESTABLISHED) <= names
+    assert "max_steps" in names and "max_async_level" in names
+
+
+@pytest.mark.parametrize("name", OURS)
+def test_every_field_is_read_by_the_library(name):
+    src = _library_source()
+    config_src = (LIB / "rl" / "trainer" / "config.py").read_text()
+    used = re.search(rf"\.{name}\b", src) or re.search(rf"self\.{name}\b", config_src.split("def __post_init__")[1])
+    assert used, f"RLConfig.{name} is never read: it would do nothing"
+
+
+def _cfg(**kw) -> RLConfig:
+    return RLConfig(output_dir="/tmp/vf-rl-config-test", use_cpu=True, **kw)
+
+
+def test_sampling_fields_reach_the_request():
+    cfg = _cfg(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.3,
+               frequency_penalty=0.2, max_tokens=33)  # fmt: skip
+    sa = cfg.sampling_args()
+    assert sa["temperature"] == 0.7 and sa["top_p"] == 0.9 and sa["max_tokens"] == 33
+    assert sa["presence_penalty"] == 0.3 and sa["frequency_penalty"] == 0.2
+    assert sa["extra_body"] == {"return_token_ids": True, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
+    assert sa["logprobs"] is True
+
+
+def test_sampling_defaults_send_nothing_extra():
+    sa = _cfg().sampling_args()
+    assert sa["extra_body"] == {"return_token_ids": True}
+    assert "max_tokens" not in sa and "presence_penalty" not in sa
+
+
+def test_batch_geometry():
+    cfg = _cfg(batch_size=64, rollouts_per_example=8, micro_batch_size=4, max_seq_len=256)
+    assert cfg.prompts_per_batch == 8
+    assert cfg.token_budget == 4 * 256
+    assert _cfg(micro_batch_tokens=999).token_budget == 999
+    # one optimizer step per rollout batch; micro-batching happens inside training_step
+    assert cfg.per_device_train_batch_size == 1 and cfg.gradient_accumulation_steps == 1
+
+
+def test_defaults():
+    cfg = _cfg()
+    assert cfg.lora_target_modules == DEFAULT_LORA_TARGETS
+    assert cfg.loss_type == "is" and cfg.max_async_level == 1 and cfg.scale_rewards == "group"
+    assert cfg.epsilon_high == cfg.epsilon
+    assert _cfg(loss_type="dapo").epsilon_high == 0.28
+    assert cfg.output_dir == "/tmp/vf-rl-config-test"
+
+
+def test_lora_fields_reach_peft():
+    from verifiers_rl.rl.trainer.trainer import RLTrainer
+    from verifiers_rl.tiny import build_tiny_model
+
+    model, _ = build_tiny_model()
+    cfg = _cfg(lora_rank=4, lora_alpha=12, lora_dropout=0.1, lora_target_modules=["q_proj"],
+               lora_modules_to_save=["lm_head"], lora_use_rslora=True)  # fmt: skip
+    peft = RLTrainer._wrap_lora(model, cfg)
+    lc = peft.peft_config["default"]
+    assert lc.r == 4 and lc.lora_alpha == 12 and lc.lora_dropout == 0.1 and lc.use_rslora
+    assert set(lc.target_modules) == {"q_proj"} and lc.modules_to_save == ["lm_head"]
+    layer = peft.base_model.model.model.layers[0].self_attn.q_proj
+    assert layer.scaling["default"] == pytest.approx(12 / 4**0.5)
+    assert not hasattr(peft.base_model.model.model.layers[0].self_attn.k_proj, "lora_A")
+    assert RLTrainer._wrap_lora(build_tiny_model()[0], _cfg(use_lora=False)).__class__.__name__ == "Qwen3ForCausalLM"
