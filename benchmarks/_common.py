@@ -30,6 +30,41 @@ def machine() -> dict:
     }
 
 
+def cpu_busy(window_s: float = 1.0) -> float:
+    """Fraction of all CPUs busy (system-wide, from /proc/stat) over `window_s`; nan where unavailable."""
+
+    def snap():
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+        return sum(vals), idle
+
+    try:
+        t0, i0 = snap()
+        time.sleep(window_s)
+        t1, i1 = snap()
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
+def wait_for_quiet(max_wait_s: float, threshold: float = 0.15, log=print) -> dict:
+    """Timings on a 2-core machine are only meaningful when nothing else runs. Wait (at most `max_wait_s`) until
+    the machine has been under `threshold` busy for two 1-second windows in a row; report what was seen."""
+    t0 = time.monotonic()
+    quiet, last = 0, float("nan")
+    while True:
+        last = cpu_busy(1.0)
+        quiet = quiet + 1 if last < threshold else 0
+        if quiet >= 2 or time.monotonic() - t0 >= max_wait_s:
+            break
+    waited = time.monotonic() - t0
+    ok = quiet >= 2
+    if not ok and max_wait_s > 0:
+        log(f"warning: machine still {last:.0%} busy after {waited:.0f}s; timings may be inflated by other work")
+    return {"quiet": ok, "waited_s": round(waited, 1), "busy_fraction": round(last, 3)}
+
+
 def row(name: str, baseline, ours, ratio, goal: str, passed: bool | None, unit: str = "", **extra) -> dict:
     """One line of a result table. `passed` is None for rows that only report (no goal)."""
     return {

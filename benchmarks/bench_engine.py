@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from _common import all_passed, median, print_table, row, write_results  # noqa: E402
+from _common import all_passed, median, print_table, row, wait_for_quiet, write_results  # noqa: E402
 
 NAME = "bench_engine"
 VLLM_PYTHON = os.environ.get("VF_VLLM_PYTHON", "/work/main/.venv-vllm/bin/python")
@@ -124,7 +124,9 @@ def server_rates(engine: str, model_dir: str, levels, repeats: int, tmp: str, lo
 # ---------------------------------------------------------------------------------------- run
 
 
-def run(quick: bool = False, vllm: bool = True, hidden: int = 128, layers: int = 4) -> dict:
+def run(
+    quick: bool = False, vllm: bool = True, hidden: int = 128, layers: int = 4, wait_quiet: float | None = None
+) -> dict:
     from verifiers_rl.tiny import build_tiny_model, save_tiny_model
 
     repeats = 1 if quick else 3
@@ -134,11 +136,13 @@ def run(quick: bool = False, vllm: bool = True, hidden: int = 128, layers: int =
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
 
+    quiet = wait_for_quiet((0 if quick else 180) if wait_quiet is None else wait_quiet, log=log)
     model, tokenizer = build_tiny_model(hidden=hidden, layers=layers)
     n_params = sum(p.numel() for p in model.parameters())
     results: dict = {
         "name": NAME, "quick": quick, "repeats": repeats, "max_tokens": MAX_TOKENS,
         "model": {"hidden": hidden, "layers": layers, "params": n_params}, "hf_sequential": {}, "ours": {},
+        "machine_before": quiet,
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         model_dir = str(save_tiny_model(os.path.join(tmp, "model"), hidden=hidden, layers=layers))
@@ -209,8 +213,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-vllm", action="store_true", help="skip the real-vLLM comparison")
     p.add_argument("--hidden", type=int, default=128, help="tiny model width (multiple of 32; default 128)")
     p.add_argument("--layers", type=int, default=4, help="tiny model depth (default 4)")
+    p.add_argument("--wait-quiet", type=float, default=None, metavar="S",
+                   help="wait up to S seconds for an idle machine before timing (default: 180, 0 with --quick)")
     args = p.parse_args(argv)
-    res = run(quick=args.quick, vllm=not args.no_vllm, hidden=args.hidden, layers=args.layers)
+    res = run(
+        quick=args.quick, vllm=not args.no_vllm, hidden=args.hidden, layers=args.layers, wait_quiet=args.wait_quiet
+    )
     return 0 if res["passed"] else 1
 
 

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from _common import all_passed, median, print_table, row, write_results  # noqa: E402
+from _common import all_passed, median, print_table, row, wait_for_quiet, write_results  # noqa: E402
 
 NAME = "bench_sync"
 
@@ -182,7 +182,7 @@ def lora_syncs(client, model, repeats: int) -> dict:
 # ---------------------------------------------------------------------------------------- run
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     from verifiers_rl.rl.inference.launcher import InferenceServer
     from verifiers_rl.tiny import build_tiny_model, save_tiny_model
 
@@ -198,6 +198,7 @@ def run(quick: bool = False) -> dict:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
 
+    results["machine_before"] = wait_for_quiet((0 if quick else 180) if wait_quiet is None else wait_quiet, log=log)
     with tempfile.TemporaryDirectory(prefix="bench_sync_") as tmp:
         for i, (label, hidden, layers) in enumerate(models):
             model_dir = save_tiny_model(os.path.join(tmp, f"m{hidden}x{layers}"), hidden=hidden, layers=layers)
@@ -312,12 +313,14 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="drop the ~100M model, fewer repeats (< 60 s)")
     p.add_argument("--gloo-peer", nargs=4, metavar=("HOST", "PORT", "NBYTES", "REPS"), help=argparse.SUPPRESS)
     p.add_argument("--fresh", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--wait-quiet", type=float, default=None, metavar="S",
+                   help="wait up to S seconds for an idle machine before timing (default: 180, 0 with --quick)")
     args = p.parse_args(argv)
     if args.gloo_peer:
         host, port, nbytes, reps = args.gloo_peer
         _gloo_peer(host, int(port), int(nbytes), int(reps), fresh=args.fresh)
         return 0
-    res = run(quick=args.quick)
+    res = run(quick=args.quick, wait_quiet=args.wait_quiet)
     return 0 if res["passed"] else 1
 
 

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from _common import median, print_table, row, write_results  # noqa: E402
+from _common import print_table, row, wait_for_quiet, write_results  # noqa: E402
 
 _BUF: dict[str, torch.Tensor] = {}
 
@@ -89,6 +89,7 @@ def run(hidden: int = 704, layers: int = 22, repeats: int = 5) -> dict:
 
     stock_send = gloo.send_buckets
     out: dict = {"name": "proto_sync_buffers", "hidden": hidden, "layers": layers, "repeats": repeats}
+    out["machine_before"] = wait_for_quiet(180)
     with tempfile.TemporaryDirectory(prefix="proto_sync_") as tmp:
         model_dir = str(save_tiny_model(os.path.join(tmp, "m"), hidden=hidden, layers=layers))
         model, _ = build_tiny_model(hidden=hidden, layers=layers)
