@@ -125,7 +125,7 @@ def run(hidden: int = 704, layers: int = 22, repeats: int = 5) -> dict:
     ]  # fmt: skip
     out["rows"] = rows
     print_table(f"prototype: persistent transfer buffers (raw gloo {raw:.2f} GB/s; median of {repeats})", rows)
-    print(f"results: {write_results('proto_sync_buffers', out)}")
+    print(f"results: {write_results(f'proto_sync_buffers_{hidden}x{layers}', out)}")
     return out
 
 

@@ -1,0 +1,1 @@
+../verifiers_rl/scaffold/configs/endpoints.py

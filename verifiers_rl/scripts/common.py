@@ -1,0 +1,107 @@
+"""Pieces the commands share: the `@ cfg.toml` argument, model resolution, environments, flags, errors."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from verifiers_rl.scripts.toml_config import ConfigError
+
+TINY_CACHE = Path("outputs") / "tiny-models"
+
+
+def split_argv(argv: list[str], prog: str) -> tuple[str, list[str], set[str]]:
+    """`@ cfg.toml --dry-run --trainer.args.x 1` -> (path, overrides, flags)."""
+    if argv and argv[0].startswith("@") and argv[0] != "@":
+        argv = ["@", argv[0][1:], *argv[1:]]
+    if len(argv) < 2 or argv[0] != "@":
+        raise ConfigError(f"usage: {prog} @ path/to/config.toml [--dry-run] [--section.key value ...]")
+    flags: set[str] = set()
+    rest: list[str] = []
+    args = iter(argv[2:])
+    for a in args:
+        if a in ("--dry-run", "--help", "-h"):
+            flags.add(a)
+        elif a == "--gpus" or a.startswith("--gpus="):  # plan for a machine with N CUDA devices
+            value = a.split("=", 1)[1] if "=" in a else next(args, "")
+            if not value.isdigit():
+                raise ConfigError("--gpus needs a number of CUDA devices")
+            flags.add(f"--gpus={value}")
+        else:
+            rest.append(a)
+    return argv[1], rest, flags
+
+
+def resolve_model(cfg: dict[str, Any], dry_run: bool = False) -> str:
+    """The model to load: "tiny" builds the offline tiny model once (deterministic) and returns its folder."""
+    model = cfg["model"]
+    if model != "tiny":
+        return model
+    spec = {"hidden": 64, "layers": 2, "seed": 0, "head_dim": 32, **cfg.get("tiny", {})}
+    path = TINY_CACHE / f"h{spec['hidden']}-l{spec['layers']}-d{spec['head_dim']}-s{spec['seed']}"
+    if not dry_run and not (path / "config.json").exists():
+        from verifiers_rl.tiny import save_tiny_model
+
+        try:
+            save_tiny_model(path, **spec)
+        except ValueError as e:
+            raise ConfigError(f"[tiny] {e}") from None
+    return str(path)
+
+
+def load_env(cfg: dict[str, Any]):
+    import verifiers as vf
+
+    env_id = cfg["env"]["id"]
+    args = cfg["env"].get("args", {})
+    try:
+        return vf.load_environment(env_id, **args)
+    except (ImportError, ModuleNotFoundError, ValueError) as e:
+        if "not found" in str(e).lower() or isinstance(e, ImportError):
+            raise ConfigError(
+                f"environment {env_id!r} is not installed ({e}); install it first, e.g. "
+                f"`pip install -e environments/{env_id.replace('-', '_')}` or `vf-install {env_id}`"
+            ) from None
+        raise
+    except TypeError as e:
+        raise ConfigError(f"[env.args] do not fit load_environment of {env_id!r}: {e}") from None
+
+
+def flags_from_args(args: dict[str, Any]) -> list[str]:
+    """[inference.args] -> command-line flags: {enforce_eager = true, max_model_len = 4096} ->
+    --enforce-eager --max-model-len 4096 (false drops the flag; lists repeat the value)."""
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            out += [flag, *[str(v) for v in value]]
+        elif isinstance(value, dict):
+            import json
+
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def run_cli(prog: str, body: Callable[[], int]) -> int:
+    """Run a command body; known failures become one line on stderr and a non-zero exit, no traceback."""
+    from verifiers_rl.rl.inference.client import ServerError
+    from verifiers_rl.rl.trainer.orchestrator import GenerationError
+
+    try:
+        return body()
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except (ServerError, GenerationError, FileNotFoundError, NotADirectoryError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130

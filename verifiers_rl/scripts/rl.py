@@ -1,0 +1,205 @@
+"""`vf-rl @ cfg.toml [--section.key value ...] [--dry-run]`: server + trainer in one command.
+`vf-rl setup [DIR] [--force]`: lay out a workspace (configs, endpoints, environments/AGENTS.md).
+
+Order of work: resolve the model (build the tiny one, run the SFT warm-start if the config asks and it is not
+done yet), assign GPUs (inference first, then trainer), start the inference server through the launcher, run
+the trainer (in this process, or `accelerate launch` when it has several GPUs), evaluate before/after, and
+write the reward curve. The server is stopped on every exit path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verifiers_rl.scripts.common import flags_from_args, load_env, resolve_model, run_cli, split_argv
+from verifiers_rl.scripts.toml_config import ConfigError, apply_overrides, assign_gpus, load, rl_config, validate
+
+
+@dataclass
+class Plan:
+    cfg: dict[str, Any]
+    config_path: str
+    overrides: list[str]
+    model: str
+    engine: str
+    gpus: Any
+    output_dir: str
+    sft: dict[str, Any] | None = None
+    server_cmd: list[str] = field(default_factory=list)
+    trainer_cmd: list[str] = field(default_factory=list)
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken CUDA setup means CPU here
+        return 0
+
+
+def build_plan(
+    cfg: dict[str, Any], config_path: str, overrides: list[str], dry_run: bool, cuda: int | None = None
+) -> Plan:
+    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.scripts.sft import sft_plan
+
+    sft = None
+    if "sft" in cfg:
+        sft = sft_plan(cfg["sft"]["config"], dry_run=dry_run)
+        model = sft["final_dir"]
+    else:
+        model = resolve_model(cfg, dry_run=dry_run)
+    real_cuda = _cuda_count()
+    cuda = real_cuda if cuda is None else cuda
+    # validates [trainer.args] now, before anything starts (precision checks need the real hardware)
+    args = rl_config(cfg, cuda=cuda > 0 and real_cuda > 0, quiet=cuda > real_cuda)
+    gpus = assign_gpus(cfg, cuda)
+    inf = cfg.get("inference", {})
+    engine = inf.get("engine", "auto")
+    if engine == "auto":
+        engine = "vllm" if cuda else "cpu"
+    if engine == "vllm" and not cuda:
+        raise ConfigError("inference.engine='vllm' needs CUDA devices; none are visible (use engine = \"cpu\")")
+    server = InferenceServer(
+        model, engine=engine, host=inf.get("host", "127.0.0.1"), port=inf.get("port"), output_dir=args.output_dir,
+        gpus=gpus.inference or None, extra_args=_server_args(cfg, args),
+    )  # fmt: skip
+    server.port = server.port or "<free port>"
+    plan = Plan(cfg, config_path, overrides, model, engine, gpus, args.output_dir, sft, server.command())
+    n_trainer = len(gpus.trainer)
+    if n_trainer > 1:
+        plan.trainer_cmd = [
+            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(n_trainer),
+            "-m", "verifiers_rl.scripts.train", "@", config_path, *overrides,
+            "--inference.host", inf.get("host", "127.0.0.1"), "--inference.port", "<server port>",
+        ]  # fmt: skip
+    return plan
+
+
+def _server_args(cfg: dict[str, Any], args) -> list[str]:
+    extra = flags_from_args(cfg.get("inference", {}).get("args", {}))
+    if "--max-model-len" not in extra:
+        extra += ["--max-model-len", str(args.server_max_model_len or args.max_seq_len)]
+    return extra
+
+
+def print_plan(plan: Plan) -> None:
+    print("# resolved config")
+    print(json.dumps(plan.cfg, indent=2, default=str))
+    print(f"\n# devices\n{plan.gpus.describe()}")
+    print(f"\n# model\n{plan.model}")
+    if plan.sft:
+        state = "done, reused" if plan.sft["done"] else "runs first"
+        print(f"\n# SFT warm-start ({state})\nvf-sft @ {plan.sft['config_path']}  ->  {plan.sft['final_dir']}")
+    dev = f"CUDA_VISIBLE_DEVICES={','.join(map(str, plan.gpus.inference))} " if plan.gpus.inference else ""
+    print(f"\n# inference server (engine: {plan.engine})\n{dev}{shlex.join(plan.server_cmd)}")
+    if plan.trainer_cmd:
+        dev = f"CUDA_VISIBLE_DEVICES={','.join(map(str, plan.gpus.trainer))} "
+        print(f"\n# trainer ({len(plan.gpus.trainer)} processes)\n{dev}{shlex.join(plan.trainer_cmd)}")
+    else:
+        where = f"on GPU {plan.gpus.trainer[0]}" if plan.gpus.trainer else "on the CPU"
+        print(f"\n# trainer\nin this process, {where} (RLTrainer, connected to the server above)")
+    print(f"\n# outputs\n{plan.output_dir} (metrics.jsonl, reward_curve.png, checkpoints, logs/inference.log)")
+
+
+def run(plan: Plan) -> int:
+    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.scripts.report import write_report
+
+    cfg = plan.cfg
+    if plan.sft and not plan.sft["done"]:
+        from verifiers_rl.scripts.sft import run_sft
+
+        run_sft(plan.sft["cfg"], plan.sft["config_path"])
+    env = load_env(cfg)
+    inf = cfg.get("inference", {})
+    args0 = rl_config(cfg)
+    server = InferenceServer(
+        plan.model, engine=plan.engine, host=inf.get("host", "127.0.0.1"), port=inf.get("port"),
+        output_dir=args0.output_dir, gpus=plan.gpus.inference or None, extra_args=_server_args(cfg, args0),
+        startup_timeout=inf.get("startup_timeout", args0.vllm_server_timeout),
+    )  # fmt: skip
+    print(f"vf-rl: starting the {plan.engine} inference server (log: {server.log_path})", flush=True)
+    with server:
+        if plan.trainer_cmd:
+            return _run_accelerate(plan, server)
+        args = rl_config(
+            cfg, server_mode="connect", vllm_server_host=server.host, vllm_server_port=server.port,
+            server_control_token=server.token, server_engine=plan.engine,
+        )  # fmt: skip
+        return _train_here(plan, env, args)
+
+
+def _train_here(plan: Plan, env, args) -> int:
+    from verifiers_rl.rl.trainer import RLTrainer
+    from verifiers_rl.scripts.report import write_report
+
+    ev = plan.cfg.get("eval", {})
+    if ev.get("num_examples"):
+        args.num_eval_examples = ev["num_examples"]
+    if ev.get("rollouts_per_example"):
+        args.eval_rollouts_per_example = ev["rollouts_per_example"]
+    trainer = RLTrainer(model=plan.model, env=env, args=args)
+    try:
+        before = trainer.evaluate(metric_key_prefix="eval_before") if ev.get("before", False) else None
+        trainer.train(resume_from_checkpoint=_resume(args.output_dir, plan.cfg))
+        after = trainer.evaluate(metric_key_prefix="eval_after") if ev.get("after", False) else None
+    finally:
+        trainer.close()
+    write_report(args.output_dir, before, after)
+    return 0
+
+
+def _resume(output_dir: str, cfg) -> bool | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if cfg.get("trainer", {}).get("args", {}).get("resume_from_checkpoint") is False:
+        return None
+    return True if os.path.isdir(output_dir) and get_last_checkpoint(output_dir) else None
+
+
+def _run_accelerate(plan: Plan, server) -> int:
+    cmd = [str(server.port) if a == "<server port>" else a for a in plan.trainer_cmd]
+    env = {**os.environ, "VF_CONTROL_TOKEN": server.token,
+           "CUDA_VISIBLE_DEVICES": ",".join(map(str, plan.gpus.trainer))}  # fmt: skip
+    print(f"vf-rl: {shlex.join(cmd)}", flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["setup"]:
+        from verifiers_rl.scripts.setup import main as setup_main
+
+        return setup_main(argv[1:])
+
+    def body() -> int:
+        path, overrides, flags = split_argv(argv, "vf-rl")
+        cfg = validate(apply_overrides(load(path), overrides), "vf-rl")
+        dry = "--dry-run" in flags
+        gpus = next((int(f.split("=")[1]) for f in flags if f.startswith("--gpus=")), None)
+        if gpus is not None and not dry:
+            raise ConfigError("--gpus only plans (with --dry-run); a real run uses the visible CUDA devices")
+        plan = build_plan(cfg, path, overrides, dry_run=dry, cuda=gpus)
+        if dry:
+            print_plan(plan)
+            return 0
+        code = run(plan)
+        out = Path(plan.output_dir)
+        print(f"vf-rl: done. metrics: {out / 'metrics.jsonl'}  curve: {out / 'reward_curve.png'}  "
+              f"checkpoints: {out}/checkpoint-*  server log: {out / 'logs' / 'inference.log'}")  # fmt: skip
+        return code
+
+    return run_cli("vf-rl", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""`vf-sft @ cfg.toml`: SFT warm-start on TRL's SFTTrainer (LoRA or full), writing a checkpoint that an RL
+config can use as `model` (or reference through its `[sft] config`).
+
+    model = "Qwen/Qwen3-0.6B"                  # or a local path, or "tiny"
+    [dataset]
+    env = "reverse-text"                       # prompt -> answer pairs from an environment's dataset ([env.args])
+    completion_template = "<reversed_text>\n{answer}\n</reversed_text>"   # formats each row's answer
+    # or: path = "data.jsonl" (prompt/completion or messages rows), or name = "<hub dataset>" + split
+    [trainer.args]                             # SFTConfig fields, plus use_lora / lora_rank / lora_alpha
+    learning_rate = 2e-4
+
+The final model (LoRA merged into the base) goes to <output_dir>/final.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from verifiers_rl.scripts.common import resolve_model, run_cli, split_argv
+from verifiers_rl.scripts.toml_config import ConfigError, _suggest, apply_overrides, load, validate
+
+LORA_KEYS = {"use_lora": False, "lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.0, "lora_target_modules": "all-linear"}
+SFT_DEFAULTS = {"learning_rate": 2e-4, "num_train_epochs": 1, "per_device_train_batch_size": 8, "logging_steps": 10,
+                "save_strategy": "no", "report_to": "none", "max_length": 1024, "completion_only_loss": True}  # fmt: skip
+
+
+def sft_plan(config_path: str, dry_run: bool = False) -> dict[str, Any]:
+    cfg = validate(load(config_path), "vf-sft")
+    out = sft_output_dir(cfg, config_path)
+    final = out / "final"
+    return {"cfg": cfg, "config_path": config_path, "final_dir": str(final), "done": (final / "config.json").exists()}
+
+
+def sft_output_dir(cfg: dict[str, Any], config_path: str) -> Path:
+    args = cfg.get("trainer", {}).get("args", {})
+    return Path(args.get("output_dir") or cfg.get("output_dir") or Path("outputs") / f"sft-{Path(config_path).stem}")
+
+
+def sft_args(cfg: dict[str, Any], config_path: str):
+    from trl import SFTConfig
+
+    given = dict(cfg.get("trainer", {}).get("args", {}))
+    lora = {k: given.pop(k, v) for k, v in LORA_KEYS.items()}
+    fields = {f.name for f in dataclasses.fields(SFTConfig)}
+    for key in given:
+        if key not in fields:
+            raise ConfigError(f"unknown key 'trainer.args.{key}'{_suggest(key, fields | set(LORA_KEYS))}; vf-sft takes "
+                              "SFTConfig fields plus use_lora, lora_rank, lora_alpha, lora_dropout, lora_target_modules")  # fmt: skip
+    import torch
+
+    kwargs = {**SFT_DEFAULTS, "output_dir": str(sft_output_dir(cfg, config_path)), **given}
+    if not torch.cuda.is_available():
+        kwargs.update(use_cpu=True, bf16=False, fp16=False)
+    try:
+        return SFTConfig(**kwargs), lora
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"[trainer.args] {e}") from None
+
+
+def sft_dataset(cfg: dict[str, Any]):
+    """Rows of {"prompt": messages, "completion": [assistant message]} (or the dataset as given)."""
+    from datasets import load_dataset
+
+    ds_cfg = cfg.get("dataset", {})
+    if "env" in ds_cfg:
+        from verifiers_rl.scripts.common import load_env
+
+        env = load_env({"env": {"id": ds_cfg["env"], "args": cfg.get("env", {}).get("args", {})}})
+        rows = env.get_dataset()
+        template = ds_cfg.get("completion_template", "{answer}")
+        field = ds_cfg.get("completion_field", "answer")
+
+        def to_pair(row):
+            try:
+                text = template.format(**row)
+            except KeyError as e:
+                raise ConfigError(f"dataset.completion_template uses {e} which the rows do not have") from None
+            return {"prompt": row["prompt"], "completion": [{"role": "assistant", "content": text or str(row[field])}]}
+
+        ds = rows.map(to_pair, remove_columns=rows.column_names)
+    elif "path" in ds_cfg:
+        path = ds_cfg["path"]
+        if not Path(path).exists():
+            raise ConfigError(f"dataset.path {path!r} does not exist")
+        kind = "json" if path.endswith((".json", ".jsonl")) else Path(path).suffix.lstrip(".")
+        ds = load_dataset(kind, data_files=path, split="train")
+    elif "name" in ds_cfg:
+        ds = load_dataset(ds_cfg["name"], split=ds_cfg.get("split", "train"))
+    else:
+        raise ConfigError("[dataset] needs one of: env, path, name")
+    n = ds_cfg.get("num_examples")
+    return ds.select(range(min(n, len(ds)))) if n else ds
+
+
+def run_sft(cfg: dict[str, Any], config_path: str) -> str:
+    from trl import SFTTrainer
+
+    from verifiers_rl.rl.trainer.utils import get_model_and_tokenizer
+
+    args, lora = sft_args(cfg, config_path)
+    dataset = sft_dataset(cfg)
+    model, tokenizer = get_model_and_tokenizer(resolve_model(cfg))
+    peft_config = None
+    if lora["use_lora"]:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=lora["lora_rank"], lora_alpha=lora["lora_alpha"], lora_dropout=lora["lora_dropout"],
+                                 target_modules=lora["lora_target_modules"], task_type="CAUSAL_LM")  # fmt: skip
+    print(f"vf-sft: {len(dataset)} examples -> {args.output_dir}", flush=True)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
+    trainer.train()
+    final = Path(args.output_dir) / "final"
+    model = trainer.model
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    model.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    print(f"vf-sft: wrote {final} (use it as `model` in an RL config)", flush=True)
+    return str(final)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def body() -> int:
+        path, overrides, flags = split_argv(argv, "vf-sft")
+        cfg = validate(apply_overrides(load(path), overrides), "vf-sft")
+        if "--dry-run" in flags:
+            args, lora = sft_args(cfg, path)
+            print(f"vf-sft: {cfg['model']} on {cfg.get('dataset')} (lora={lora['use_lora']}) -> {args.output_dir}/final")
+            return 0
+        run_sft(cfg, path)
+        return 0
+
+    return run_cli("vf-sft", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The `vf-rl` / `vf-train` / `vf-sft` TOML schema: load, override from the command line, validate.
+
+    model = "Qwen/Qwen3-0.6B"            # hub id, local path, or "tiny" (built offline from [tiny])
+    [env]       id = "reverse-text"      # + [env.args] for load_environment(**args)
+    [inference] gpus = 1                 # + engine, host, port, [inference.args] (vLLM flags)
+    [trainer]   gpus = 1                 # + [trainer.args] (RLConfig fields)
+    [sft]       config = "configs/vf-sft/x.toml"   # ours: warm-start first (skipped when already done)
+    [tiny]      hidden = 64, layers = 2, seed = 0  # ours: the offline tiny model
+    [eval]      before = true, after = true        # ours: held-out eval around RL
+
+Errors name the key and say what is allowed; `ConfigError` carries one line for the CLI to print.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A config problem the user can fix; the message is the whole story (no traceback is shown)."""
+
+
+SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "": {"model": str, "output_dir": str, "run_name": str},
+    "env": {"id": str, "args": dict},
+    "inference": {"gpus": int, "engine": str, "host": str, "port": int, "args": dict, "startup_timeout": (int, float)},
+    "trainer": {"gpus": int, "args": dict},
+    "sft": {"config": str},
+    "tiny": {"hidden": int, "layers": int, "seed": int, "head_dim": int},
+    "eval": {"before": bool, "after": bool, "num_examples": int, "rollouts_per_example": int},
+    "dataset": {"env": str, "path": str, "name": str, "split": str, "prompt_field": str, "completion_field": str,
+                "completion_template": str, "num_examples": int},  # vf-sft  # fmt: skip
+}
+REQUIRED = {"vf-rl": [("", "model"), ("env", "id")], "vf-train": [("", "model"), ("env", "id")], "vf-sft": [("", "model")]}
+ENGINES = ("auto", "cpu", "vllm")
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _key(section: str, key: str) -> str:
+    return f"{section}.{key}" if section else key
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def parse_value(text: str) -> Any:
+    """`--trainer.args.learning_rate 1e-4` -> 1e-4; TOML literals (numbers, booleans, arrays), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(cfg: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`--section.key value` pairs (or `--section.key=value`) onto the loaded config."""
+    it = iter(overrides)
+    for arg in it:
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --trainer.args.learning_rate 1e-4")
+        dotted, eq, value = arg[2:].partition("=")
+        if not eq:
+            value = next(it, None)
+            if value is None:
+                raise ConfigError(f"override --{dotted} needs a value")
+        node = cfg
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override --{dotted}: {part!r} is not a section")
+        node[parts[-1]] = parse_value(value)
+    return cfg
+
+
+def validate(cfg: dict[str, Any], command: str = "vf-rl") -> dict[str, Any]:
+    for top, value in cfg.items():
+        if isinstance(value, dict):
+            if top not in SCHEMA:
+                allowed = ", ".join(f"[{s}]" for s in SCHEMA if s)
+                raise ConfigError(f"unknown section [{top}]{_suggest(top, SCHEMA)}; allowed: {allowed}")
+            _check_section(top, value)
+        else:
+            _check_key("", top, value)
+    for section, key in REQUIRED[command]:
+        node = cfg.get(section, {}) if section else cfg
+        if key not in node:
+            where = f"[{section}] {key}" if section else key
+            raise ConfigError(f"missing required key {where} in the config")
+    engine = cfg.get("inference", {}).get("engine", "auto")
+    if engine not in ENGINES:
+        raise ConfigError(f"inference.engine={engine!r}; allowed: {', '.join(ENGINES)}")
+    for section in ("inference", "trainer"):
+        gpus = cfg.get(section, {}).get("gpus")
+        if gpus is not None and gpus < 0:
+            raise ConfigError(f"{section}.gpus={gpus}: must be >= 0")
+    if command != "vf-sft":
+        _check_trainer_args(cfg.get("trainer", {}).get("args", {}))
+    return cfg
+
+
+def _check_section(section: str, value: dict) -> None:
+    for key, v in value.items():
+        _check_key(section, key, v)
+
+
+def _check_key(section: str, key: str, value: Any) -> None:
+    allowed = SCHEMA[section]
+    if key not in allowed:
+        names = ", ".join(sorted(allowed))
+        raise ConfigError(f"unknown key {_key(section, key)!r}{_suggest(key, allowed)}; allowed in [{section or 'top level'}]: {names}")
+    want = allowed[key]
+    if want is float:
+        want = (int, float)
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        names = " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
+        raise ConfigError(f"{_key(section, key)}={value!r}: expected {names}")
+
+
+def _check_trainer_args(args: dict) -> None:
+    from verifiers_rl.rl.trainer.config import RLConfig
+
+    fields = {f.name for f in dataclasses.fields(RLConfig)}
+    for key in args:
+        if key not in fields:
+            raise ConfigError(
+                f"unknown key 'trainer.args.{key}'{_suggest(key, fields)}; trainer.args takes RLConfig fields "
+                "(see docs/configuration.md)"
+            )
+
+
+def rl_config(cfg: dict[str, Any], cuda: bool | None = None, quiet: bool = False, **overrides):
+    """Build and validate the RLConfig; its ValueError names the field, re-raised as a ConfigError.
+
+    Without CUDA the trainer runs on the CPU: half-precision flags are dropped (with a notice) instead of
+    failing, so one config serves a GPU box and a laptop."""
+    from verifiers_rl.rl.trainer.config import RLConfig
+
+    args = dict(cfg.get("trainer", {}).get("args", {}))
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if not cuda:
+        dropped = [k for k in ("bf16", "fp16") if args.pop(k, False)]
+        if dropped and not quiet:
+            print(f"note: no CUDA device: training on CPU in float32 (ignoring {', '.join(dropped)})", file=sys.stderr)
+        args["use_cpu"] = True
+    run_name = cfg.get("run_name") or args.get("run_name")
+    args.setdefault("output_dir", cfg.get("output_dir") or str(Path("outputs") / (run_name or "vf-rl")))
+    if run_name:
+        args.setdefault("run_name", run_name)
+    args.update(overrides)
+    try:
+        return RLConfig(**args)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"[trainer.args] {e}") from None
+
+
+@dataclasses.dataclass
+class GpuPlan:
+    cuda: int
+    inference: list[int]
+    trainer: list[int]
+
+    def describe(self) -> str:
+        if not self.cuda:
+            return "no CUDA devices: CPU engine for inference, trainer on CPU"
+        return f"{self.cuda} CUDA devices: inference on {self.inference or 'none'}, trainer on {self.trainer or 'none'}"
+
+
+def assign_gpus(cfg: dict[str, Any], available: int) -> GpuPlan:
+    """Inference first, then the trainer; with no CUDA everything runs on the CPU."""
+    if available == 0:
+        return GpuPlan(0, [], [])
+    n_inf = cfg.get("inference", {}).get("gpus", 1)
+    n_tr = cfg.get("trainer", {}).get("gpus", 1)
+    if n_inf + n_tr > available:
+        raise ConfigError(
+            f"inference.gpus={n_inf} + trainer.gpus={n_tr} exceeds the {available} visible CUDA devices "
+            "(NCCL weight sync needs separate GPUs for the server and the trainer)"
+        )
+    return GpuPlan(available, list(range(n_inf)), list(range(n_inf, n_inf + n_tr)))
