@@ -46,7 +46,7 @@ def test_reverse_text_loads_through_verifiers():
     assert (len(train), len(evaluation)) == (2000, 200)
     row = train[0]
     assert [m["role"] for m in row["prompt"]] == ["system", "user"]
-    assert "<answer>" in row["prompt"][0]["content"]
+    assert "<reversed_text>" in row["prompt"][0]["content"]
     assert row["prompt"][1]["content"] == row["question"] and row["answer"] == row["question"][::-1]
     for q in train["question"]:
         assert 3 <= len(q) <= 8 and set(q) <= set(rt.DEFAULT_ALPHABET)
@@ -56,7 +56,9 @@ def test_reverse_text_data_is_seeded_and_splits_are_disjoint():
     a = rt.load_environment(num_train_examples=300, num_eval_examples=100, seed=1)
     b = rt.load_environment(num_train_examples=300, num_eval_examples=100, seed=1)
     c = rt.load_environment(num_train_examples=300, num_eval_examples=100, seed=2)
-    q = lambda env, split="train": list((env.get_dataset() if split == "train" else env.get_eval_dataset())["question"])  # noqa: E731
+    def q(env, split="train"):
+        return list((env.get_dataset() if split == "train" else env.get_eval_dataset())["question"])
+
     assert q(a) == q(b) and q(a, "eval") == q(b, "eval")
     assert q(a) != q(c)
     train, evaluation = set(a.get_dataset()["question"]), set(a.get_eval_dataset()["question"])
@@ -69,7 +71,8 @@ def test_reverse_text_data_is_seeded_and_splits_are_disjoint():
 
 def test_reverse_text_exhaustive_and_impossible_sizes():
     env = rt.load_environment(num_train_examples=3, num_eval_examples=1, alphabet="ab", min_len=2, max_len=2)
-    assert sorted(list(env.get_dataset()["question"]) + list(env.get_eval_dataset()["question"])) == ["aa", "ab", "ba", "bb"]
+    texts = list(env.get_dataset()["question"]) + list(env.get_eval_dataset()["question"])
+    assert sorted(texts) == ["aa", "ab", "ba", "bb"]
     with pytest.raises(ValueError, match="distinct texts"):
         rt.load_environment(num_train_examples=4, num_eval_examples=1, alphabet="ab", min_len=2, max_len=2)
     with pytest.raises(ValueError, match="unit"):
@@ -95,18 +98,21 @@ def test_reverse_text_reward_by_hand():
 
     def score(text):
         state = _score(env, row, [_assistant(text)])
-        return state["reward"], state["metrics"]["lcs_reward"], state["metrics"]["has_answer_tag"]
+        return state["reward"], state["metrics"]["lcs_reward"], state["metrics"]["has_tag"]
 
-    assert score("<answer>cba</answer>") == (1.0, 1.0, 1.0)
-    assert score("<answer>\ncba\n</answer>") == (1.0, 1.0, 1.0)  # XMLParser strips the field
+    def tag(text):
+        return f"<reversed_text>{text}</reversed_text>"
+
+    assert score(tag("cba")) == (1.0, 1.0, 1.0)
+    assert score(tag("\ncba\n")) == (1.0, 1.0, 1.0)  # XMLParser strips the field
     assert score("cba") == (1.0, 1.0, 0.0)  # tag missing: the raw text is scored
-    assert score("<answer>cb") == (0.8, 0.8, 0.0)  # unclosed: stray tag removed, "cb" vs "cba" = 4/5
-    assert score("<answer>x</answer> then <answer>cab</answer>")[0] == pytest.approx(2 * 2 / 6)  # last field
+    assert score("<reversed_text>cb") == (0.8, 0.8, 0.0)  # unclosed: stray tag removed, "cb" vs "cba" = 4/5
+    assert score(f"{tag('x')} then {tag('cab')}")[0] == pytest.approx(2 * 2 / 6)  # the last field counts
     assert score("") == (0.0, 0.0, 0.0)
-    assert score("<answer></answer>") == (0.0, 0.0, 1.0)
-    # verifiers' own message objects, as a real rollout's completion holds them
-    assert rt.lcs_reward([vf.AssistantMessage(content="<answer>cba</answer>")], "cba", rt.make_parser()) == 1.0
-    assert rt.lcs_reward("<answer>cba</answer>", "cba", rt.make_parser()) == 1.0
+    assert score(tag("")) == (0.0, 0.0, 1.0)
+    # verifiers' own message objects, as a real rollout's completion holds them, and plain-text completions
+    assert rt.lcs_reward([vf.AssistantMessage(content=tag("cba"))], "cba", rt.make_parser()) == 1.0
+    assert rt.lcs_reward(tag("cba"), "cba", rt.make_parser()) == 1.0
 
 
 # --- alphabet-sort ---------------------------------------------------------------------------------
@@ -256,7 +262,15 @@ socket.socket.connect = _guard
 """
 
 
-def test_vf_eval_cli_runs_reverse_text(server_url, tiny_model_dir, tmp_path):
+VF_EVAL_CASES = [
+    ("reverse-text", {"num_train_examples": 8, "num_eval_examples": 4}, 1),
+    ("alphabet-sort", {"num_train_examples": 4, "num_eval_examples": 2, "min_turns": 2, "max_turns": 2}, 2),
+]
+
+
+@pytest.mark.parametrize("env_id, env_args, turns", VF_EVAL_CASES, ids=[c[0] for c in VF_EVAL_CASES])
+def test_vf_eval_cli(server_url, tiny_model_dir, tmp_path, env_id, env_args, turns):
+    """verifiers' own CLI, env server and all, against our server; no process it starts may leave loopback."""
     guard = tmp_path / "guard"
     guard.mkdir()
     (guard / "sitecustomize.py").write_text(textwrap.dedent(_NO_NETWORK))
@@ -264,10 +278,9 @@ def test_vf_eval_cli_runs_reverse_text(server_url, tiny_model_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(guard), "VF_TEST_NET_LOG": str(net_log), "VF_TEST_KEY": "x"}
     out_dir = tmp_path / "out"
     cmd = [
-        sys.executable, "-m", "verifiers.scripts.eval", "reverse-text",
+        sys.executable, "-m", "verifiers.scripts.eval", env_id,
         "-m", tiny_model_dir, "-b", server_url, "-k", "VF_TEST_KEY",
-        "-n", "2", "-r", "2", "-t", "16", "-T", "1.0",
-        "-a", json.dumps({"num_train_examples": 8, "num_eval_examples": 4}),
+        "-n", "2", "-r", "2", "-t", "16", "-T", "1.0", "-a", json.dumps(env_args),
         "-d", "-s", "-o", str(out_dir),
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
@@ -275,5 +288,6 @@ def test_vf_eval_cli_runs_reverse_text(server_url, tiny_model_dir, tmp_path):
     assert not net_log.exists(), net_log.read_text()
     [results] = list(out_dir.rglob("results.jsonl"))
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    assert len(rows) == 4
-    assert all(0.0 <= r["reward"] <= 1.0 and not r.get("error") for r in rows)
+    assert len(rows) == 4 and sorted(r["example_id"] for r in rows) == [0, 0, 1, 1]
+    for r in rows:
+        assert r["error"] is None and 0.0 <= r["reward"] <= 1.0 and r["metrics"]["num_turns"] == turns

@@ -128,14 +128,16 @@ def assistant_replies(completion) -> list[str]:
 
 
 def turn_message(turn: int, names: Sequence[str], sort_by: str) -> str:
-    listed = "\n".join(names)
+    """The user message of 0-based ``turn``: the instructions (short after turn 1), then the new names."""
     key = sort_by.upper()
     if turn == 0:
-        return (
+        head = (
             f"Sort these names alphabetically by {key} name. Reply with the sorted list only, one name "
-            f"per line, and end each name that is new this turn with ' {NEW_TAG}'.\n\n{listed}"
+            f"per line, and end each name that is new this turn with ' {NEW_TAG}'."
         )
-    return f"New names. Reply with ALL names so far sorted by {key} name, new ones ending with ' {NEW_TAG}'.\n\n{listed}"
+    else:
+        head = f"New names. Reply with ALL names so far sorted by {key} name, new ones ending with ' {NEW_TAG}'."
+    return head + "\n\n" + "\n".join(names)
 
 
 def make_episode(rng: random.Random, min_turns: int, max_turns: int, min_names: int, max_names: int) -> dict:

@@ -1,19 +1,20 @@
 """reverse-text: a single-turn verifiers environment that teaches a model to reverse a text.
 
 Task. The user message is a short text; the model must answer with the same text reversed character
-by character, inside one XML field: ``abc`` -> ``<answer>cba</answer>``. The tag is short on purpose:
-with a byte-level tokenizer every tag character is a token a tiny model has to learn.
+by character, inside one XML field: ``abc`` -> ``<reversed_text>cba</reversed_text>`` (the format the
+``configs/vf-sft/reverse-text.toml`` warm-start writes). A tiny byte-level model pays one token per tag
+character, so the reward does not require the tags (see the fallback below).
 
 Scoring (reward in [0, 1], weight 1): the LCS ratio ``2 * LCS(pred, target) / (len(pred) + len(target))``
 between the predicted text and the reversed text, where LCS is the length of the longest common
 subsequence of characters. A perfect answer scores 1.0, an empty one 0.0, and near misses get partial
-credit, which gives a dense signal for RL from a random model.
+credit, so a model that is partly right still gets a learning signal.
 
-Fallback: ``pred`` is the content of the last ``<answer>...</answer>`` pair in the last assistant
-message. When that message has no complete pair (the model forgot the tags, or ran out of tokens before
-closing them), ``pred`` is the whole message text with any stray ``<answer>``/``</answer>`` tags removed,
-so a model that has not learned the format yet still gets credit for the characters it got right.
-A weight-0 metric, ``has_answer_tag``, reports whether the tags were used.
+Fallback: ``pred`` is the content of the last ``<reversed_text>...</reversed_text>`` pair in the last
+assistant message. When that message has no complete pair (the model forgot the tags, or ran out of tokens
+before closing them), ``pred`` is the whole message text with any stray opening/closing tags removed, so a
+model that has not learned the format yet still gets credit for the characters it got right.
+A weight-0 metric, ``has_tag``, reports whether the tags were used.
 
 Data. Generated offline and deterministically from ``seed`` (no hub): ``unit="char"`` (default) draws
 texts of ``min_len``..``max_len`` characters from ``alphabet``, sized for a tiny model; ``unit="word"``
@@ -31,8 +32,10 @@ from collections.abc import Sequence
 import verifiers as vf
 from datasets import Dataset
 
-ANSWER_TAG = "answer"
-DEFAULT_SYSTEM_PROMPT = "Reverse the text character by character. Reply as <answer>reversed text</answer>."
+ANSWER_TAG = "reversed_text"
+DEFAULT_SYSTEM_PROMPT = (
+    "Reverse the text character by character. Reply as <reversed_text>reversed text</reversed_text>."
+)
 DEFAULT_ALPHABET = "abcdefgh"
 WORDS = (
     "the a of and to in is it on for was with as his that he by at from this had not are but "
@@ -89,7 +92,7 @@ def last_assistant_text(completion) -> str:
 
 
 def extract_reversed(text: str, parser: vf.XMLParser | None = None) -> tuple[str, bool]:
-    """``(prediction, tagged)``: the last ``<answer>`` field, else the tag-stripped text (the fallback)."""
+    """``(prediction, tagged)``: the last tagged field, else the tag-stripped text (the fallback)."""
     parser = parser or make_parser()
     field = getattr(parser.parse(text, last=True), ANSWER_TAG, None)
     if field is not None:
@@ -112,8 +115,8 @@ def lcs_reward(completion, answer, parser) -> float:
     return score_reversal(last_assistant_text(completion), answer, parser)
 
 
-def has_answer_tag(completion, parser) -> float:
-    """1.0 when the last assistant message has a complete <answer>...</answer> pair (metric only)."""
+def has_tag(completion, parser) -> float:
+    """1.0 when the last assistant message has a complete <reversed_text>...</reversed_text> pair (metric)."""
     return float(extract_reversed(last_assistant_text(completion), parser)[1])
 
 
@@ -187,7 +190,7 @@ def load_environment(
         num_train_examples, num_eval_examples, min_len, max_len, alphabet, unit, words, seed
     )
     parser = make_parser()
-    rubric = vf.Rubric(funcs=[lcs_reward, has_answer_tag], weights=[1.0, 0.0], parser=parser)
+    rubric = vf.Rubric(funcs=[lcs_reward, has_tag], weights=[1.0, 0.0], parser=parser)
     return vf.SingleTurnEnv(
         dataset=Dataset.from_list(train) if train else None,
         eval_dataset=Dataset.from_list(evaluation) if evaluation else None,

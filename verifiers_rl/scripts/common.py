@@ -58,7 +58,8 @@ def load_env(cfg: dict[str, Any]):
     try:
         return vf.load_environment(env_id, **args)
     except (ImportError, ModuleNotFoundError, ValueError) as e:
-        if "not found" in str(e).lower() or isinstance(e, ImportError):
+        text = str(e).lower()
+        if isinstance(e, ImportError) or "not found" in text or "could not import" in text:
             raise ConfigError(
                 f"environment {env_id!r} is not installed ({e}); install it first, e.g. "
                 f"`pip install -e environments/{env_id.replace('-', '_')}` or `vf-install {env_id}`"

@@ -37,7 +37,7 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "sft": {"config": str},
     "tiny": {"hidden": int, "layers": int, "seed": int, "head_dim": int},
     "eval": {"before": bool, "after": bool, "num_examples": int, "rollouts_per_example": int},
-    "dataset": {"env": str, "path": str, "name": str, "split": str, "prompt_field": str, "completion_field": str,
+    "dataset": {"env": str, "path": str, "name": str, "split": str, "completion_field": str,
                 "completion_template": str, "num_examples": int},  # vf-sft  # fmt: skip
 }
 REQUIRED = {"vf-rl": [("", "model"), ("env", "id")], "vf-train": [("", "model"), ("env", "id")], "vf-sft": [("", "model")]}

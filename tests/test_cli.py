@@ -1,0 +1,224 @@
+"""vf-rl / vf-train / vf-sft / vf-rl setup, run as a user runs them (subprocesses, real server, real envs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _run(cmd: str, *args, cwd=None, env=None, timeout=300):
+    proc = subprocess.Popen([str(BIN / cmd), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=cwd, env={**os.environ, **(env or {})})  # fmt: skip
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), proc.pid
+
+
+def _servers_started_by(parent_pid: int) -> list[str]:
+    """Inference servers the launcher started for `parent_pid` (it sets VF_PARENT_PID) that are still alive."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if f"VF_PARENT_PID={parent_pid}".encode() in environ and "verifiers_rl.rl.inference.server" in cmd:
+            out.append(cmd)
+    return out
+
+
+def _write(tmp_path, text: str, name="cfg.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+TINY_RL = """
+model = "{model}"
+output_dir = "{out}"
+[env]
+id = "reverse-text"
+[env.args]
+num_train_examples = 32
+num_eval_examples = 8
+[inference]
+engine = "cpu"
+[trainer.args]
+max_steps = 1
+rollouts_per_example = 4
+batch_size = 16
+micro_batch_size = 8
+max_tokens = 8
+max_seq_len = 128
+learning_rate = 1e-3
+save_strategy = "no"
+log_completions = false
+[eval]
+before = true
+after = true
+num_examples = 4
+"""
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("[trainer.args]\nbatch_size = 10\nrollouts_per_example = 4\n", "batch_size=10: must be a positive multiple of rollouts_per_example=4"),
+        ("[trainer.args]\nlearning_rat = 1e-4\n", "unknown key 'trainer.args.learning_rat' (did you mean 'learning_rate'?)"),
+        ("[trainr]\ngpus = 1\n", "unknown section [trainr] (did you mean 'trainer'?)"),
+        ("[inference]\nengine = 'tpu'\n", "inference.engine='tpu'; allowed: auto, cpu, vllm"),
+        ("[inference]\ngpus = 'two'\n", "inference.gpus='two': expected int"),
+    ],
+)
+def test_broken_config_is_one_clear_line(tmp_path, tiny_model_dir, body, message):
+    cfg = _write(tmp_path, f'model = "{tiny_model_dir}"\n[env]\nid = "reverse-text"\n' + body)
+    r, pid = _run("vf-rl", "@", cfg)
+    assert r.returncode == 2
+    lines = [x for x in r.stderr.splitlines() if x.strip() and "Warning" not in x and "warnings.warn" not in x]
+    assert lines == [f"vf-rl: error: {lines[0].split('error: ', 1)[1]}"] and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not _servers_started_by(pid)
+
+
+def test_missing_env_and_missing_file(tmp_path, tiny_model_dir):
+    r, pid = _run("vf-rl", "@", tmp_path / "nope.toml")
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    cfg = _write(tmp_path, f'model = "{tiny_model_dir}"\n')
+    r, pid = _run("vf-rl", "@", cfg)
+    assert r.returncode == 2 and "missing required key [env] id" in r.stderr
+    cfg = _write(tmp_path, TINY_RL.format(model=tiny_model_dir, out=tmp_path / "o").replace('"reverse-text"', '"no-such-env"'))
+    r, pid = _run("vf-rl", "@", cfg)
+    assert r.returncode == 2 and "environment 'no-such-env' is not installed" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not _servers_started_by(pid)
+
+
+def test_overrides_and_dry_run(tmp_path, tiny_model_dir):
+    cfg = _write(tmp_path, TINY_RL.format(model=tiny_model_dir, out=tmp_path / "o"))
+    r, pid = _run("vf-rl", "@", cfg, "--dry-run", "--trainer.args.learning_rate", "3e-4", "--env.args.max_len=5")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout.split("# devices")[0].split("# resolved config", 1)[1])
+    assert plan["trainer"]["args"]["learning_rate"] == 3e-4 and plan["env"]["args"]["max_len"] == 5
+    assert "no CUDA devices: CPU engine" in r.stdout and "--engine cpu" in r.stdout
+    assert not (tmp_path / "o").exists()  # a dry run runs nothing
+
+
+def test_vf_rl_runs_end_to_end(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    cfg = _write(tmp_path, TINY_RL.format(model=tiny_model_dir, out=out))
+    r, pid = _run("vf-rl", "@", cfg, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_reward_before"] is not None and summary["eval_reward_after"] is not None
+    assert (out / "reward_curve.png").stat().st_size > 1000
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward" in r] == [1]
+    assert "vf-rl: done." in r.stdout
+    assert not _servers_started_by(pid)
+
+
+def test_vf_sft_writes_a_checkpoint_rl_can_use(tmp_path, tiny_model_dir):
+    cfg = _write(tmp_path, f"""
+        model = "{tiny_model_dir}"
+        [dataset]
+        env = "reverse-text"
+        completion_template = "<reversed_text>{{answer}}</reversed_text>"
+        num_examples = 32
+        [env.args]
+        num_train_examples = 32
+        [trainer.args]
+        output_dir = "{tmp_path / 'sft'}"
+        per_device_train_batch_size = 8
+        max_length = 128
+        learning_rate = 1e-3
+        use_lora = true
+        lora_rank = 4
+        """, "sft.toml")  # fmt: skip
+    r, pid = _run("vf-sft", "@", cfg)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = tmp_path / "sft" / "final"
+    model = AutoModelForCausalLM.from_pretrained(final)  # merged: a plain model, no adapter files needed
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    assert AutoTokenizer.from_pretrained(final).chat_template
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert any((p - q).abs().max() > 0 for p, q in zip(model.parameters(), base.parameters()))
+    bad = _write(tmp_path, f'model = "{tiny_model_dir}"\n[dataset]\nenv = "reverse-text"\n[trainer.args]\nnum_epochs = 1\n', "bad.toml")
+    r, pid = _run("vf-sft", "@", bad)
+    assert r.returncode == 2 and "unknown key 'trainer.args.num_epochs'" in r.stderr and "num_train_epochs" in r.stderr
+
+
+def test_vf_train_against_a_running_server(tmp_path, tiny_model_dir):
+    from verifiers_rl.rl.inference.launcher import InferenceServer
+
+    out = tmp_path / "train"
+    cfg = _write(tmp_path, TINY_RL.format(model=tiny_model_dir, out=out))
+    server = InferenceServer(tiny_model_dir, engine="cpu", output_dir=tmp_path / "srv")
+    with server as client:
+        r, pid = _run("vf-train", "@", cfg, "--inference.port", server.port, env={"VF_CONTROL_TOKEN": server.token})
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert client.weight_version() == "1"
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if "reward" in x] == [1]
+
+
+def test_setup_lays_out_workspace_idempotently(tmp_path):
+    ws = tmp_path / "ws"
+    r, pid = _run("vf-rl", "setup", ws)
+    assert r.returncode == 0 and r.stdout.count("✓ created") == 9
+    for rel in ("configs/endpoints.py", "configs/vf-rl/alphabet-sort.toml", "configs/vf-rl/wordle.toml",
+                "configs/vf-rl/reverse-text.toml", "environments/AGENTS.md"):  # fmt: skip
+        assert (ws / rel).exists(), rel
+    r, pid = _run("vf-rl", "setup", ws)
+    assert r.stdout.count("✓ up to date") == 9
+    edited = ws / "configs/vf-rl/gsm8k.toml"
+    edited.write_text(edited.read_text() + "\n# mine\n")
+    r, pid = _run("vf-rl", "setup", ws)
+    assert "kept (edited; --force to replace)" in r.stdout and edited.read_text().endswith("# mine\n")
+    r, pid = _run("vf-rl", "setup", ws, "--force")
+    assert "✓ overwritten" in r.stdout and not edited.read_text().endswith("# mine\n")
+    from verifiers_rl.scripts.setup import setup_workspace
+
+    assert {s for _, s in setup_workspace(ws)} == {"unchanged"}
+
+
+def test_repo_configs_are_the_scaffold_templates():
+    from verifiers_rl.scripts.setup import FILES, template
+
+    for rel in FILES:
+        if rel.startswith("configs/"):
+            assert (ROOT / rel).read_text() == template(rel), rel
+
+
+@pytest.mark.parametrize("name", ["alphabet-sort", "gsm8k", "math-python", "reverse-text", "wiki-search", "wordle"])
+def test_gpu_configs_validate_and_plan(name):
+    r, pid = _run("vf-rl", "@", ROOT / "configs" / "vf-rl" / f"{name}.toml", "--dry-run", "--gpus", "2", cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "2 CUDA devices: inference on [0], trainer on [1]" in r.stdout
+    assert "CUDA_VISIBLE_DEVICES=0" in r.stdout and "--engine vllm" in r.stdout
+    assert "on GPU 1" in r.stdout
+
+
+def test_config_specs_from_the_issue():
+    import tomllib
+
+    rt = tomllib.loads((ROOT / "configs/vf-rl/reverse-text.toml").read_text())
+    a = rt["trainer"]["args"]
+    assert rt["model"] == "Qwen/Qwen3-0.6B" and "sft" in rt
+    assert a["batch_size"] // a["rollouts_per_example"] == 8 and a["rollouts_per_example"] == 16
+    assert a["max_tokens"] == 128 and a["max_seq_len"] == 512
+    al = tomllib.loads((ROOT / "configs/vf-rl/alphabet-sort.toml").read_text())
+    a = al["trainer"]["args"]
+    assert al["model"] == "Qwen/Qwen3-4B-Instruct-2507"
+    assert (a["lora_rank"], a["lora_alpha"], a["max_steps"], a["batch_size"], a["rollouts_per_example"], a["max_seq_len"]) == (32, 64, 100, 512, 8, 2048)
+    assert al["env"]["args"] == {"min_turns": 3, "max_turns": 3, "min_names_per_turn": 1, "max_names_per_turn": 4,
+                                 "similarity_power": 8, "power_per_turn": False}  # fmt: skip

@@ -1,0 +1,109 @@
+"""Generate docs/configuration.md from RLConfig and the TOML schema: `python -m verifiers_rl.scripts.config_docs`.
+
+tests/test_docs.py regenerates it and fails when the committed file differs, so docs never drift from code."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from transformers import TrainingArguments
+
+HEADER = """# Configuration reference
+
+Generated from the code by `python -m verifiers_rl.scripts.config_docs` — do not edit by hand
+(`tests/test_docs.py` fails when this file and the code disagree).
+
+## TOML files (`vf-rl`, `vf-train`, `vf-sft`)
+
+```toml
+model = "Qwen/Qwen3-0.6B"      # hub id, local folder, or "tiny" (the offline tiny model, see [tiny])
+output_dir = "outputs/my-run"   # optional; default outputs/<run_name>
+run_name = "my-run"             # optional
+
+[env]
+id = "reverse-text"             # vf.load_environment(id, **args)
+[env.args]                      # keyword arguments of the environment's load_environment
+
+[inference]
+gpus = 1                        # CUDA devices for the server (assigned first)
+engine = "auto"                 # auto (vLLM with CUDA, else CPU engine) | cpu | vllm
+host = "127.0.0.1"
+port = 8000                     # optional; default: a free port
+startup_timeout = 600
+[inference.args]                # vLLM flags: gpu_memory_utilization = 0.8 -> --gpu-memory-utilization 0.8
+
+[trainer]
+gpus = 1                        # CUDA devices for the trainer (after the server's); > 1 runs accelerate
+[trainer.args]                  # RLConfig fields (below); vf-sft: SFTConfig fields + use_lora, lora_rank, ...
+
+[sft]                           # ours: warm-start with this vf-sft config first (skipped when done)
+config = "configs/vf-sft/reverse-text.toml"
+
+[tiny]                          # ours: model = "tiny"
+hidden = 64
+layers = 2
+seed = 0
+
+[eval]                          # ours: held-out eval reward around RL (vf-rl)
+before = true
+after = true
+num_examples = 64
+rollouts_per_example = 1
+
+[dataset]                       # vf-sft: one of env / path / name
+env = "reverse-text"
+completion_template = "<reversed_text>\n{answer}\n</reversed_text>"
+```
+
+Override any key from the command line: `vf-rl @ cfg.toml --trainer.args.learning_rate 1e-4 --env.args.max_len 12`.
+Unknown sections or keys, wrong types and invalid values stop the command with one line naming the key.
+
+"""
+
+
+def _type_name(f) -> str:
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return t.replace("|", "\\|")
+
+
+def _default(f) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return repr(f.default_factory())  # type: ignore[misc]
+    return "required"
+
+
+def render() -> str:
+    from verifiers_rl.rl.trainer.config import RLConfig
+    from verifiers_rl.scripts.toml_config import SCHEMA
+
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    lines = [HEADER, "## TOML keys by section\n", "| section | keys |", "|---|---|"]
+    for section, keys in SCHEMA.items():
+        lines.append(f"| `{section or 'top level'}` | {', '.join(f'`{k}`' for k in keys)} |")
+    lines += ["", "## RLConfig (`[trainer.args]`)", "",
+              "Fields RLConfig adds to `transformers.TrainingArguments`, and the TrainingArguments defaults it changes.",
+              "", "| field | type | default | meaning |", "|---|---|---|---|"]  # fmt: skip
+    for f in dataclasses.fields(RLConfig):
+        own = f.name not in inherited or f.name in RLConfig.__dict__.get("__annotations__", {})
+        if not own:
+            continue
+        help_text = f.metadata.get("help", "").replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| `{f.name}` | `{_type_name(f)}` | `{_default(f)}` | {help_text} |")
+    lines += ["", "Every other `TrainingArguments` field (e.g. `gradient_checkpointing`, `bf16`, `seed`, `eval_strategy`,",
+              "`eval_steps`, `save_total_limit`) works as in transformers.", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> int:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("docs/configuration.md")
+    out.write_text(render())
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
