@@ -76,6 +76,7 @@ class CPUEngine:
         self._pause_stack: contextlib.ExitStack | None = None
         self._pristine: dict[str, torch.Tensor] = {}  # base weights kept for adapter-only LoRA sync
         self._overwritten: set[str] = set()  # weights replaced by full tensors before any pristine copy
+        self._params = dict(model.named_parameters())  # looked up per received tensor on every sync
         self.eos_token_ids = _eos_ids(model, tokenizer)
 
         blocks = num_blocks or max(16, (max_num_seqs * max_model_len) // page_size // 4)
@@ -259,7 +260,7 @@ class CPUEngine:
     def load_weights(self, named_tensors, *, lora_scaling: float | None = None) -> int:
         """Copy tensors into the model (HF names). With `lora_scaling`, `X.lora_A`/`X.lora_B` pairs become
         X.weight = X0 + scaling * B @ A against pristine base weights; other names are copied as they are."""
-        params = dict(self.model.named_parameters())
+        params = self._params
         pending: dict[str, dict[str, torch.Tensor]] = {}
         count = 0
         with torch.no_grad():

@@ -102,7 +102,7 @@ class RLConfig(TrainingArguments):
 
     # ---------------------------------------------------------------- weight sync
     sync_backend: str = field(default="auto", metadata=_help("'gloo' (CPU), 'nccl' (GPU, trainer and server on different GPUs) or 'auto'."))
-    sync_bucket_mb: int = field(default=256, metadata=_help("Bucket size of a weight sync in MiB."))
+    sync_bucket_mb: int = field(default=64, metadata=_help("Bucket size of a weight sync in MiB."))
     lora_sync: str = field(default="merged", metadata=_help("'merged' (send base+delta) or 'adapter' (send only LoRA A/B; CPU engine only)."))
 
     # ---------------------------------------------------------------- logging / eval

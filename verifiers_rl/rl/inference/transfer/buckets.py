@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+# Small enough that packing the next bucket overlaps sending this one, large enough that per-broadcast
+# overhead vanishes; both peers keep two buckets of staging memory.
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -8,7 +8,7 @@ trainer's own DDP group (if any) stays untouched. Methods are called on the Proc
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,14 @@ class WeightGroup:
     store: object  # kept alive with the group: gloo reads the store lazily
     rank: int
     world_size: int
+    # Two staging buffers reused across syncs: a fresh 256 MB buffer per sync costs page faults that took
+    # longer than the transfer itself (104 ms vs 14 ms to fill; raw gloo 1.35 vs 3.34 GB/s into it).
+    buffers: list = field(default_factory=list)
+
+    def staging(self, nbytes: int) -> list[torch.Tensor]:
+        if not self.buffers or self.buffers[0].numel() < nbytes:
+            self.buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(2)]
+        return self.buffers
 
 
 def create_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> WeightGroup:
@@ -36,30 +44,58 @@ def create_group(host: str, port: int, rank: int, world_size: int, timeout_s: fl
     return WeightGroup(pg, store, rank, world_size)
 
 
-def broadcast(group: WeightGroup, tensor: torch.Tensor, root: int = 0) -> None:
+def broadcast_async(group: WeightGroup, tensor: torch.Tensor, root: int = 0):
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     opts.rootTensor = 0
-    group.pg.broadcast([tensor], opts).wait()
+    return group.pg.broadcast([tensor], opts)
 
 
-def send_buckets(pg: WeightGroup, buckets: list[Bucket], tensors_by_name: dict[str, torch.Tensor]) -> int:
-    """Trainer side: pack and broadcast each bucket; returns bytes sent."""
+def broadcast(group: WeightGroup, tensor: torch.Tensor, root: int = 0) -> None:
+    broadcast_async(group, tensor, root).wait()
+
+
+def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors_by_name: dict[str, torch.Tensor]) -> int:
+    """Trainer side: pack bucket i+1 while bucket i is on the wire (gloo runs collectives on its own
+    threads); a bucket holding one contiguous tensor is sent straight from that tensor, no copy."""
+    if not buckets:
+        return 0
+    bufs = group.staging(max(b.nbytes for b in buckets))
+    in_flight: list = [None, None]
     sent = 0
-    for bucket in buckets:
-        buf = pack(bucket, [tensors_by_name[m.name] for m in bucket.metas])
-        broadcast(pg, buf)
+    for i, bucket in enumerate(buckets):
+        slot = i % 2
+        if in_flight[slot] is not None:
+            in_flight[slot][0].wait()  # this staging buffer is free again
+        tensors = [tensors_by_name[m.name] for m in bucket.metas]
+        if len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].dtype == bucket.metas[0].dtype:
+            payload = tensors[0].detach().reshape(-1).view(torch.uint8)
+        else:
+            payload = pack(bucket, tensors, out=bufs[slot][: bucket.nbytes])
+        in_flight[slot] = (broadcast_async(group, payload), payload)
         sent += bucket.nbytes
+    for item in in_flight:
+        if item is not None:
+            item[0].wait()
     return sent
 
 
-def receive_buckets(pg: WeightGroup, buckets: list[Bucket], on_bucket) -> None:
-    """Receiver side: for each bucket, receive it and hand `on_bucket` its [(name, tensor view)] list."""
-    buf = torch.empty(max((b.nbytes for b in buckets), default=0), dtype=torch.uint8)
-    for bucket in buckets:
-        view = buf[: bucket.nbytes]
-        broadcast(pg, view)
-        on_bucket(unpack(bucket, view))
+def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket) -> None:
+    """Receiver side: bucket i+1 arrives into one staging buffer while `on_bucket` copies bucket i out of the
+    other. `on_bucket` gets [(name, view into the staging buffer)] and must copy what it keeps."""
+    if not buckets:
+        return
+    bufs = group.staging(max(b.nbytes for b in buckets))
+
+    def post(i: int):
+        return broadcast_async(group, bufs[i % 2][: buckets[i].nbytes])
+
+    pending = post(0)
+    for i, bucket in enumerate(buckets):
+        pending.wait()
+        if i + 1 < len(buckets):
+            pending = post(i + 1)
+        on_bucket(unpack(bucket, bufs[i % 2][: bucket.nbytes]))
 
 
-__all__ = ["WeightGroup", "create_group", "broadcast", "send_buckets", "receive_buckets", "plan_buckets"]
+__all__ = ["WeightGroup", "create_group", "broadcast", "broadcast_async", "send_buckets", "receive_buckets", "plan_buckets"]
