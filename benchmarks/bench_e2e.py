@@ -1,0 +1,398 @@
+"""End-to-end benchmark: TRL's GRPOTrainer (transformers generation in-process) vs our RLTrainer (own CPU inference
+server, max_async_level 0 and 1) on reverse-text, from the same checkpoint, with the same data, reward and settings.
+
+    /work/main/.venv/bin/python benchmarks/bench_e2e.py [--quick]
+
+Setup shared by all three runs:
+- model: the tiny Qwen3 (hidden 128, 2 layers, seed 0), warm-started by a short plain supervised loop written here
+  (full fine-tune on the env's train prompts -> "{answer}<|im_end|>", completion-only loss; the <reversed_text>
+  tags alone would cost 31 byte-tokens, more than max_tokens, and the reward does not need them). Deliberately short
+  so RL has room to improve; cached in /tmp (deterministic, not timed). All three runs start from that checkpoint.
+- data: vf.load_environment("reverse-text", seed 0); TRL gets the same rows (prompt messages + answer).
+- reward: the env's own `score_reversal(completion text, answer)` (ours through the env rubric, TRL through a
+  reward function wrapping it).
+- each optimizer step: P prompts x G rollouts (TRL: per_device_train_batch_size = P*G, gradient_accumulation 1,
+  num_generations = G, so generation_batch_size = P*G and steps_per_generation = 1), max_tokens = TRL's
+  max_completion_length, temperature 1.0, top_p 1, no top-k/min-p, learning rate, constant schedule, AdamW, grad
+  clip 1.0, LoRA r/alpha/targets/dropout identical (RLConfig's defaults: r 8, alpha 32, all projections; the LoRA
+  init is checked to be bit-identical), the same loss: "dapo" (token-level PPO clip, eps 0.2 / 0.28, normalised by
+  the step's tokens), group-std scaled advantages, beta = 0 (no reference model), num_iterations = 1.
+  Ours trains with RLConfig's default micro-batching (micro_batch_size 8, packed); TRL in one padded micro-batch.
+- train reward: TRL's logged `reward`; ours' logged `reward` averages non-errored rollouts and verifiers marks an
+  empty answer as an error (dropped), so ours' curve counts errored rollouts as 0, like TRL scores an empty answer.
+- timing: every run's clock starts at `trainer.train()` (ours includes spawning its server); step times from a
+  callback at on_step_end; s/step = median over steps 2..N.
+- eval: the same function for all three after training: HF `generate` with the final weights on the env's held-out
+  eval prompts (greedy, and sampled at temperature 1 with 2 seeded samples per prompt), scored by `score_reversal`.
+
+Reported: TRL's s/step over ours (k=0, k=1); the time ours needs to reach TRL's final smoothed train reward (trailing
+mean over W steps) over TRL's total wall-clock (goal <= 0.5, i.e. >= 2x reward per second); eval rewards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from _common import all_passed, median, print_table, row, wait_for_quiet, write_results  # noqa: E402
+from bench_async import make_clock, rl_config, run_rl, window_stats  # noqa: E402
+
+NAME = "bench_e2e"
+TINY = {"hidden": 128, "layers": 2, "seed": 0}
+SPEED_GOAL = 0.5  # ours' time to TRL's final reward / TRL's wall-clock
+SFT_LR = 3e-3
+ANSWER_TEMPLATE = "{answer}"  # no tags: the tags alone (31 byte tokens) would not fit in max_tokens; the reward does not need them
+
+
+# ---------------------------------------------------------------------------------------- shared pieces
+
+
+def scorer():
+    import reverse_text  # the env module, importable once vf.load_environment("reverse-text") ran
+
+    return reverse_text.score_reversal
+
+
+def settings(quick: bool) -> dict:
+    if quick:
+        return dict(prompts=4, group=4, max_tokens=16, steps=3, lr=2e-3, sft_steps=20, sft_batch=16, eval_n=16,
+                    smooth=2, num_train=400, num_eval=16, micro_batch_size=8)  # fmt: skip
+    return dict(prompts=8, group=8, max_tokens=16, steps=30, lr=2e-3, sft_steps=120, sft_batch=16, eval_n=100,
+                smooth=5, num_train=2000, num_eval=100, micro_batch_size=8)  # fmt: skip
+
+
+def sft_warm_start(base_dir: str, out_dir: str, rows, steps: int, batch: int, lr: float, seed: int, log) -> str:
+    """A plain completion-only supervised loop (full fine-tune) on the env's prompts; saved as a checkpoint."""
+    from verifiers_rl.rl.trainer.utils import get_model, get_tokenizer
+
+    tok = get_tokenizer(base_dir)
+    model = get_model(base_dir)
+    model.train()
+    eos = tok.eos_token_id
+    pairs = []
+    for r in rows:
+        p = tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"]
+        c = tok(ANSWER_TEMPLATE.format(answer=r["answer"]), add_special_tokens=False)["input_ids"] + [eos]
+        pairs.append((p, c))
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    t0 = time.perf_counter()
+    losses = []
+    for step in range(steps):
+        chunk = [pairs[rng.randrange(len(pairs))] for _ in range(batch)]
+        t = max(len(p) + len(c) for p, c in chunk)
+        ids = torch.full((batch, t), tok.pad_token_id)
+        att = torch.zeros(batch, t, dtype=torch.long)
+        labels = torch.full((batch, t), -100)
+        for i, (p, c) in enumerate(chunk):
+            n = len(p) + len(c)
+            ids[i, :n] = torch.tensor(p + c)
+            att[i, :n] = 1
+            labels[i, len(p) : n] = torch.tensor(c)
+        loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    log(f"SFT warm-start: {steps} steps x {batch} in {time.perf_counter() - t0:.1f}s, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
+    return out_dir
+
+
+def warm_start_checkpoint(s: dict, train_rows, tmp: str, log) -> str:
+    """The SFT'd tiny model, cached under $VF_BENCH_CACHE (default /tmp/vf_rl_bench_cache): it is deterministic
+    and not part of any timing."""
+    import hashlib
+    import shutil
+
+    from verifiers_rl.tiny import save_tiny_model
+
+    key = json.dumps({"tiny": TINY, "steps": s["sft_steps"], "batch": s["sft_batch"], "lr": SFT_LR, "n": len(train_rows),
+                      "template": ANSWER_TEMPLATE, "v": 1}, sort_keys=True)  # fmt: skip
+    cache = os.path.join(os.environ.get("VF_BENCH_CACHE", "/tmp/vf_rl_bench_cache"),
+                         "sft-" + hashlib.sha1(key.encode()).hexdigest()[:12])  # fmt: skip
+    if os.path.exists(os.path.join(cache, "config.json")):
+        log(f"SFT warm-start: cached {cache}")
+        return cache
+    base = str(save_tiny_model(os.path.join(tmp, "base"), **TINY))
+    out = sft_warm_start(base, os.path.join(tmp, "sft"), train_rows, s["sft_steps"], s["sft_batch"], SFT_LR, 0, log)
+    try:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        shutil.copytree(out, cache + ".tmp", dirs_exist_ok=True)
+        os.replace(cache + ".tmp", cache)
+        return cache
+    except OSError:
+        return out
+
+
+@torch.no_grad()
+def hf_eval(model, tok, rows, max_new_tokens: int, batch: int = 50, samples: int = 2, seed: int = 1234) -> dict:
+    """HF `generate` on `rows` with the given weights, scored by the env's score_reversal; identical for all runs.
+    Greedy (deterministic) and sampled at temperature 1 (`samples` per prompt, seeded: closer to the train reward)."""
+    score = scorer()
+    was_training = model.training
+    model.eval()
+    greedy, sampled, t0 = [], [], time.perf_counter()
+    for i in range(0, len(rows), batch):
+        part = rows[i : i + batch]
+        prompts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in part]
+        t = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), t), tok.pad_token_id)
+        att = torch.zeros(len(prompts), t, dtype=torch.long)
+        for j, p in enumerate(prompts):  # left padding
+            ids[j, t - len(p) :] = torch.tensor(p)
+            att[j, t - len(p) :] = 1
+        common = dict(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        out = model.generate(input_ids=ids, attention_mask=att, do_sample=False, **common)
+        greedy += [score(tok.decode(out[j, t:], skip_special_tokens=True), r["answer"]) for j, r in enumerate(part)]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + i)
+            out = model.generate(input_ids=ids.repeat_interleave(samples, 0), attention_mask=att.repeat_interleave(samples, 0),
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, **common)  # fmt: skip
+        sampled += [score(tok.decode(out[j, t:], skip_special_tokens=True), part[j // samples]["answer"])
+                    for j in range(out.shape[0])]  # fmt: skip
+    if was_training:
+        model.train()
+    return {"reward": sum(greedy) / len(greedy), "sampled_reward": sum(sampled) / len(sampled), "n": len(greedy),
+            "samples_per_prompt": samples, "seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+def trailing_mean(xs: list[float], w: int) -> list[float]:
+    return [sum(xs[max(0, i - w + 1) : i + 1]) / len(xs[max(0, i - w + 1) : i + 1]) for i in range(len(xs))]
+
+
+def curve(marks: list[dict], rewards: list[float], t_call: float, w: int) -> list[dict]:
+    """[{step, t (s since train() was called), reward, smoothed}] for steps with both a time and a reward."""
+    n = min(len(marks), len(rewards))
+    sm = trailing_mean(rewards[:n], w)
+    return [{"step": marks[i]["step"], "t": marks[i]["t"] - t_call, "reward": rewards[i], "smoothed": sm[i]} for i in range(n)]
+
+
+def time_to_reach(c: list[dict], target: float) -> float:
+    for p in c:
+        if p["smoothed"] >= target:
+            return p["t"]
+    return float("inf")
+
+
+# ---------------------------------------------------------------------------------------- the runs
+
+
+def run_trl(model_dir: str, train_rows, eval_rows, s: dict, out_dir: str, log) -> dict:
+    from peft import LoraConfig
+    from transformers import set_seed
+    from trl import GRPOConfig, GRPOTrainer
+
+    from verifiers_rl.rl.trainer.config import DEFAULT_LORA_TARGETS
+    from verifiers_rl.rl.trainer.utils import get_model, get_tokenizer
+
+    score = scorer()
+
+    def reverse_reward(completions, answer, **kwargs):
+        out = []
+        for c, a in zip(completions, answer):
+            text = c[-1]["content"] if isinstance(c, list) else c
+            out.append(score(text, a))
+        return out
+
+    args = GRPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=s["prompts"] * s["group"], gradient_accumulation_steps=1,
+        num_generations=s["group"], max_completion_length=s["max_tokens"], learning_rate=s["lr"],
+        lr_scheduler_type="constant", max_grad_norm=1.0, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
+        beta=0.0, num_iterations=1, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="group",
+        mask_truncated_completions=False, max_steps=s["steps"], use_cpu=True, bf16=False, fp16=False,
+        report_to="none", logging_steps=1, save_strategy="no", seed=0, log_completions=False, use_vllm=False,
+        disable_tqdm=True, shuffle_dataset=True, warmup_steps=0, weight_decay=0.0,
+    )  # fmt: skip
+    peft_config = LoraConfig(r=8, lora_alpha=32, lora_dropout=0.0, target_modules=list(DEFAULT_LORA_TARGETS),
+                             task_type="CAUSAL_LM")  # fmt: skip
+    from datasets import Dataset
+
+    ds = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in train_rows])
+    tok = get_tokenizer(model_dir)
+    model = get_model(model_dir)
+    set_seed(0)  # as RLTrainer does right before get_peft_model: the same LoRA init
+    ref: dict = {}
+    clock = make_clock(ref)
+    t0 = time.perf_counter()
+    trainer = GRPOTrainer(model=model, reward_funcs=reverse_reward, args=args, train_dataset=ds,
+                          processing_class=tok, peft_config=peft_config, callbacks=[clock])  # fmt: skip
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    construct_s = time.perf_counter() - t0
+    lora_a = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_A" in n}
+    t_call = time.perf_counter()
+    trainer.train()
+    train_call_s = time.perf_counter() - t_call
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h and "train_runtime" not in h]
+    ev = hf_eval(trainer.model, tok, eval_rows, s["max_tokens"])
+    return {"construct_s": construct_s, "train_call_s": train_call_s, "t_call": t_call, "marks": clock.marks,
+            "rewards": rewards, "eval": ev, "lora_a": lora_a,
+            "completion_len": [h.get("completions/mean_length") for h in trainer.state.log_history if "reward" in h]}  # fmt: skip
+
+
+def run_ours(model_dir: str, env, eval_rows, s: dict, k: int, out_dir: str, log) -> dict:
+    from verifiers_rl.rl.trainer.utils import get_tokenizer
+
+    tok = get_tokenizer(model_dir)
+    args = rl_config(
+        out_dir, rollouts_per_example=s["group"], batch_size=s["prompts"] * s["group"],
+        micro_batch_size=s["micro_batch_size"], max_tokens=s["max_tokens"], max_seq_len=256, max_steps=s["steps"],
+        learning_rate=s["lr"], lr_scheduler_type="constant", max_grad_norm=1.0, temperature=1.0, loss_type="dapo",
+        epsilon=0.2, epsilon_high=0.28, scale_rewards="group", kl_beta=0.0, max_async_level=k, seed=0,
+        lora_rank=8, lora_alpha=32, lora_dropout=0.0, warmup_steps=0, weight_decay=0.0,
+    )  # fmt: skip
+    captured: dict = {}
+
+    def after(trainer):
+        captured["eval"] = hf_eval(trainer.model, tok, eval_rows, s["max_tokens"])
+
+    res = run_rl(model_dir, env, args, log, after_train=after)
+    # The logged `reward` averages the rollouts that did not error; verifiers marks an empty answer as an error
+    # (EmptyModelResponseError) and RLTrainer drops it. TRL scores an empty answer (0.0 here), so for a like-for-like
+    # curve count errored rollouts as 0.
+    rewards = [m["reward"] * (m["rollouts"] - m["rollouts_errored"]) / max(m["rollouts"], 1) for m in res["metrics"]]
+    return {**res, "rewards": rewards, "eval": captured["eval"],
+            "gen_s": [m.get("timing/generation_s") for m in res["metrics"]],
+            "train_s": [m.get("timing/train_s") for m in res["metrics"]],
+            "wait_s": [m.get("timing/wait_s") for m in res["metrics"]],
+            "completion_len": [m.get("completion_tokens_mean") for m in res["metrics"]],
+            "logged_reward": [m["reward"] for m in res["metrics"]],
+            "rollouts_errored": [m["rollouts_errored"] for m in res["metrics"]]}  # fmt: skip
+
+
+def lora_init_matches(model_dir: str, trl_lora_a: dict) -> bool | None:
+    """Does TRL's LoRA A init equal RLTrainer's (same seed, same config)? Checked on a fresh wrap, no server."""
+    from verifiers_rl.rl.trainer import RLTrainer
+    from verifiers_rl.rl.trainer.utils import get_model
+
+    args = rl_config(tempfile.mkdtemp(prefix="bench_e2e_lora_"), lora_rank=8, lora_alpha=32, seed=0)
+    ours = RLTrainer._wrap_lora(get_model(model_dir), args)
+    mine = {n: p for n, p in ours.named_parameters() if "lora_A" in n}
+    if set(mine) != set(trl_lora_a):
+        return None
+    return all(torch.equal(mine[n], trl_lora_a[n]) for n in mine)
+
+
+# ---------------------------------------------------------------------------------------- run
+
+
+def _progress(log, name: str, r: dict) -> None:
+    steps = [b["t"] - a["t"] for a, b in zip(r["marks"], r["marks"][1:])]
+    log(f"{name}: {len(r['rewards'])} steps in {r['train_call_s']:.1f}s (median step {median(steps):.2f}s), rewards "
+        f"{' '.join(f'{x:.2f}' for x in r['rewards'])}; eval greedy {r['eval']['reward']:.3f} sampled "
+        f"{r['eval']['sampled_reward']:.3f}")
+
+
+def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
+    import verifiers as vf
+
+    from verifiers_rl.tiny import save_tiny_model
+
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+
+    s = settings(quick)
+    cores = os.cpu_count() or 1
+    results: dict = {"name": NAME, "quick": quick, "settings": s, "model": TINY, "cores": cores}
+    results["machine_before"] = wait_for_quiet((0 if quick else 180) if wait_quiet is None else wait_quiet, log=log)
+    env = vf.load_environment("reverse-text", num_train_examples=s["num_train"], num_eval_examples=s["num_eval"], seed=0)
+    train_rows = [dict(r) for r in env.get_dataset()]
+    eval_rows = [dict(r) for r in env.get_eval_dataset()][: s["eval_n"]]
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp:
+        model_dir = warm_start_checkpoint(s, train_rows, tmp, log)
+        from verifiers_rl.rl.trainer.utils import get_model, get_tokenizer
+
+        results["eval_init"] = hf_eval(get_model(model_dir), get_tokenizer(model_dir), eval_rows, s["max_tokens"])
+        log(f"init eval reward ({len(eval_rows)} prompts): greedy {results['eval_init']['reward']:.3f}, sampled "
+            f"{results['eval_init']['sampled_reward']:.3f}")
+
+        trl = run_trl(model_dir, train_rows, eval_rows, s, os.path.join(tmp, "trl"), log)
+        results["lora_init_identical"] = lora_init_matches(model_dir, trl.pop("lora_a"))
+        runs["trl"] = trl
+        _progress(log, "trl", trl)
+        for k in (0, 1):
+            runs[f"ours k={k}"] = r = run_ours(model_dir, env, eval_rows, s, k, os.path.join(tmp, f"ours{k}"), log)
+            _progress(log, f"ours k={k}", r)
+
+    w = s["smooth"]
+    summary = {}
+    for name, r in runs.items():
+        c = curve(r["marks"], r["rewards"], r["t_call"], w)
+        st = window_stats(r["marks"], 1)
+        summary[name] = {
+            "s_per_step": st["step_s"], "all_step_s": st["all_step_s"], "cpu_trainer_s": st["cpu_trainer_s"],
+            "cpu_server_s": st["cpu_server_s"], "machine_busy": st["machine_busy"], "curve": c,
+            "total_s": r["train_call_s"], "first_step_at_s": c[0]["t"] if c else float("nan"),
+            "final_smoothed": c[-1]["smoothed"] if c else float("nan"), "eval": r["eval"],
+            "completion_len": r.get("completion_len"),
+        }  # fmt: skip
+        if name != "trl":
+            summary[name].update(gen_s=median([x for x in r["gen_s"][1:] if x is not None]),
+                                 train_s=median([x for x in r["train_s"][1:] if x is not None]),
+                                 wait_s=median([x for x in r["wait_s"][1:] if x is not None]),
+                                 startup_s=r["startup_s"])  # fmt: skip
+        log(f"{name}: {st['step_s']:.2f} s/step, total {r['train_call_s']:.1f}s, final smoothed reward "
+            f"{summary[name]['final_smoothed']:.3f}, eval {r['eval']['reward']:.3f}/{r['eval']['sampled_reward']:.3f}; CPU-s/step trainer "
+            f"{st['cpu_trainer_s']:.2f} server {st['cpu_server_s']:.2f}; machine busy {st['machine_busy']:.0%}")  # fmt: skip
+    results["summary"] = summary
+    trl_s = summary["trl"]
+    target = trl_s["final_smoothed"]
+    rows = []
+    for k in (0, 1):
+        o = summary[f"ours k={k}"]
+        rows.append(row(f"s/step: TRL vs ours k={k} ({s['prompts']}x{s['group']} rollouts, {s['max_tokens']} tok)",
+                        trl_s["s_per_step"], o["s_per_step"], trl_s["s_per_step"] / o["s_per_step"], "(report)", None,
+                        unit="s"))  # fmt: skip
+    for k in (0, 1):
+        o = summary[f"ours k={k}"]
+        t = time_to_reach(o["curve"], target)
+        o["time_to_trl_final"] = t
+        ratio = t / trl_s["total_s"]
+        rows.append(row(f"time to TRL's final smoothed reward {target:.3f} (W={w}): TRL total vs ours k={k}",
+                        trl_s["total_s"], t, ratio, f"<={SPEED_GOAL}x", ratio <= SPEED_GOAL, unit="s"))  # fmt: skip
+    ei = results["eval_init"]
+    for kind, key in (("greedy", "reward"), ("sampled", "sampled_reward")):
+        for k in (0, 1):
+            rows.append(row(f"held-out eval reward ({kind}, {ei['n']} prompts; init {ei[key]:.3f}): TRL vs ours k={k}",
+                            runs["trl"]["eval"][key], runs[f"ours k={k}"]["eval"][key], None, "(report)", None))  # fmt: skip
+    for k in (0, 1):
+        rows.append(row(f"final smoothed train reward (W={w}): TRL vs ours k={k}", trl_s["final_smoothed"],
+                        summary[f"ours k={k}"]["final_smoothed"], None, "(report)", None))  # fmt: skip
+    results["rows"] = rows
+    results["passed"] = all_passed(rows)
+    results["wall_seconds"] = time.perf_counter() - t_start
+    print_table(f"end to end vs TRL ({'quick' if quick else 'full'}; {s['steps']} steps; LoRA init identical: "
+                f"{results['lora_init_identical']})", rows)
+    print(f"total {results['wall_seconds']:.1f}s; machine before: {results['machine_before']}")
+    path = write_results(NAME + ("_quick" if quick else ""), results)
+    print(f"results: {path}")
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="3 steps of 4x4 rollouts, 20 SFT steps (< 90 s)")
+    p.add_argument("--wait-quiet", type=float, default=None, metavar="S",
+                   help="wait up to S seconds for an idle machine before timing (default: 180, 0 with --quick)")
+    args = p.parse_args(argv)
+    res = run(quick=args.quick, wait_quiet=args.wait_quiet)
+    return 0 if res["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""Training-throughput benchmark: token-budget packed micro-batches (ours) vs naive right-padded micro-batches, and the
+peak memory of chunked vs full-vocabulary logprobs.
+
+    /work/main/.venv/bin/python benchmarks/bench_train.py [--quick]
+
+(a) One rollout batch of mixed-length samples (seeded; lengths uniform in [min_len, max_len], the last ~60% of
+    each sample trained) through a LoRA'd tiny Qwen3: forward (`forward.token_logprobs`, the trainer's path) plus a
+    simple policy-gradient loss and backward over the whole batch, no optimizer step. tokens/s = real (unpadded)
+    tokens of the batch / seconds.
+    - naive: fixed `micro_batch_size` samples in dataset order, right-padded to the longest of each micro-batch
+      (`collate_padded`).
+    - ours: what RLTrainer does with pack_sequences=True: `plan_microbatches(lengths, micro_batch_size * max_seq_len,
+      packed=True, max_samples=micro_batch_size)` + `collate_packed` (no padding; block-diagonal attention).
+    - also reported: the same token budget with no sample cap (a larger micro_batch_size), and length-bucketed
+      padded micro-batches (pack_sequences=False).
+    - diagnostic (full mode): an RL-shaped batch (64 samples of 140..165 tokens) at micro_batch_size 64 and 8,
+      packed vs padded: a packed row is one sequence to SDPA, with a dense [N, N] block-diagonal mask.
+    Variants run interleaved, one warm-up each, median of N rounds.
+(b) `logprobs.chunked_logprobs` vs `logprobs.full_logprobs` forward+backward at Qwen3's vocabulary (V=151936,
+    hidden 512, N=2048 tokens, float32), each in a fresh subprocess: peak RSS (ru_maxrss) minus the RSS right after
+    the inputs (hidden, LM head, targets) are allocated. Also the time of one forward+backward (median of N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from _common import all_passed, median, print_table, row, wait_for_quiet, write_results  # noqa: E402
+
+NAME = "bench_train"
+SPEEDUP_GOAL = 1.5
+MEMORY_GOAL = 0.5
+
+
+# ---------------------------------------------------------------------------------------- (a) micro-batching
+
+
+def make_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(min_len, max_len)
+        prompt = max(1, int(length * 0.4))
+        out.append(
+            {
+                "input_ids": [rng.randrange(vocab) for _ in range(length)],
+                "loss_mask": [False] * prompt + [True] * (length - prompt),
+                "sampler_logprobs": [0.0] * length,
+                "advantage": rng.uniform(-1.0, 1.0),
+            }
+        )
+    return out
+
+
+def naive_microbatches(samples: list[dict], micro_batch_size: int, pad_id: int) -> list[dict]:
+    from verifiers_rl.rl.trainer.batching import collate_padded
+
+    return [collate_padded(samples[i : i + micro_batch_size], pad_id) for i in range(0, len(samples), micro_batch_size)]
+
+
+def planned_microbatches(samples: list[dict], budget: int, packed: bool, max_samples: int | None, pad_id: int):
+    from verifiers_rl.rl.trainer.batching import collate_packed, collate_padded, plan_microbatches
+
+    plan = plan_microbatches([len(s["input_ids"]) for s in samples], budget, packed=packed, max_samples=max_samples)
+    groups = [[samples[i] for i in idx] for idx in plan]
+    return [collate_packed(g) if packed else collate_padded(g, pad_id) for g in groups]
+
+
+def step_seconds(model, head, mbs: list[dict]) -> float:
+    """Forward + simple PG loss + backward over every micro-batch (one optimizer step's worth of compute)."""
+    from verifiers_rl.rl.trainer.forward import token_logprobs
+
+    n_loss = sum(mb["num_loss_tokens"] for mb in mbs)
+    model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    for mb in mbs:
+        logprobs, _ = token_logprobs(model, head, mb, 1.0)
+        adv = mb["advantages"]
+        adv = adv[:, None] if adv.dim() == 1 else adv
+        loss = -(logprobs * adv * mb["loss_mask"]).sum() / n_loss
+        loss.backward()
+    return time.perf_counter() - t0
+
+
+def time_variants(model, head, variants: dict[str, list[dict]], real: int, repeats: int, log, tag: str) -> dict:
+    from verifiers_rl.rl.trainer.batching import padding_fraction
+
+    for mbs in variants.values():
+        step_seconds(model, head, mbs[:1])  # warm-up: one micro-batch of each layout
+    secs: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(repeats):  # interleaved, so background load hits every variant alike
+        for k, mbs in variants.items():
+            secs[k].append(step_seconds(model, head, mbs))
+    out = {}
+    for k, mbs in variants.items():
+        sec = median(secs[k])
+        out[k] = v = {
+            "seconds": sec, "all_seconds": secs[k], "tokens_per_s": real / sec, "microbatches": len(mbs),
+            "padding_frac": padding_fraction(mbs), "slots": sum(m["num_real_tokens"] + m["num_padded_tokens"] for m in mbs),
+            "longest_row": max(m["input_ids"].shape[1] for m in mbs),
+        }  # fmt: skip
+        log(f"{tag} {k}: {v['microbatches']} micro-batches (longest row {v['longest_row']}), padding "
+            f"{v['padding_frac']:.1%}, {v['tokens_per_s']:.0f} tok/s")
+    return out
+
+
+def microbatch_throughput(quick: bool, log) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    from verifiers_rl.rl.trainer.config import DEFAULT_LORA_TARGETS
+    from verifiers_rl.rl.trainer.forward import output_head
+    from verifiers_rl.tiny import build_tiny_model
+
+    hidden, layers = (128, 2) if quick else (256, 4)
+    n, min_len, max_len, mbs_size = (16, 32, 256, 4) if quick else (64, 32, 512, 8)
+    repeats = 1 if quick else 3
+    model, tok = build_tiny_model(hidden=hidden, layers=layers, seed=0)
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=32, target_modules=DEFAULT_LORA_TARGETS, task_type="CAUSAL_LM"))
+    model.train()
+    head = output_head(model)
+    pad = tok.pad_token_id
+    samples = make_samples(n, min_len, max_len, 256, seed=0)
+    real = sum(len(s["input_ids"]) for s in samples)
+    budget = mbs_size * max_len  # RLConfig.token_budget = micro_batch_size * max_seq_len
+    variants = {
+        "naive": naive_microbatches(samples, mbs_size, pad),
+        "packed": planned_microbatches(samples, budget, True, mbs_size, pad),
+        "packed_uncapped": planned_microbatches(samples, budget, True, None, pad),
+        "bucketed_padded": planned_microbatches(samples, budget, False, mbs_size, pad),
+    }
+    out = {
+        "model": {"hidden": hidden, "layers": layers, "lora_rank": 8},
+        "samples": n, "lengths": [min_len, max_len], "real_tokens": real, "micro_batch_size": mbs_size,
+        "token_budget": budget, "repeats": repeats,
+        "variants": time_variants(model, head, variants, real, repeats, log, "mixed"),
+    }  # fmt: skip
+    if not quick:
+        # diagnostic: an RL-shaped batch (64 samples of 140..165 tokens, like reverse-text rollouts) with
+        # micro_batch_size 64 / max_seq_len 256 (one packed row of ~9.7k tokens) vs 8, packed vs padded
+        rl = make_samples(64, 140, 165, 256, seed=1)
+        rl_real = sum(len(s["input_ids"]) for s in rl)
+        rl_variants = {
+            "padded_mbs64": planned_microbatches(rl, 64 * 256, False, 64, pad),
+            "packed_mbs64": planned_microbatches(rl, 64 * 256, True, 64, pad),
+            "padded_mbs8": planned_microbatches(rl, 8 * 256, False, 8, pad),
+            "packed_mbs8": planned_microbatches(rl, 8 * 256, True, 8, pad),
+        }
+        out["rl_shaped"] = {"samples": 64, "lengths": [140, 165], "real_tokens": rl_real,
+                            "variants": time_variants(model, head, rl_variants, rl_real, repeats, log, "rl-shaped")}  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------- (b) logprobs memory
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def memory_child(method: str, vocab: int, hidden: int, n: int, repeats: int, chunk_size: int = 1024) -> dict:
+    """Runs in a fresh process: peak RSS of one forward+backward of `method` above the RSS of its inputs."""
+    import resource
+
+    from verifiers_rl.rl.trainer import logprobs as L
+
+    torch.manual_seed(0)
+    fn = {"chunked": L.chunked_logprobs, "full": L.full_logprobs}[method]
+    h = (torch.randn(n, hidden) * 0.5).requires_grad_()
+    w = (torch.randn(vocab, hidden) * 0.02).requires_grad_()
+    targets = torch.randint(0, vocab, (n,))
+    # materialise the gradient buffers too: both methods need them, they are not what differs
+    w.grad = torch.zeros_like(w)
+    h.grad = torch.zeros_like(h)
+    base = _rss_bytes()
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    secs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        lp, _ = fn(h, w, targets, chunk_size=chunk_size)  # with_entropy=True, as the trainer calls it
+        lp.sum().backward()
+        secs.append(time.perf_counter() - t0)
+        del lp
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "method": method, "chunk_size": chunk_size, "rss_inputs": base, "peak_rss": peak, "peak_before_run": peak_before,
+        "peak_over_inputs": peak - base, "seconds": median(secs), "all_seconds": secs,
+        "logits_bytes": n * vocab * 4,
+    }  # fmt: skip
+
+
+def logprobs_memory(quick: bool, log) -> dict:
+    vocab, hidden, n = (32768, 256, 2048) if quick else (151936, 512, 2048)
+    repeats = 1 if quick else 2
+    out = {"vocab": vocab, "hidden": hidden, "tokens": n, "repeats": repeats}
+    # "chunked" uses forward.token_logprobs' default chunk_size (1024); "chunked_256" is a diagnostic
+    runs = [("full", "full", 1024), ("chunked", "chunked", 1024)] + ([] if quick else [("chunked_256", "chunked", 256)])
+    for label, method, chunk in runs:
+        cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", method, str(vocab), str(hidden), str(n),
+               str(repeats), str(chunk)]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        if res.returncode != 0:
+            raise RuntimeError(f"memory child {label} failed: {res.stderr[-2000:]}")
+        out[label] = m = json.loads(res.stdout.strip().splitlines()[-1])
+        log(f"logprobs {label}: peak {m['peak_over_inputs'] / 2**20:.0f} MiB over inputs "
+            f"(logits would be {m['logits_bytes'] / 2**20:.0f} MiB), {m['seconds']:.2f}s fwd+bwd")
+    return out
+
+
+# ---------------------------------------------------------------------------------------- run
+
+
+def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+
+    results: dict = {"name": NAME, "quick": quick}
+    results["machine_before"] = wait_for_quiet((0 if quick else 180) if wait_quiet is None else wait_quiet, log=log)
+    mb = results["microbatching"] = microbatch_throughput(quick, log)
+    mem = results["logprobs_memory"] = logprobs_memory(quick, log)
+
+    v = mb["variants"]
+    naive, packed = v["naive"], v["packed"]
+    sp = packed["tokens_per_s"] / naive["tokens_per_s"]
+    desc = (f"{mb['samples']} samples, len {mb['lengths'][0]}..{mb['lengths'][1]}, LoRA Qwen3 h{mb['model']['hidden']}"
+            f"x{mb['model']['layers']}")  # fmt: skip
+    rows = [
+        row(f"fwd+bwd tok/s: padded mbs={mb['micro_batch_size']} vs packed budget {mb['token_budget']} ({desc})",
+            naive["tokens_per_s"], packed["tokens_per_s"], sp, f">={SPEEDUP_GOAL}x", sp >= SPEEDUP_GOAL, unit="tok/s"),
+        row("padding fraction: naive vs packed", naive["padding_frac"], packed["padding_frac"], None, "(report)", None),
+        row("fwd+bwd tok/s: padded vs packed, no sample cap", naive["tokens_per_s"], v["packed_uncapped"]["tokens_per_s"],
+            v["packed_uncapped"]["tokens_per_s"] / naive["tokens_per_s"], "(report)", None, unit="tok/s"),
+        row("fwd+bwd tok/s: padded vs length-bucketed padded", naive["tokens_per_s"], v["bucketed_padded"]["tokens_per_s"],
+            v["bucketed_padded"]["tokens_per_s"] / naive["tokens_per_s"], "(report)", None, unit="tok/s",
+            padding_frac=v["bucketed_padded"]["padding_frac"]),
+    ]  # fmt: skip
+    if "rl_shaped" in mb:
+        rv = mb["rl_shaped"]["variants"]
+        for size in (64, 8):
+            a, b = rv[f"padded_mbs{size}"], rv[f"packed_mbs{size}"]
+            rows.append(row(f"RL-shaped batch (64 x 140..165 tok), micro_batch_size {size}: padded vs packed "
+                            f"(longest packed row {b['longest_row']})", a["tokens_per_s"], b["tokens_per_s"],
+                            b["tokens_per_s"] / a["tokens_per_s"], "(report)", None, unit="tok/s"))  # fmt: skip
+    full, chunked = mem["full"], mem["chunked"]
+    mr = chunked["peak_over_inputs"] / max(full["peak_over_inputs"], 1)
+    tag = f"V={mem['vocab']}, H={mem['hidden']}, N={mem['tokens']}, chunk {chunked['chunk_size']}"
+    rows += [
+        row(f"logprobs fwd+bwd peak RSS over inputs: full vs chunked ({tag})", full["peak_over_inputs"] / 2**20,
+            chunked["peak_over_inputs"] / 2**20, mr, f"<={MEMORY_GOAL}x", mr <= MEMORY_GOAL, unit="MiB"),
+        row(f"logprobs fwd+bwd time: full vs chunked ({tag})", full["seconds"], chunked["seconds"],
+            chunked["seconds"] / full["seconds"], "(report)", None, unit="s"),
+    ]  # fmt: skip
+    if "chunked_256" in mem:
+        c2 = mem["chunked_256"]
+        rows.append(row("logprobs peak RSS over inputs: full vs chunked, chunk_size 256 (default 1024)",
+                        full["peak_over_inputs"] / 2**20, c2["peak_over_inputs"] / 2**20,
+                        c2["peak_over_inputs"] / max(full["peak_over_inputs"], 1), "(report)", None, unit="MiB",
+                        seconds=c2["seconds"]))  # fmt: skip
+    results["rows"] = rows
+    results["passed"] = all_passed(rows)
+    results["wall_seconds"] = time.perf_counter() - t_start
+    print_table(f"training throughput and memory ({'quick' if quick else 'full'})", rows)
+    print(f"total {results['wall_seconds']:.1f}s; machine before: {results['machine_before']}")
+    path = write_results(NAME + ("_quick" if quick else ""), results)
+    print(f"results: {path}")
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller model, batch and vocabulary, one round (< 20 s)")
+    p.add_argument("--wait-quiet", type=float, default=None, metavar="S",
+                   help="wait up to S seconds for an idle machine before timing (default: 180, 0 with --quick)")
+    p.add_argument("--memory-child", nargs=6, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.memory_child:
+        method, vocab, hidden, n, repeats, chunk = args.memory_child
+        print(json.dumps(memory_child(method, int(vocab), int(hidden), int(n), int(repeats), int(chunk))), flush=True)
+        return 0
+    res = run(quick=args.quick, wait_quiet=args.wait_quiet)
+    return 0 if res["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
