@@ -214,7 +214,8 @@ def server_url(tiny_model_dir, tmp_path_factory):
 
 def _generate(env, inputs, url, model):
     client = vf.OpenAIChatCompletionsClient(AsyncOpenAI(base_url=url, api_key="x"))
-    sampling = {"max_tokens": 16, "temperature": 1.0}
+    # ignore_eos: a random tiny model sometimes ends at once, which verifiers records as an EmptyModelResponseError
+    sampling = {"max_tokens": 16, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
     return asyncio.run(env.generate(inputs, client, model=model, sampling_args=sampling))["outputs"]
 
 
