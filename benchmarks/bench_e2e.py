@@ -242,7 +242,7 @@ def run_trl(model_dir: str, train_rows, eval_rows, s: dict, out_dir: str, log) -
             "completion_len": [h.get("completions/mean_length") for h in trainer.state.log_history if "reward" in h]}  # fmt: skip
 
 
-def run_ours(model_dir: str, env, eval_rows, s: dict, k: int, out_dir: str, log) -> dict:
+def run_ours(model_dir: str, env, eval_rows, s: dict, k: int, out_dir: str, log, env_vars=None, threads=None) -> dict:
     from verifiers_rl.rl.trainer.utils import get_tokenizer
 
     tok = get_tokenizer(model_dir)
@@ -258,7 +258,7 @@ def run_ours(model_dir: str, env, eval_rows, s: dict, k: int, out_dir: str, log)
     def after(trainer):
         captured["eval"] = hf_eval(trainer.model, tok, eval_rows, s["max_tokens"])
 
-    res = run_rl(model_dir, env, args, log, after_train=after)
+    res = run_rl(model_dir, env, args, log, after_train=after, env_vars=env_vars, threads=threads)
     # The logged `reward` averages the rollouts that did not error; verifiers marks an empty answer as an error
     # (EmptyModelResponseError) and RLTrainer drops it. TRL scores an empty answer (0.0 here), so for a like-for-like
     # curve count errored rollouts as 0.
@@ -328,6 +328,12 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         for k in (0, 1):
             runs[f"ours k={k}"] = r = run_ours(model_dir, env, eval_rows, s, k, os.path.join(tmp, f"ours{k}"), log)
             _progress(log, f"ours k={k}", r)
+        if not quick:
+            # diagnostic: k=1 with the trainer and its server on one thread each (no oversubscription of 2 cores)
+            name = "ours k=1, 1+1 threads"
+            runs[name] = r = run_ours(model_dir, env, eval_rows, s, 1, os.path.join(tmp, "ours1t"), log,
+                                      env_vars={"OMP_NUM_THREADS": "1"}, threads=1)  # fmt: skip
+            _progress(log, name, r)
 
     w = s["smooth"]
     summary = {}
@@ -365,6 +371,15 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         ratio = t / trl_s["total_s"]
         rows.append(row(f"time to TRL's final smoothed reward {target:.3f} (W={w}): TRL total vs ours k={k}",
                         trl_s["total_s"], t, ratio, f"<={SPEED_GOAL}x", ratio <= SPEED_GOAL, unit="s"))  # fmt: skip
+    diag = "ours k=1, 1+1 threads"
+    if diag in summary:
+        o = summary[diag]
+        t = time_to_reach(o["curve"], target)
+        o["time_to_trl_final"] = t
+        rows.append(row(f"diag {diag}: s/step TRL vs ours", trl_s["s_per_step"], o["s_per_step"],
+                        trl_s["s_per_step"] / o["s_per_step"], "(report)", None, unit="s"))  # fmt: skip
+        rows.append(row(f"diag {diag}: time to TRL's final smoothed reward, TRL total vs ours", trl_s["total_s"], t,
+                        t / trl_s["total_s"], "(report)", None, unit="s"))  # fmt: skip
     ei = results["eval_init"]
     for kind, key in (("greedy", "reward"), ("sampled", "sampled_reward")):
         for k in (0, 1):

@@ -11,8 +11,9 @@ peak memory of chunked vs full-vocabulary logprobs.
       (`collate_padded`).
     - ours: what RLTrainer does with pack_sequences=True: `plan_microbatches(lengths, micro_batch_size * max_seq_len,
       packed=True, max_samples=micro_batch_size)` + `collate_packed` (no padding; block-diagonal attention).
-    - also reported: the same token budget with no sample cap (a larger micro_batch_size), and length-bucketed
-      padded micro-batches (pack_sequences=False).
+    - also reported: the same token budget with no sample cap (a larger micro_batch_size), length-bucketed
+      padded micro-batches (pack_sequences=False), and packed rows capped at max_seq_len tokens
+      (micro_batch_tokens=max_seq_len).
     - diagnostic (full mode): an RL-shaped batch (64 samples of 140..165 tokens) at micro_batch_size 64 and 8,
       packed vs padded: a packed row is one sequence to SDPA, with a dense [N, N] block-diagonal mask.
     Variants run interleaved, one warm-up each, median of N rounds.
@@ -138,6 +139,8 @@ def microbatch_throughput(quick: bool, log) -> dict:
         "packed": planned_microbatches(samples, budget, True, mbs_size, pad),
         "packed_uncapped": planned_microbatches(samples, budget, True, None, pad),
         "bucketed_padded": planned_microbatches(samples, budget, False, mbs_size, pad),
+        # packed rows capped at one max_seq_len (RLConfig(micro_batch_tokens=max_seq_len)): bounded attention
+        "packed_row_cap": planned_microbatches(samples, max_len, True, mbs_size, pad),
     }
     out = {
         "model": {"hidden": hidden, "layers": layers, "lora_rank": 8},
@@ -251,6 +254,10 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             v["bucketed_padded"]["tokens_per_s"] / naive["tokens_per_s"], "(report)", None, unit="tok/s",
             padding_frac=v["bucketed_padded"]["padding_frac"]),
     ]  # fmt: skip
+    pc = v["packed_row_cap"]
+    rows.append(row(f"fwd+bwd tok/s: padded vs packed with micro_batch_tokens={mb['lengths'][1]} ({pc['microbatches']} "
+                    "micro-batches)", naive["tokens_per_s"], pc["tokens_per_s"], pc["tokens_per_s"] / naive["tokens_per_s"],
+                    "(report)", None, unit="tok/s"))  # fmt: skip
     if "rl_shaped" in mb:
         rv = mb["rl_shaped"]["variants"]
         for size in (64, 8):
