@@ -30,7 +30,10 @@ class MetricsFileCallback(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         os.makedirs(args.output_dir, exist_ok=True)
-        row = {"step": state.global_step, **{k: v for k, v in logs.items() if _jsonable(v)}}
+        values = {k: v for k, v in logs.items() if _jsonable(v)}
+        if not values:
+            return
+        row = {"step": state.global_step, **values}
         with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
 
