@@ -63,9 +63,12 @@ class CPUEngine:
         max_batch_tokens: int | None = None,
         page_size: int = 64,
         num_blocks: int | None = None,
+        attention: str = "varlen",
     ):
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
+        if attention not in ("varlen", "sdpa"):
+            raise ValueError(f"attention={attention!r}; allowed: 'varlen', 'sdpa'")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -95,6 +98,10 @@ class CPUEngine:
             do_sample=False, max_new_tokens=max_model_len, eos_token_id=sorted(self.eos_token_ids) or -1
         )
         self.manager = model.init_continuous_batching(gen_config, cb_config)
+        if attention == "varlen":  # per-request attention instead of one block-diagonal mask over the whole batch
+            from verifiers_rl.rl.inference.varlen_attention import install
+
+            install(model)
         self.manager.warmup()  # creates the batch processor so the hook is in place before the first batch
         runner = self.manager.batch_processor.model_runner
         if runner.logit_processor.do_processing or not hasattr(runner, "_sample"):
