@@ -154,7 +154,10 @@ def create_app(
             return bad_request(e)
         except EngineError as e:
             return JSONResponse(protocol.error_body(str(e), 500, "InternalServerError"), 500)
-        return protocol.chat_response(engine.tokenizer, req.model or served_model_name, req, params, prompt_ids, completions)
+        # JSONResponse directly: FastAPI's jsonable_encoder walk over every logprob entry costs more than the dump
+        return JSONResponse(
+            protocol.chat_response(engine.tokenizer, req.model or served_model_name, req, params, prompt_ids, completions)
+        )
 
     @app.post("/v1/completions")
     async def completions(req: protocol.CompletionRequest):
@@ -170,14 +173,14 @@ def create_app(
         for p, comps in zip(prompts, results):
             choices += protocol.completion_choices(engine.tokenizer, req, params, p, comps, len(choices))
         all_comps = [c for comps in results for c in comps]
-        return {
+        return JSONResponse({
             "id": f"cmpl-{secrets.token_hex(12)}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": req.model or served_model_name,
             "choices": choices,
             "usage": protocol._usage([t for p in prompts for t in p], all_comps),
-        }
+        })
 
     # ---------------------------------------------------------------- vLLM RL routes (same payloads)
 

@@ -10,6 +10,7 @@ import json
 import re
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -103,6 +104,14 @@ class CompletionRequest(_SamplingFields):
 
 
 def render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
+    # GRPO sends each prompt once per rollout of its group: render it once (the template is a pure function of
+    # these inputs). The cache lives on the tokenizer, so a new model/tokenizer starts empty.
+    key = json.dumps([req.messages, req.tools, req.add_generation_prompt, req.continue_final_message,
+                      req.chat_template_kwargs], sort_keys=True, default=str)  # fmt: skip
+    cache = tokenizer.__dict__.setdefault("_vf_rendered_prompts", OrderedDict())
+    if key in cache:
+        cache.move_to_end(key)
+        return list(cache[key])
     kwargs = dict(req.chat_template_kwargs or {})
     ids = tokenizer.apply_chat_template(
         req.messages,
@@ -112,7 +121,14 @@ def render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
         tokenize=True,
         **kwargs,
     )
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ids = tuple(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    cache[key] = ids
+    if len(cache) > _RENDER_CACHE_SIZE:
+        cache.popitem(last=False)
+    return list(ids)
+
+
+_RENDER_CACHE_SIZE = 4096
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
