@@ -17,7 +17,7 @@ Setup shared by all three runs:
   clip 1.0, LoRA r/alpha/targets/dropout identical (RLConfig's defaults: r 8, alpha 32, all projections; the LoRA
   init is checked to be bit-identical), the same loss: "dapo" (token-level PPO clip, eps 0.2 / 0.28, normalised by
   the step's tokens), group-std scaled advantages, beta = 0 (no reference model), num_iterations = 1.
-  Ours trains with RLConfig's default micro-batching (micro_batch_size 8, packed); TRL in one padded micro-batch.
+  Micro-batches: TRL trains the step's P*G samples in one padded batch; ours with micro_batch_size = P*G, packed.
 - train reward: TRL's logged `reward`; ours' logged `reward` averages non-errored rollouts and verifiers marks an
   empty answer as an error (dropped), so ours' curve counts errored rollouts as 0, like TRL scores an empty answer.
 - timing: every run's clock starts at `trainer.train()` (ours includes spawning its server); step times from a
@@ -26,7 +26,10 @@ Setup shared by all three runs:
   eval prompts (greedy, and sampled at temperature 1 with 2 seeded samples per prompt), scored by `score_reversal`.
 
 Reported: TRL's s/step over ours (k=0, k=1); the time ours needs to reach TRL's final smoothed train reward (trailing
-mean over W steps) over TRL's total wall-clock (goal <= 0.5, i.e. >= 2x reward per second); eval rewards.
+mean over W steps) over TRL's total wall-clock (goal <= 0.5, i.e. >= 2x reward per second); eval rewards. When TRL's
+smoothed reward rose less than MIN_SIGNAL (a flat curve is "reached" at once, which would pass by accident), the goal
+is judged on ours' s/step over TRL's instead (equal steps of the same algorithm: reward per second at equal reward
+per step).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from bench_async import make_clock, rl_config, run_rl, window_stats  # noqa: E40
 NAME = "bench_e2e"
 TINY = {"hidden": 128, "layers": 2, "seed": 0}
 SPEED_GOAL = 0.5  # ours' time to TRL's final reward / TRL's wall-clock
+MIN_SIGNAL = 0.02  # TRL's smoothed reward must rise this much for time-to-reward to mean anything
 SFT_LR = 3e-3
 ANSWER_TEMPLATE = "{answer}"  # no tags: the tags alone (31 byte tokens) would not fit in max_tokens; the reward does not need them
 
@@ -65,9 +69,10 @@ def scorer():
 def settings(quick: bool) -> dict:
     if quick:
         return dict(prompts=4, group=4, max_tokens=16, steps=3, lr=2e-3, sft_steps=20, sft_batch=16, eval_n=16,
-                    smooth=2, num_train=400, num_eval=16, micro_batch_size=8)  # fmt: skip
-    return dict(prompts=8, group=8, max_tokens=16, steps=30, lr=2e-3, sft_steps=120, sft_batch=16, eval_n=100,
-                smooth=5, num_train=2000, num_eval=100, micro_batch_size=8)  # fmt: skip
+                    smooth=2, num_train=400, num_eval=16, micro_batch_size=16)  # fmt: skip
+    # micro_batch_size = prompts x group: the same micro-batch geometry as TRL's one padded batch per step
+    return dict(prompts=8, group=8, max_tokens=16, steps=40, lr=5e-3, sft_steps=120, sft_batch=16, eval_n=100,
+                smooth=5, num_train=2000, num_eval=100, micro_batch_size=64)  # fmt: skip
 
 
 def sft_warm_start(base_dir: str, out_dir: str, rows, steps: int, batch: int, lr: float, seed: int, log) -> str:
@@ -364,13 +369,27 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         rows.append(row(f"s/step: TRL vs ours k={k} ({s['prompts']}x{s['group']} rollouts, {s['max_tokens']} tok)",
                         trl_s["s_per_step"], o["s_per_step"], trl_s["s_per_step"] / o["s_per_step"], "(report)", None,
                         unit="s"))  # fmt: skip
+    # The time-to-reward ratio only means something if TRL's reward actually rose: with a flat curve every run
+    # "reaches" TRL's final value at its first steps. Then the goal falls back to reward per second at equal
+    # reward per step (same algorithm, same steps): TRL s/step over ours.
+    c = trl_s["curve"]
+    signal = (c[-1]["smoothed"] - trailing_mean([p["reward"] for p in c], w)[w - 1]) if len(c) >= 2 * w else 0.0
+    results["trl_learning_signal"] = signal
+    meaningful = signal >= MIN_SIGNAL
     for k in (0, 1):
         o = summary[f"ours k={k}"]
         t = time_to_reach(o["curve"], target)
         o["time_to_trl_final"] = t
         ratio = t / trl_s["total_s"]
-        rows.append(row(f"time to TRL's final smoothed reward {target:.3f} (W={w}): TRL total vs ours k={k}",
-                        trl_s["total_s"], t, ratio, f"<={SPEED_GOAL}x", ratio <= SPEED_GOAL, unit="s"))  # fmt: skip
+        if meaningful:
+            rows.append(row(f"time to TRL's final smoothed reward {target:.3f} (W={w}; TRL rose {signal:+.3f}): "
+                            f"TRL total vs ours k={k}", trl_s["total_s"], t, ratio, f"<={SPEED_GOAL}x",
+                            ratio <= SPEED_GOAL, unit="s"))  # fmt: skip
+        else:
+            rows.append(row(f"TRL's reward did not rise ({signal:+.3f} < {MIN_SIGNAL}): goal judged as reward/s at "
+                            f"equal reward/step = TRL s/step / ours k={k} s/step", trl_s["s_per_step"],
+                            o["s_per_step"], o["s_per_step"] / trl_s["s_per_step"], f"<={SPEED_GOAL}x",
+                            o["s_per_step"] / trl_s["s_per_step"] <= SPEED_GOAL, unit="s"))  # fmt: skip
     diag = "ours k=1, 1+1 threads"
     if diag in summary:
         o = summary[diag]

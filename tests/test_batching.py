@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from verifiers_rl.rl.trainer.batching import collate_packed, collate_padded, padding_fraction, plan_microbatches
+from verifiers_rl.rl.trainer.batching import collate_packed, collate_padded, padding_fraction, plan_microbatches, plan_rows
 from verifiers_rl.rl.trainer.losses import LOSS_TYPES, policy_loss
 
 
@@ -180,3 +180,54 @@ def test_policy_loss_packed_equals_padded(loss_type):
     assert any(g.abs().sum() > 0 for g in grads_pad)
     for k in m_pad:
         torch.testing.assert_close(m_pack[k], m_pad[k])
+
+
+def test_plan_rows_first_fit_decreasing():
+    assert plan_rows([5, 3, 4], None) == [[0, 1, 2]]
+    assert plan_rows([5, 3, 4], 12) == [[0, 1, 2]]  # fits in one row
+    # longest first: 7 -> row 0; 5 -> row 1; 4 -> row 1 (room 5); 3 -> row 0 (room 3); 20 over the cap: alone
+    assert plan_rows([4, 7, 5, 3, 20], 10) == [[4], [1, 3], [0, 2]]
+    rows = plan_rows(_mixed_lengths(), 300)
+    assert sorted(i for r in rows for i in r) == list(range(64))
+    lengths = _mixed_lengths()
+    assert all(sum(lengths[i] for i in r) <= 300 or len(r) == 1 for r in rows)
+
+
+def test_packed_rows_match_single_samples(tiny):
+    """Rows capped at row_len: each sample still sees only itself, the pad segment trains nothing."""
+    model, tok = tiny
+    samples = _samples([7, 12, 3, 9, 5], vocab=len(tok))
+    alone = [_target_logprobs(model, input_ids=torch.tensor([x["input_ids"]]))[0] for x in samples]
+    b = collate_packed(samples, row_len=16, pad_token_id=tok.pad_token_id)
+    assert b["input_ids"].shape[0] > 1 and b["num_padded_tokens"] > 0
+    assert b["num_real_tokens"] == sum(len(x["input_ids"]) for x in samples)
+    lp = _target_logprobs(model, input_ids=b["input_ids"], position_ids=b["position_ids"])
+    for i, (x, ref) in enumerate(zip(samples, alone)):
+        # trained targets of sample i, in order (row-major), against the same targets of the sample alone
+        where = (b["seq_index"] == i) & b["loss_mask"]
+        trained = torch.tensor(x["loss_mask"][1:])
+        assert int(where.sum()) == int(trained.sum()) > 0
+        torch.testing.assert_close(lp[where], ref[trained], atol=1e-5, rtol=1e-5)
+    assert int(b["loss_mask"].sum()) == b["num_loss_tokens"] == sum(sum(x["loss_mask"][1:]) for x in samples)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_policy_loss_rows_equal_one_row(loss_type):
+    samples = _samples([6, 3, 9, 5, 8], seed=5)
+    one, rows = collate_packed(samples), collate_packed(samples, row_len=12)
+    assert rows["input_ids"].shape[0] > 1
+    gen = torch.Generator().manual_seed(6)
+    lp_one = -torch.rand(one["loss_mask"].shape, generator=gen)
+    # the same per-target logprob for each (sample, target) in the multi-row layout
+    lp_rows = torch.zeros(rows["loss_mask"].shape)
+    for i in range(len(samples)):
+        lp_rows[(rows["seq_index"] == i) & rows["loss_mask"]] = lp_one[(one["seq_index"] == i) & one["loss_mask"]]
+    kw = dict(loss_type=loss_type, num_tokens_global=one["num_loss_tokens"], num_sequences_global=len(samples),
+              max_tokens=10, clip_eps_low=0.1, clip_eps_high=0.1)  # fmt: skip
+    loss_one, m_one = policy_loss(lp_one, one["sampler_logprobs"], one["advantages"], one["loss_mask"],
+                                  seq_index=one["seq_index"], **kw)  # fmt: skip
+    loss_rows, m_rows = policy_loss(lp_rows, rows["sampler_logprobs"], rows["advantages"], rows["loss_mask"],
+                                    seq_index=rows["seq_index"], **kw)  # fmt: skip
+    torch.testing.assert_close(loss_rows, loss_one)
+    for k in m_one:
+        torch.testing.assert_close(m_rows[k], m_one[k])

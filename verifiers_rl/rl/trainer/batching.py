@@ -113,38 +113,76 @@ def collate_padded(samples: Sequence[dict], pad_token_id: int) -> dict:
     }
 
 
-def collate_packed(samples: Sequence[dict]) -> dict:
-    """All samples concatenated into one row of N = sum(len) tokens, no padding and no attention_mask.
+def plan_rows(lengths: Sequence[int], row_len: int | None) -> list[list[int]]:
+    """First-fit-decreasing bins of sample indices whose lengths add up to <= row_len (None: one row).
+
+    A sample longer than row_len gets a row to itself. Rows keep their samples in index order.
+    """
+    if row_len is None or sum(lengths) <= row_len:
+        return [list(range(len(lengths)))]
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        j = next((r for r, free in enumerate(room) if lengths[i] <= free), None)
+        if j is None:
+            rows.append([i])
+            room.append(row_len - lengths[i])
+        else:
+            rows[j].append(i)
+            room[j] -= lengths[i]
+    return [sorted(r) for r in rows]
+
+
+def collate_packed(samples: Sequence[dict], row_len: int | None = None, pad_token_id: int = 0) -> dict:
+    """Samples concatenated into rows of at most `row_len` tokens (None: all in one row), no attention_mask.
 
     `position_ids` restart at 0 for each sample; transformers turns that into a block-diagonal causal mask
     (SDPA/eager) or varlen kernels (flash-attention), but only with attention_mask=None and no KV cache, so
-    call the model with use_cache=False. Keys: input_ids, position_ids [1, N]; target_ids, loss_mask,
-    sampler_logprobs, advantages (per token), seq_index (sample of each target) [1, N-1]; the counts of
-    collate_padded. The position before each sample start (last token of sample i predicting the first of
-    i+1) is never trained: sample starts are untrained targets. Pass seq_index to `losses.policy_loss`.
+    call the model with use_cache=False. A dense block-diagonal mask costs (row length)^2, which is why rows are
+    capped when the attention has no varlen kernel; shorter rows are padded with a segment of their own
+    (positions restart, never trained). Keys: input_ids, position_ids [R, L]; target_ids, loss_mask,
+    sampler_logprobs, advantages (per token), seq_index (sample of each target, global over rows) [R, L-1]; the
+    counts of collate_padded. The position before each sample start is never trained: sample starts are
+    untrained targets. Pass seq_index to `losses.policy_loss`.
     """
     _validate(samples)
-    ids, pos, mask, sampler, adv, seq = [], [], [], [], [], []
-    for i, s in enumerate(samples):
-        n = len(s["input_ids"])
-        ids += s["input_ids"]
-        pos += range(n)
-        mask += _untrain_first_token(s["loss_mask"])
-        sampler += s["sampler_logprobs"]
-        adv += [float(s["advantage"])] * n
-        seq += [i] * n
+    rows = []
+    for idx in plan_rows([len(s["input_ids"]) for s in samples], row_len):
+        ids, pos, mask, sampler, adv, seq = [], [], [], [], [], []
+        for i in idx:
+            s = samples[i]
+            n = len(s["input_ids"])
+            ids += s["input_ids"]
+            pos += range(n)
+            mask += _untrain_first_token(s["loss_mask"])
+            sampler += s["sampler_logprobs"]
+            adv += [float(s["advantage"])] * n
+            seq += [i] * n
+        rows.append((ids, pos, mask, sampler, adv, seq))
+    width = max(len(r[0]) for r in rows)
+    real = sum(len(r[0]) for r in rows)
+    for ids, pos, mask, sampler, adv, seq in rows:
+        pad = width - len(ids)
+        ids += [pad_token_id] * pad
+        pos += range(pad)
+        mask += [False] * pad
+        sampler += [0.0] * pad
+        adv += [0.0] * pad
+        seq += [seq[-1]] * pad  # any valid id: these targets are untrained
+    ids, pos, mask, sampler, adv, seq = (list(col) for col in zip(*rows))
     loss_mask = torch.tensor(mask, dtype=torch.bool)
+    input_ids = torch.tensor(ids, dtype=torch.long)
     return {
-        "input_ids": torch.tensor([ids], dtype=torch.long),
-        "position_ids": torch.tensor([pos], dtype=torch.long),
-        "target_ids": torch.tensor([ids[1:]], dtype=torch.long),
-        "loss_mask": loss_mask[None, 1:],
-        "sampler_logprobs": torch.tensor([sampler[1:]], dtype=torch.float32),
-        "advantages": torch.tensor([adv[1:]], dtype=torch.float32),
-        "seq_index": torch.tensor([seq[1:]], dtype=torch.long),
-        "num_real_tokens": len(ids),
-        "num_padded_tokens": 0,
-        "num_loss_tokens": int(loss_mask.sum()),
+        "input_ids": input_ids,
+        "position_ids": torch.tensor(pos, dtype=torch.long),
+        "target_ids": input_ids[:, 1:],
+        "loss_mask": loss_mask[:, 1:],
+        "sampler_logprobs": torch.tensor(sampler, dtype=torch.float32)[:, 1:],
+        "advantages": torch.tensor(adv, dtype=torch.float32)[:, 1:],
+        "seq_index": torch.tensor(seq, dtype=torch.long)[:, 1:],
+        "num_real_tokens": real,
+        "num_padded_tokens": len(rows) * width - real,
+        "num_loss_tokens": int(loss_mask[:, 1:].sum()),
         "num_sequences": len(samples),
     }
 

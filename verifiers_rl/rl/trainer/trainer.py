@@ -188,7 +188,7 @@ class RLTrainer(Trainer):
         for idx in plan:
             group = [mine[i] for i in idx]
             if args.pack_sequences:
-                out.append(collate_packed(group))
+                out.append(collate_packed(group, self._packed_row_len(), self.processing_class.pad_token_id))
             else:
                 out.append(collate_padded(group, self.processing_class.pad_token_id))
         return out
@@ -257,6 +257,12 @@ class RLTrainer(Trainer):
         metrics["padding_frac"] = padded / max(real + padded, 1)
         metrics["microbatches"] = float(len(mbs))
         return total, metrics
+
+    def _packed_row_len(self) -> int | None:
+        # flash-attention runs packed rows as varlen (cost ~ sum of len^2): one row is best. Any other attention
+        # builds a dense [N, N] block-diagonal mask, so rows are capped at max_seq_len (cost ~ rows x len^2).
+        impl = str(getattr(self.accelerator.unwrap_model(self.model).config, "_attn_implementation", "") or "")
+        return None if "flash" in impl else self.args.max_seq_len
 
     def _empty_microbatch(self, prepared: PreparedBatch) -> dict:
         sample = {"input_ids": [0, 0], "loss_mask": [False, True], "sampler_logprobs": [0.0, 0.0], "advantage": 0.0}
