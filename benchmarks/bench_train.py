@@ -175,7 +175,7 @@ def _rss_bytes() -> int:
     return 0
 
 
-def memory_child(method: str, vocab: int, hidden: int, n: int, repeats: int, chunk_size: int = 1024) -> dict:
+def memory_child(method: str, vocab: int, hidden: int, n: int, repeats: int, chunk_size: int | None = None) -> dict:
     """Runs in a fresh process: peak RSS of one forward+backward of `method` above the RSS of its inputs."""
     import resource
 
@@ -200,7 +200,7 @@ def memory_child(method: str, vocab: int, hidden: int, n: int, repeats: int, chu
         del lp
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
-        "method": method, "chunk_size": chunk_size, "rss_inputs": base, "peak_rss": peak, "peak_before_run": peak_before,
+        "method": method, "chunk_size": chunk_size or L.auto_chunk_size(vocab), "rss_inputs": base, "peak_rss": peak, "peak_before_run": peak_before,
         "peak_over_inputs": peak - base, "seconds": median(secs), "all_seconds": secs,
         "logits_bytes": n * vocab * 4,
     }  # fmt: skip
@@ -210,8 +210,8 @@ def logprobs_memory(quick: bool, log) -> dict:
     vocab, hidden, n = (32768, 256, 2048) if quick else (151936, 512, 2048)
     repeats = 1 if quick else 2
     out = {"vocab": vocab, "hidden": hidden, "tokens": n, "repeats": repeats}
-    # "chunked" uses forward.token_logprobs' default chunk_size (1024); "chunked_256" is a diagnostic
-    runs = [("full", "full", 1024), ("chunked", "chunked", 1024)] + ([] if quick else [("chunked_256", "chunked", 256)])
+    # "chunked" uses the trainer's default chunk size (logprobs.auto_chunk_size(V)); "chunked_1024" is a diagnostic
+    runs = [("full", "full", 0), ("chunked", "chunked", 0)] + ([] if quick else [("chunked_1024", "chunked", 1024)])
     for label, method, chunk in runs:
         cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", method, str(vocab), str(hidden), str(n),
                str(repeats), str(chunk)]  # fmt: skip
@@ -274,9 +274,9 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         row(f"logprobs fwd+bwd time: full vs chunked ({tag})", full["seconds"], chunked["seconds"],
             chunked["seconds"] / full["seconds"], "(report)", None, unit="s"),
     ]  # fmt: skip
-    if "chunked_256" in mem:
-        c2 = mem["chunked_256"]
-        rows.append(row("logprobs peak RSS over inputs: full vs chunked, chunk_size 256 (default 1024)",
+    if "chunked_1024" in mem:
+        c2 = mem["chunked_1024"]
+        rows.append(row(f"logprobs peak RSS over inputs: full vs chunked, chunk_size 1024 (default {chunked['chunk_size']})",
                         full["peak_over_inputs"] / 2**20, c2["peak_over_inputs"] / 2**20,
                         c2["peak_over_inputs"] / max(full["peak_over_inputs"], 1), "(report)", None, unit="MiB",
                         seconds=c2["seconds"]))  # fmt: skip
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.memory_child:
         method, vocab, hidden, n, repeats, chunk = args.memory_child
-        print(json.dumps(memory_child(method, int(vocab), int(hidden), int(n), int(repeats), int(chunk))), flush=True)
+        print(json.dumps(memory_child(method, int(vocab), int(hidden), int(n), int(repeats), int(chunk) or None)), flush=True)
         return 0
     res = run(quick=args.quick, wait_quiet=args.wait_quiet)
     return 0 if res["passed"] else 1

@@ -62,6 +62,15 @@ def _chunk(
     return logp, entropy
 
 
+CHUNK_LOGITS_BYTES = 64 * 2**20  # float32 logits of one chunk: ~110 rows at Qwen's 152k vocabulary
+
+
+def auto_chunk_size(vocab: int) -> int:
+    """Rows per chunk so that one chunk's float32 logits take ~CHUNK_LOGITS_BYTES (between 32 and 4096 rows):
+    memory then stays flat across vocabularies, and small vocabularies still get large, efficient matmuls."""
+    return max(32, min(4096, CHUNK_LOGITS_BYTES // (4 * max(vocab, 1))))
+
+
 def chunked_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -69,15 +78,18 @@ def chunked_logprobs(
     *,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) [N] float32 (differentiable w.r.t. hidden, weight, bias) and entropy [N] (no grad) or None.
 
-    Rows are processed `chunk_size` at a time; each chunk runs under checkpoint(use_reentrant=False), so
-    neither forward nor backward ever holds more than one chunk's [chunk_size, V] logits.
+    Rows are processed `chunk_size` at a time (None: `auto_chunk_size(V)`); each chunk runs under
+    checkpoint(use_reentrant=False), so neither forward nor backward ever holds more than one chunk's
+    [chunk_size, V] logits.
     """
     _check_args(hidden, weight, targets, temperature)
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(weight.shape[0])
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     n = hidden.shape[0]
@@ -109,7 +121,7 @@ def full_logprobs(
     *,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The naive reference: full [N, V] float32 logits, log_softmax, gather. `chunk_size` is ignored."""
