@@ -9,13 +9,14 @@ peak memory of chunked vs full-vocabulary logprobs.
     tokens of the batch / seconds.
     - naive: fixed `micro_batch_size` samples in dataset order, right-padded to the longest of each micro-batch
       (`collate_padded`).
-    - ours: what RLTrainer does with pack_sequences=True: `plan_microbatches(lengths, micro_batch_size * max_seq_len,
-      packed=True, max_samples=micro_batch_size)` + `collate_packed` (no padding; block-diagonal attention).
+    - ours: what RLTrainer does with pack_sequences=True under SDPA: `plan_microbatches(lengths, micro_batch_size *
+      max_seq_len, packed=True, max_samples=micro_batch_size)` + `collate_packed(group, row_len=max_seq_len)` (rows
+      of at most max_seq_len tokens, block-diagonal attention inside each row).
     - also reported: the same token budget with no sample cap (a larger micro_batch_size), length-bucketed
-      padded micro-batches (pack_sequences=False), and packed rows capped at max_seq_len tokens
-      (micro_batch_tokens=max_seq_len).
+      padded micro-batches (pack_sequences=False), and one packed row per micro-batch (the layout flash-attention
+      runs as varlen; under SDPA a dense [N, N] block-diagonal mask, which is why the trainer caps rows there).
     - diagnostic (full mode): an RL-shaped batch (64 samples of 140..165 tokens) at micro_batch_size 64 and 8,
-      packed vs padded: a packed row is one sequence to SDPA, with a dense [N, N] block-diagonal mask.
+      packed vs padded.
     Variants run interleaved, one warm-up each, median of N rounds.
 (b) `logprobs.chunked_logprobs` vs `logprobs.full_logprobs` forward+backward at Qwen3's vocabulary (V=151936,
     hidden 512, N=2048 tokens, float32), each in a fresh subprocess: peak RSS (ru_maxrss) minus the RSS right after
@@ -69,12 +70,13 @@ def naive_microbatches(samples: list[dict], micro_batch_size: int, pad_id: int) 
     return [collate_padded(samples[i : i + micro_batch_size], pad_id) for i in range(0, len(samples), micro_batch_size)]
 
 
-def planned_microbatches(samples: list[dict], budget: int, packed: bool, max_samples: int | None, pad_id: int):
+def planned_microbatches(samples: list[dict], budget: int, packed: bool, max_samples: int | None, pad_id: int,
+                         row_len: int | None = None):  # fmt: skip
     from verifiers_rl.rl.trainer.batching import collate_packed, collate_padded, plan_microbatches
 
     plan = plan_microbatches([len(s["input_ids"]) for s in samples], budget, packed=packed, max_samples=max_samples)
     groups = [[samples[i] for i in idx] for idx in plan]
-    return [collate_packed(g) if packed else collate_padded(g, pad_id) for g in groups]
+    return [collate_packed(g, row_len, pad_id) if packed else collate_padded(g, pad_id) for g in groups]
 
 
 def step_seconds(model, head, mbs: list[dict]) -> float:
@@ -136,11 +138,12 @@ def microbatch_throughput(quick: bool, log) -> dict:
     budget = mbs_size * max_len  # RLConfig.token_budget = micro_batch_size * max_seq_len
     variants = {
         "naive": naive_microbatches(samples, mbs_size, pad),
-        "packed": planned_microbatches(samples, budget, True, mbs_size, pad),
-        "packed_uncapped": planned_microbatches(samples, budget, True, None, pad),
+        # RLTrainer under SDPA: packed rows capped at max_seq_len (trainer._packed_row_len)
+        "packed": planned_microbatches(samples, budget, True, mbs_size, pad, row_len=max_len),
+        "packed_uncapped": planned_microbatches(samples, budget, True, None, pad, row_len=max_len),
         "bucketed_padded": planned_microbatches(samples, budget, False, mbs_size, pad),
-        # packed rows capped at one max_seq_len (RLConfig(micro_batch_tokens=max_seq_len)): bounded attention
-        "packed_row_cap": planned_microbatches(samples, max_len, True, mbs_size, pad),
+        # one row per micro-batch: the flash-attention layout, run through SDPA's dense block-diagonal mask
+        "packed_one_row": planned_microbatches(samples, budget, True, mbs_size, pad),
     }
     out = {
         "model": {"hidden": hidden, "layers": layers, "lora_rank": 8},
@@ -155,9 +158,9 @@ def microbatch_throughput(quick: bool, log) -> dict:
         rl_real = sum(len(s["input_ids"]) for s in rl)
         rl_variants = {
             "padded_mbs64": planned_microbatches(rl, 64 * 256, False, 64, pad),
-            "packed_mbs64": planned_microbatches(rl, 64 * 256, True, 64, pad),
+            "packed_mbs64": planned_microbatches(rl, 64 * 256, True, 64, pad, row_len=256),
             "padded_mbs8": planned_microbatches(rl, 8 * 256, False, 8, pad),
-            "packed_mbs8": planned_microbatches(rl, 8 * 256, True, 8, pad),
+            "packed_mbs8": planned_microbatches(rl, 8 * 256, True, 8, pad, row_len=256),
         }
         out["rl_shaped"] = {"samples": 64, "lengths": [140, 165], "real_tokens": rl_real,
                             "variants": time_variants(model, head, rl_variants, rl_real, repeats, log, "rl-shaped")}  # fmt: skip
@@ -254,10 +257,10 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             v["bucketed_padded"]["tokens_per_s"] / naive["tokens_per_s"], "(report)", None, unit="tok/s",
             padding_frac=v["bucketed_padded"]["padding_frac"]),
     ]  # fmt: skip
-    pc = v["packed_row_cap"]
-    rows.append(row(f"fwd+bwd tok/s: padded vs packed with micro_batch_tokens={mb['lengths'][1]} ({pc['microbatches']} "
-                    "micro-batches)", naive["tokens_per_s"], pc["tokens_per_s"], pc["tokens_per_s"] / naive["tokens_per_s"],
-                    "(report)", None, unit="tok/s"))  # fmt: skip
+    po = v["packed_one_row"]
+    rows.append(row(f"fwd+bwd tok/s: padded vs one packed row per micro-batch (longest {po['longest_row']} tokens; the "
+                    "flash-attention layout, under SDPA)", naive["tokens_per_s"], po["tokens_per_s"],
+                    po["tokens_per_s"] / naive["tokens_per_s"], "(report)", None, unit="tok/s"))  # fmt: skip
     if "rl_shaped" in mb:
         rv = mb["rl_shaped"]["variants"]
         for size in (64, 8):

@@ -8,16 +8,15 @@ For row n with hidden state h_n, LM head (W, b) and temperature tau:
 
 With a 150k vocabulary and a few thousand tokens, the float32 logits alone are several GiB, and autograd would
 keep them (plus the softmax) alive until backward. `chunked_logprobs` instead processes `chunk_size` rows at a
-time under non-reentrant activation checkpointing, so only the chunk's *inputs* are saved and backward
-recomputes that chunk's logits: peak memory is O(chunk_size * V) instead of O(N * V), for the price of one
-extra LM-head matmul per chunk.
+time, saves only its inputs, and recomputes each chunk's logits in backward, where it writes the gradient with
+respect to the LM head into one buffer: peak memory is O(chunk_size * V) + one [V, H] gradient instead of
+O(N * V), for the price of one extra LM-head matmul per chunk.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 def _check_args(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> None:
@@ -44,22 +43,58 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
 
 
-def _chunk(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    logits = _scaled_logits(hidden, weight, bias, temperature)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    entropy = None
-    if with_entropy:
-        # Computed last and without grad: checkpoint's early stop then skips it when backward recomputes.
-        with torch.no_grad():
-            entropy = _entropy(logits.detach())
-    return logp, entropy
+class _ChunkedLogprobs(torch.autograd.Function):
+    """log p(targets) chunk by chunk, and a backward that recomputes each chunk's logits.
+
+    Written as a Function rather than per-chunk activation checkpointing: under checkpointing autograd hands
+    every chunk's [V, H] weight gradient to the engine separately and sums them in its own buffers, which costs
+    several [V, H] copies at a 150k vocabulary. Here backward accumulates the weight gradient into one buffer
+    in place (addmm_), so the extra memory is one [V, H] gradient plus one chunk of logits.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy):
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            z = _scaled_logits(hidden[start:stop], weight, bias, temperature)
+            lse = torch.logsumexp(z, dim=-1)
+            logp[start:stop] = z.gather(-1, targets[start:stop, None]).squeeze(-1) - lse
+            if entropy is not None:
+                entropy[start:stop] = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        if entropy is None:
+            return logp, None
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if bias is not None and need_b else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            stop = min(start + ctx.chunk_size, hidden.shape[0])
+            h, g_out = hidden[start:stop], grad_logp[start:stop, None].float()
+            z = _scaled_logits(h, weight, bias, ctx.temperature)
+            # d logp(y) / dz = onehot(y) - softmax(z), then through z = logits / T
+            g = torch.softmax(z, dim=-1).mul_(-g_out)
+            g.scatter_add_(1, targets[start:stop, None], g_out)
+            if ctx.temperature != 1.0:
+                g.div_(ctx.temperature)
+            g = g.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[start:stop] = g @ weight
+            if grad_w is not None:
+                grad_w.addmm_(g.t(), h)
+            if grad_b is not None:
+                grad_b += g.sum(dim=0)
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 CHUNK_LOGITS_BYTES = 64 * 2**20  # float32 logits of one chunk: ~110 rows at Qwen's 152k vocabulary
@@ -83,34 +118,15 @@ def chunked_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) [N] float32 (differentiable w.r.t. hidden, weight, bias) and entropy [N] (no grad) or None.
 
-    Rows are processed `chunk_size` at a time (None: `auto_chunk_size(V)`); each chunk runs under
-    checkpoint(use_reentrant=False), so neither forward nor backward ever holds more than one chunk's
-    [chunk_size, V] logits.
+    Rows are processed `chunk_size` at a time (None: `auto_chunk_size(V)`); neither forward nor backward ever
+    holds more than one chunk's [chunk_size, V] logits.
     """
     _check_args(hidden, weight, targets, temperature)
     if chunk_size is None:
         chunk_size = auto_chunk_size(weight.shape[0])
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    n = hidden.shape[0]
-    logps, entropies = [], []
-    # max(n, 1): an empty input still runs one (empty) chunk so the result stays attached to the graph.
-    for start in range(0, max(n, 1), chunk_size):
-        stop = min(start + chunk_size, n)
-        logp, ent = checkpoint(
-            _chunk,
-            hidden[start:stop],
-            weight,
-            bias,
-            targets[start:stop],
-            temperature,
-            with_entropy,
-            use_reentrant=False,
-        )
-        logps.append(logp)
-        entropies.append(ent)
-    logp = logps[0] if len(logps) == 1 else torch.cat(logps)
-    entropy = torch.cat(entropies) if with_entropy else None
+    logp, entropy = _ChunkedLogprobs.apply(hidden, weight, bias, targets, temperature, chunk_size, with_entropy)
     return logp, entropy
 
 
