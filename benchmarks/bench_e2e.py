@@ -397,8 +397,9 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         o["time_to_trl_final"] = t
         rows.append(row(f"diag {diag}: s/step TRL vs ours", trl_s["s_per_step"], o["s_per_step"],
                         trl_s["s_per_step"] / o["s_per_step"], "(report)", None, unit="s"))  # fmt: skip
-        rows.append(row(f"diag {diag}: time to TRL's final smoothed reward, TRL total vs ours", trl_s["total_s"], t,
-                        t / trl_s["total_s"], "(report)", None, unit="s"))  # fmt: skip
+        if meaningful:
+            rows.append(row(f"diag {diag}: time to TRL's final smoothed reward, TRL total vs ours", trl_s["total_s"],
+                            t, t / trl_s["total_s"], "(report)", None, unit="s"))  # fmt: skip
     ei = results["eval_init"]
     for kind, key in (("greedy", "reward"), ("sampled", "sampled_reward")):
         for k in (0, 1):

@@ -10,8 +10,8 @@ peak memory of chunked vs full-vocabulary logprobs.
     - naive: fixed `micro_batch_size` samples in dataset order, right-padded to the longest of each micro-batch
       (`collate_padded`).
     - ours: what RLTrainer does with pack_sequences=True under SDPA: `plan_microbatches(lengths, micro_batch_size *
-      max_seq_len, packed=True, max_samples=micro_batch_size)` + `collate_packed(group, row_len=max_seq_len)` (rows
-      of at most max_seq_len tokens, block-diagonal attention inside each row).
+      max_seq_len, packed=True, max_samples=micro_batch_size)` + `collate_packed(group, row_len=longest sample)` (rows as
+      wide as the micro-batch's longest sample, short samples sharing a row; block-diagonal attention per row).
     - also reported: the same token budget with no sample cap (a larger micro_batch_size), length-bucketed
       padded micro-batches (pack_sequences=False), and one packed row per micro-batch (the layout flash-attention
       runs as varlen; under SDPA a dense [N, N] block-diagonal mask, which is why the trainer caps rows there).
@@ -71,12 +71,15 @@ def naive_microbatches(samples: list[dict], micro_batch_size: int, pad_id: int) 
 
 
 def planned_microbatches(samples: list[dict], budget: int, packed: bool, max_samples: int | None, pad_id: int,
-                         row_len: int | None = None):  # fmt: skip
+                         rows: bool = False):  # fmt: skip
+    """rows=True: packed rows as wide as the micro-batch's longest sample (RLTrainer._packed_row_len under SDPA);
+    False: one packed row per micro-batch (the flash-attention layout)."""
     from verifiers_rl.rl.trainer.batching import collate_packed, collate_padded, plan_microbatches
 
     plan = plan_microbatches([len(s["input_ids"]) for s in samples], budget, packed=packed, max_samples=max_samples)
     groups = [[samples[i] for i in idx] for idx in plan]
-    return [collate_packed(g, row_len, pad_id) if packed else collate_padded(g, pad_id) for g in groups]
+    width = lambda g: max(len(s["input_ids"]) for s in g) if rows else None  # noqa: E731
+    return [collate_packed(g, width(g), pad_id) if packed else collate_padded(g, pad_id) for g in groups]
 
 
 def step_seconds(model, head, mbs: list[dict]) -> float:
@@ -138,9 +141,9 @@ def microbatch_throughput(quick: bool, log) -> dict:
     budget = mbs_size * max_len  # RLConfig.token_budget = micro_batch_size * max_seq_len
     variants = {
         "naive": naive_microbatches(samples, mbs_size, pad),
-        # RLTrainer under SDPA: packed rows capped at max_seq_len (trainer._packed_row_len)
-        "packed": planned_microbatches(samples, budget, True, mbs_size, pad, row_len=max_len),
-        "packed_uncapped": planned_microbatches(samples, budget, True, None, pad, row_len=max_len),
+        # RLTrainer under SDPA: packed rows as wide as the micro-batch's longest sample (trainer._packed_row_len)
+        "packed": planned_microbatches(samples, budget, True, mbs_size, pad, rows=True),
+        "packed_uncapped": planned_microbatches(samples, budget, True, None, pad, rows=True),
         "bucketed_padded": planned_microbatches(samples, budget, False, mbs_size, pad),
         # one row per micro-batch: the flash-attention layout, run through SDPA's dense block-diagonal mask
         "packed_one_row": planned_microbatches(samples, budget, True, mbs_size, pad),
@@ -158,9 +161,9 @@ def microbatch_throughput(quick: bool, log) -> dict:
         rl_real = sum(len(s["input_ids"]) for s in rl)
         rl_variants = {
             "padded_mbs64": planned_microbatches(rl, 64 * 256, False, 64, pad),
-            "packed_mbs64": planned_microbatches(rl, 64 * 256, True, 64, pad, row_len=256),
+            "packed_mbs64": planned_microbatches(rl, 64 * 256, True, 64, pad, rows=True),
             "padded_mbs8": planned_microbatches(rl, 8 * 256, False, 8, pad),
-            "packed_mbs8": planned_microbatches(rl, 8 * 256, True, 8, pad, row_len=256),
+            "packed_mbs8": planned_microbatches(rl, 8 * 256, True, 8, pad, rows=True),
         }
         out["rl_shaped"] = {"samples": 64, "lengths": [140, 165], "real_tokens": rl_real,
                             "variants": time_variants(model, head, rl_variants, rl_real, repeats, log, "rl-shaped")}  # fmt: skip

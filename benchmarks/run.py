@@ -3,7 +3,8 @@
     /work/main/.venv/bin/python benchmarks/run.py [--quick] [--only bench_train,bench_async] [--wait-quiet S]
 
 Imports each benchmark module and calls its `run(quick=..., wait_quiet=...)`; a benchmark that raises is recorded
-as a failed row and the others still run. Writes benchmarks/results/latest.json and latest.md (the table, the
+as a failed row and the others still run. With --only, the other benchmarks' rows are kept from the previous
+latest.json of the same mode. Writes benchmarks/results/latest.json and latest.md (the table, the
 machine, the command to reproduce). Exit code: 0 when every benchmark ran, whether or not its goals were met;
 1 when one crashed.
 """
@@ -73,6 +74,21 @@ def run_one(name: str, quick: bool, wait_quiet: float | None) -> dict:
                 "traceback": tb[-4000:], "rows": [], "passed": False}  # fmt: skip
 
 
+def _merge_previous(results: list[dict], quick: bool) -> list[dict]:
+    """--only re-runs some benchmarks: keep the others' rows from the last latest.json of the same mode (each
+    entry carries its own measured_at), so the table stays complete."""
+    path = RESULTS_DIR / "latest.json"
+    try:
+        prev = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return results
+    if prev.get("quick") != quick:
+        return results
+    by_name = {r["name"]: r for r in prev.get("benchmarks", [])}
+    by_name.update({r["name"]: r for r in results})
+    return [by_name[n] for n in BENCHMARKS if n in by_name]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="every benchmark's quick mode (CI smoke test, < 3 min)")
@@ -92,8 +108,11 @@ def main(argv=None) -> int:
         print(f"\n######## {name} ({'quick' if args.quick else 'full'})", flush=True)
         r = run_one(name, args.quick, args.wait_quiet)
         print(f"######## {name}: {'ran' if r['ok'] else 'CRASHED'} in {r['seconds']:.1f}s", flush=True)
+        r["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         results.append(r)
     wall = time.perf_counter() - t_start
+    if args.only:
+        results = _merge_previous(results, args.quick)
 
     lines = []
     for r in results:
@@ -117,7 +136,8 @@ def main(argv=None) -> int:
           "Per benchmark (wall seconds; machine load seen before timing, from `_common.wait_for_quiet`):", ""]  # fmt: skip
     for r in results:
         status = "ran" if r["ok"] else f"crashed: `{r['error'][:200]}`"
-        md.append(f"- `{r['name']}`: {status}, {r['seconds']:.1f}s, machine before: {r.get('machine_before')}")
+        md.append(f"- `{r['name']}`: {status}, {r['seconds']:.1f}s, measured {r.get('measured_at', '?')}, machine "
+                  f"before: {r.get('machine_before')}")
     md += ["", "Machine:", "", "```", json.dumps(info, indent=2), "```", "",
            f"Reproduce: `cd /work/main && {cmd}`", f"Written {payload['written_at']}, total {wall:.0f}s.", ""]  # fmt: skip
     (RESULTS_DIR / "latest.md").write_text("\n".join(md))

@@ -188,7 +188,7 @@ class RLTrainer(Trainer):
         for idx in plan:
             group = [mine[i] for i in idx]
             if args.pack_sequences:
-                out.append(collate_packed(group, self._packed_row_len(), self.processing_class.pad_token_id))
+                out.append(collate_packed(group, self._packed_row_len(group), self.processing_class.pad_token_id))
             else:
                 out.append(collate_padded(group, self.processing_class.pad_token_id))
         return out
@@ -258,11 +258,12 @@ class RLTrainer(Trainer):
         metrics["microbatches"] = float(len(mbs))
         return total, metrics
 
-    def _packed_row_len(self) -> int | None:
-        # flash-attention runs packed rows as varlen (cost ~ sum of len^2): one row is best. Any other attention
-        # builds a dense [N, N] block-diagonal mask, so rows are capped at max_seq_len (cost ~ rows x len^2).
+    def _packed_row_len(self, group: list[dict]) -> int | None:
+        # flash-attention runs a packed row as varlen (cost ~ sum of len^2): one row is best. Any other attention
+        # builds a dense [N, N] block-diagonal mask, so rows are as wide as the micro-batch's longest sample:
+        # the cost of the padded layout, with short samples filling the gaps instead of padding.
         impl = str(getattr(self.accelerator.unwrap_model(self.model).config, "_attn_implementation", "") or "")
-        return None if "flash" in impl else self.args.max_seq_len
+        return None if "flash" in impl else max(len(s["input_ids"]) for s in group)
 
     def _empty_microbatch(self, prepared: PreparedBatch) -> dict:
         sample = {"input_ids": [0, 0], "loss_mask": [False, True], "sampler_logprobs": [0.0, 0.0], "advantage": 0.0}
