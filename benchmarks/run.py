@@ -5,7 +5,7 @@
 Imports each benchmark module and calls its `run(quick=..., wait_quiet=...)`; a benchmark that raises is recorded
 as a failed row and the others still run. With --only, the other benchmarks' rows are kept from the previous
 latest.json of the same mode. Writes benchmarks/results/latest.json and latest.md (the table, the
-machine, the command to reproduce). Exit code: 0 when every benchmark ran, whether or not its goals were met;
+machine, the command to reproduce); --quick writes latest_quick.{json,md}. Exit code: 0 when every benchmark ran, whether or not its goals were met;
 1 when one crashed.
 """
 
@@ -77,7 +77,7 @@ def run_one(name: str, quick: bool, wait_quiet: float | None) -> dict:
 def _merge_previous(results: list[dict], quick: bool) -> list[dict]:
     """--only re-runs some benchmarks: keep the others' rows from the last latest.json of the same mode (each
     entry carries its own measured_at), so the table stays complete."""
-    path = RESULTS_DIR / "latest.json"
+    path = RESULTS_DIR / ("latest_quick.json" if quick else "latest.json")
     try:
         prev = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -131,7 +131,8 @@ def main(argv=None) -> int:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     payload = {"quick": args.quick, "wall_seconds": wall, "command": cmd, "machine": info, "machine_at_start": quiet,
                "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "benchmarks": results}  # fmt: skip
-    (RESULTS_DIR / "latest.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    stem = "latest_quick" if args.quick else "latest"  # a smoke test never overwrites the full run's numbers
+    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
     md = [f"# Benchmarks ({'quick' if args.quick else 'full'})", "", md_table(lines), "",
           "Per benchmark (wall seconds; machine load seen before timing, from `_common.wait_for_quiet`):", ""]  # fmt: skip
     for r in results:
@@ -140,8 +141,8 @@ def main(argv=None) -> int:
                   f"before: {r.get('machine_before')}")
     md += ["", "Machine:", "", "```", json.dumps(info, indent=2), "```", "",
            f"Reproduce: `cd /work/main && {cmd}`", f"Written {payload['written_at']}, total {wall:.0f}s.", ""]  # fmt: skip
-    (RESULTS_DIR / "latest.md").write_text("\n".join(md))
-    print(f"results: {RESULTS_DIR / 'latest.json'}, {RESULTS_DIR / 'latest.md'}")
+    (RESULTS_DIR / f"{stem}.md").write_text("\n".join(md))
+    print(f"results: {RESULTS_DIR / (stem + '.json')}, {RESULTS_DIR / (stem + '.md')}")
 
     crashed = [r["name"] for r in results if not r["ok"]]
     if crashed:
