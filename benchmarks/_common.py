@@ -131,3 +131,29 @@ def write_results(name: str, result: dict) -> Path:
 
 def all_passed(rows: list[dict]) -> bool:
     return all(r["pass"] is not False for r in rows)
+
+
+def finish(name: str, quick: bool, results: dict, t_start: float, tables: list[tuple[str, list[dict]]],
+           notes: tuple[str, ...] = ()) -> dict:  # fmt: skip
+    """Every benchmark's ending: goal rows into `results`, the tables printed, results/<name>[_quick].json."""
+    results["rows"] = tables[0][1]
+    results["passed"] = all_passed(tables[0][1])
+    results["wall_seconds"] = time.perf_counter() - t_start
+    for title, rows in tables:
+        print_table(title, rows)
+    for note in notes:
+        print(note)
+    print(f"total {results['wall_seconds']:.1f}s; machine before: {results.get('machine_before')}")
+    print(f"results: {write_results(name + ('_quick' if quick else ''), results)}")
+    return results
+
+
+def arg_parser(doc: str, quick_help: str):
+    """The options every benchmark takes: --quick and --wait-quiet."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--wait-quiet", type=float, default=None, metavar="S",
+                   help="wait up to S seconds for an idle machine before timing (default: 180, 0 with --quick)")  # fmt: skip
+    return p

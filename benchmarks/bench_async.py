@@ -16,7 +16,6 @@ overlapped step: max(gen, train, (cpu_gen + cpu_train) / cores).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -27,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import all_passed, median, print_table, row, wait_for_quiet, write_results  # noqa: E402
+from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
 
 NAME = "bench_async"
 GOAL = 1.1
@@ -254,21 +253,12 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             f"{base['cpu_server_s']:.2f}) / {cores} cores) vs k=1 step", cpu_floor, runs["k=1"]["step_s"],
             runs["k=1"]["step_s"] / cpu_floor, "(report)", None, unit="s")
     )  # fmt: skip
-    results["rows"] = rows
-    results["passed"] = all_passed(rows)
-    results["wall_seconds"] = time.perf_counter() - t_start
-    print_table(f"async overlap ({'quick' if quick else 'full'}; {steps} timed steps after 1 warm-up)", rows)
-    print(f"total {results['wall_seconds']:.1f}s; machine before: {results['machine_before']}")
-    path = write_results(NAME + ("_quick" if quick else ""), results)
-    print(f"results: {path}")
-    return results
+    title = f"async overlap ({'quick' if quick else 'full'}; {steps} timed steps after 1 warm-up)"
+    return finish(NAME, quick, results, t_start, [(title, rows)])
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="k=0 and k=1 only, 2 timed steps, small batch")
-    p.add_argument("--wait-quiet", type=float, default=None, metavar="S",
-                   help="wait up to S seconds for an idle machine before timing (default: 180, 0 with --quick)")
+    p = arg_parser(__doc__, "k=0 and k=1 only, 2 timed steps, small batch")
     args = p.parse_args(argv)
     res = run(quick=args.quick, wait_quiet=args.wait_quiet)
     return 0 if res["passed"] else 1

@@ -34,7 +34,6 @@ per step).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -46,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from _common import all_passed, median, print_table, row, wait_for_quiet, write_results  # noqa: E402
+from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
 from bench_async import make_clock, rl_config, run_rl, window_stats  # noqa: E402
 
 NAME = "bench_e2e"
@@ -408,22 +407,13 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     for k in (0, 1):
         rows.append(row(f"final smoothed train reward (W={w}): TRL vs ours k={k}", trl_s["final_smoothed"],
                         summary[f"ours k={k}"]["final_smoothed"], None, "(report)", None))  # fmt: skip
-    results["rows"] = rows
-    results["passed"] = all_passed(rows)
-    results["wall_seconds"] = time.perf_counter() - t_start
-    print_table(f"end to end vs TRL ({'quick' if quick else 'full'}; {s['steps']} steps; LoRA init identical: "
-                f"{results['lora_init_identical']})", rows)
-    print(f"total {results['wall_seconds']:.1f}s; machine before: {results['machine_before']}")
-    path = write_results(NAME + ("_quick" if quick else ""), results)
-    print(f"results: {path}")
-    return results
+    title = (f"end to end vs TRL ({'quick' if quick else 'full'}; {s['steps']} steps; LoRA init identical: "
+                f"{results['lora_init_identical']})")
+    return finish(NAME, quick, results, t_start, [(title, rows)])
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="3 steps of 4x4 rollouts, 20 SFT steps (< 90 s)")
-    p.add_argument("--wait-quiet", type=float, default=None, metavar="S",
-                   help="wait up to S seconds for an idle machine before timing (default: 180, 0 with --quick)")
+    p = arg_parser(__doc__, "3 steps of 4x4 rollouts, 20 SFT steps (< 90 s)")
     args = p.parse_args(argv)
     res = run(quick=args.quick, wait_quiet=args.wait_quiet)
     return 0 if res["passed"] else 1

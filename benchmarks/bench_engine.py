@@ -12,7 +12,6 @@ at a time through `model.generate(do_sample=True, max_new_tokens=64, min_new_tok
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
@@ -23,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from _common import all_passed, median, print_table, row, wait_for_quiet, write_results  # noqa: E402
+from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
 
 NAME = "bench_engine"
 VLLM_PYTHON = os.environ.get("VF_VLLM_PYTHON", "/work/main/.venv-vllm/bin/python")
@@ -191,30 +190,19 @@ def run(
         for c in CONCURRENCY:
             v, ours = results["vllm"][c]["tokens_per_s"], results["ours"][c]["tokens_per_s"]
             rows.append(row(f"c={c}: vLLM (CPU) vs ours", v, ours, ours / v, "(report)", None, unit="tok/s"))
-    results["rows"] = rows
-    results["passed"] = all_passed(rows)
-    results["wall_seconds"] = time.perf_counter() - t_start
     title = (
         f"generation throughput ({'quick' if quick else 'full'}; Qwen3 tiny hidden {hidden} x {layers} layers, "
         f"{n_params / 1e6:.2f}M params; {MAX_TOKENS} tokens/request; median of {repeats})"
     )
-    print_table(title, rows)
-    if "vllm_skipped" in results:
-        print(f"vLLM skipped: {results['vllm_skipped']}")
-    print(f"total {results['wall_seconds']:.1f}s")
-    path = write_results(NAME + ("_quick" if quick else ""), results)
-    print(f"results: {path}")
-    return results
+    notes = (f"vLLM skipped: {results['vllm_skipped']}",) if "vllm_skipped" in results else ()
+    return finish(NAME, quick, results, t_start, [(title, rows)], notes)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one round per level, no vLLM (< 60 s)")
+    p = arg_parser(__doc__, "one round per level, no vLLM (< 60 s)")
     p.add_argument("--no-vllm", action="store_true", help="skip the real-vLLM comparison")
     p.add_argument("--hidden", type=int, default=128, help="tiny model width (multiple of 32; default 128)")
     p.add_argument("--layers", type=int, default=4, help="tiny model depth (default 4)")
-    p.add_argument("--wait-quiet", type=float, default=None, metavar="S",
-                   help="wait up to S seconds for an idle machine before timing (default: 180, 0 with --quick)")
     args = p.parse_args(argv)
     res = run(
         quick=args.quick, vllm=not args.no_vllm, hidden=args.hidden, layers=args.layers, wait_quiet=args.wait_quiet

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from _common import all_passed, median, print_table, row, wait_for_quiet, write_results  # noqa: E402
+from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
 
 NAME = "bench_sync"
 
@@ -214,7 +214,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             )  # fmt: skip
             info = {"hidden": hidden, "layers": layers, "params": n_params, "tensors": n_tensors, "bytes": nbytes}
             with server as client:
-                client.init_weight_transfer()  # the default bucket size (256 MiB)
+                client.init_weight_transfer()  # the default bucket size (DEFAULT_BUCKET_BYTES)
                 info["bucket_bytes"] = client.bucket_bytes
                 if is_last:  # adapter-only first: the engine records pristine base weights on its first one
                     lora_model = build_tiny_model(hidden=hidden, layers=layers)[0]
@@ -290,7 +290,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         for bb, m in biggest.get("bucket_sweep", {}).items():
             info_rows.append(
                 row(
-                    f"bucketed {label}: 256 MiB vs {bb >> 20} MiB buckets", biggest["bucketed"]["seconds"],
+                    f"bucketed {label}: default {biggest['bucket_bytes'] >> 20} MiB vs {bb >> 20} MiB buckets", biggest["bucketed"]["seconds"],
                     m["seconds"], biggest["bucketed"]["seconds"] / m["seconds"], "(info)", None, unit="s",
                     gb_per_s=m["bytes"] / m["seconds"] / 1e9,
                 )
@@ -298,23 +298,14 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     pool.shutdown()
     results["rows"] = rows
     results["info_rows"] = info_rows
-    results["passed"] = all_passed(rows)
-    results["wall_seconds"] = time.perf_counter() - t_start
-    print_table(f"weight sync ({'quick' if quick else 'full'}; median of {repeats} after a warm-up)", rows)
-    print_table("weight sync: diagnostics", info_rows)
-    print(f"total {results['wall_seconds']:.1f}s")
-    path = write_results(NAME + ("_quick" if quick else ""), results)
-    print(f"results: {path}")
-    return results
+    title = f"weight sync ({'quick' if quick else 'full'}; median of {repeats} after a warm-up)"
+    return finish(NAME, quick, results, t_start, [(title, rows), ("weight sync: diagnostics", info_rows)])
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="drop the ~100M model, fewer repeats (< 60 s)")
+    p = arg_parser(__doc__, "drop the ~100M model, fewer repeats (< 60 s)")
     p.add_argument("--gloo-peer", nargs=4, metavar=("HOST", "PORT", "NBYTES", "REPS"), help=argparse.SUPPRESS)
     p.add_argument("--fresh", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--wait-quiet", type=float, default=None, metavar="S",
-                   help="wait up to S seconds for an idle machine before timing (default: 180, 0 with --quick)")
     args = p.parse_args(argv)
     if args.gloo_peer:
         host, port, nbytes, reps = args.gloo_peer

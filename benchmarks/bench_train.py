@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from _common import all_passed, median, print_table, row, wait_for_quiet, write_results  # noqa: E402
+from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
 
 NAME = "bench_train"
 SPEEDUP_GOAL = 1.5
@@ -286,21 +286,11 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
                         full["peak_over_inputs"] / 2**20, c2["peak_over_inputs"] / 2**20,
                         c2["peak_over_inputs"] / max(full["peak_over_inputs"], 1), "(report)", None, unit="MiB",
                         seconds=c2["seconds"]))  # fmt: skip
-    results["rows"] = rows
-    results["passed"] = all_passed(rows)
-    results["wall_seconds"] = time.perf_counter() - t_start
-    print_table(f"training throughput and memory ({'quick' if quick else 'full'})", rows)
-    print(f"total {results['wall_seconds']:.1f}s; machine before: {results['machine_before']}")
-    path = write_results(NAME + ("_quick" if quick else ""), results)
-    print(f"results: {path}")
-    return results
+    return finish(NAME, quick, results, t_start, [(f"training throughput and memory ({'quick' if quick else 'full'})", rows)])
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smaller model, batch and vocabulary, one round (< 20 s)")
-    p.add_argument("--wait-quiet", type=float, default=None, metavar="S",
-                   help="wait up to S seconds for an idle machine before timing (default: 180, 0 with --quick)")
+    p = arg_parser(__doc__, "smaller model, batch and vocabulary, one round (< 20 s)")
     p.add_argument("--memory-child", nargs=6, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.memory_child:
