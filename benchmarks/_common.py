@@ -157,3 +157,9 @@ def arg_parser(doc: str, quick_help: str):
     p.add_argument("--wait-quiet", type=float, default=None, metavar="S",
                    help="wait up to S seconds for an idle machine before timing (default: 180, 0 with --quick)")  # fmt: skip
     return p
+
+
+def main_for(run, doc: str, quick_help: str, argv=None) -> int:
+    """`main()` of a benchmark whose only options are --quick and --wait-quiet: exit 0 when its goals pass."""
+    args = arg_parser(doc, quick_help).parse_args(argv)
+    return 0 if run(quick=args.quick, wait_quiet=args.wait_quiet)["passed"] else 1

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
+from _common import finish, main_for, median, row, wait_for_quiet  # noqa: E402
 
 NAME = "bench_async"
 GOAL = 1.1
@@ -258,10 +258,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
 
 
 def main(argv=None) -> int:
-    p = arg_parser(__doc__, "k=0 and k=1 only, 2 timed steps, small batch")
-    args = p.parse_args(argv)
-    res = run(quick=args.quick, wait_quiet=args.wait_quiet)
-    return 0 if res["passed"] else 1
+    return main_for(run, __doc__, "k=0 and k=1 only, 2 timed steps, small batch", argv)
 
 
 if __name__ == "__main__":

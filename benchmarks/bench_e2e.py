@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
+from _common import finish, main_for, median, row, wait_for_quiet  # noqa: E402
 from bench_async import make_clock, rl_config, run_rl, window_stats  # noqa: E402
 
 NAME = "bench_e2e"
@@ -408,15 +408,12 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         rows.append(row(f"final smoothed train reward (W={w}): TRL vs ours k={k}", trl_s["final_smoothed"],
                         summary[f"ours k={k}"]["final_smoothed"], None, "(report)", None))  # fmt: skip
     title = (f"end to end vs TRL ({'quick' if quick else 'full'}; {s['steps']} steps; LoRA init identical: "
-                f"{results['lora_init_identical']})")
+             f"{results['lora_init_identical']})")
     return finish(NAME, quick, results, t_start, [(title, rows)])
 
 
 def main(argv=None) -> int:
-    p = arg_parser(__doc__, "3 steps of 4x4 rollouts, 20 SFT steps (< 90 s)")
-    args = p.parse_args(argv)
-    res = run(quick=args.quick, wait_quiet=args.wait_quiet)
-    return 0 if res["passed"] else 1
+    return main_for(run, __doc__, "3 steps of 4x4 rollouts, 20 SFT steps (< 90 s)", argv)
 
 
 if __name__ == "__main__":

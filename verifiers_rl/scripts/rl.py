@@ -119,17 +119,16 @@ def run(plan: Plan) -> int:
         from verifiers_rl.scripts.sft import run_sft
 
         run_sft(plan.sft["cfg"], plan.sft["config_path"])
-    from verifiers_rl.rl.trainer.runtime import cpu_thread_split
+    from verifiers_rl.rl.trainer.runtime import cpu_thread_split, server_thread_env
 
     env = load_env(cfg)
     inf = cfg.get("inference", {})
     args0 = rl_config(cfg)
-    split = cpu_thread_split(args0)
     server = InferenceServer(
         plan.model, engine=plan.engine, host=inf.get("host", "127.0.0.1"), port=inf.get("port"),
         output_dir=args0.output_dir, gpus=plan.gpus.inference or None, extra_args=_server_args(cfg, args0),
         startup_timeout=inf.get("startup_timeout", args0.vllm_server_timeout),
-        env={"OMP_NUM_THREADS": str(split[0])} if split else None,
+        env=server_thread_env(cpu_thread_split(args0)),
     )  # fmt: skip
     print(f"vf-rl: starting the {plan.engine} inference server (log: {server.log_path})", flush=True)
     with server:

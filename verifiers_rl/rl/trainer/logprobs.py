@@ -38,9 +38,10 @@ def _scaled_logits(
     return logits if temperature == 1.0 else logits / temperature
 
 
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    """H = logsumexp(z) - sum softmax(z) * z, stable for very peaked distributions."""
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+def _entropy(logits: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """H = logsumexp(z) - sum softmax(z) * z, stable for very peaked distributions (`lse`: logsumexp(z) if known)."""
+    lse = torch.logsumexp(logits, dim=-1) if lse is None else lse
+    return lse - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -63,7 +64,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             lse = torch.logsumexp(z, dim=-1)
             logp[start:stop] = z.gather(-1, targets[start:stop, None]).squeeze(-1) - lse
             if entropy is not None:
-                entropy[start:stop] = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+                entropy[start:stop] = _entropy(z, lse)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         if entropy is None:

@@ -47,12 +47,16 @@ def cpu_thread_split(args, cores: int | None = None) -> tuple[int, int] | None:
     if os.environ.get("OMP_NUM_THREADS"):
         return None
     cores = cores or os.cpu_count() or 1
-    engine_on_cpu = args.server_engine == "cpu" or (args.server_engine == "auto" and not torch.cuda.is_available())
     local = args.vllm_server_host in ("127.0.0.1", "localhost", "::1")
-    if cores < 2 or args.max_async_level < 1 or not engine_on_cpu or not local or torch.cuda.is_available():
+    if cores < 2 or args.max_async_level < 1 or args.server_engine == "vllm" or not local or torch.cuda.is_available():
         return None
     server = cores // 2
     return server, cores - server
+
+
+def server_thread_env(split: tuple[int, int] | None) -> dict[str, str] | None:
+    """The inference server's share of a `cpu_thread_split`, as environment for its process."""
+    return {"OMP_NUM_THREADS": str(split[0])} if split else None
 
 
 class InferenceRuntime:
@@ -88,10 +92,9 @@ class InferenceRuntime:
         if self.client is not None:
             return self.client
         args = self.args
+        split = cpu_thread_split(args)
         if args.server_mode == "spawn":
             extra = ["--max-model-len", str(args.server_max_model_len or args.max_seq_len), *(args.server_args or [])]
-            split = cpu_thread_split(args)
-            threads_env = {"OMP_NUM_THREADS": str(split[0])} if split else None
             self.server = InferenceServer(
                 self._served_path(model, tokenizer),
                 engine=args.server_engine,
@@ -101,7 +104,7 @@ class InferenceRuntime:
                 gpus=args.server_gpus,
                 extra_args=extra,
                 startup_timeout=args.vllm_server_timeout,
-                env=threads_env,
+                env=server_thread_env(split),
             )
             client = self.server.start()
         else:
@@ -114,7 +117,6 @@ class InferenceRuntime:
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() and args.server_engine != "cpu" else "gloo"
         client.init_weight_transfer(backend=backend, bucket_bytes=args.sync_bucket_mb << 20)
-        split = cpu_thread_split(args)
         if split and self._threads_before is None:
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(split[1])
