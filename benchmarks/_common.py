@@ -133,8 +133,14 @@ def all_passed(rows: list[dict]) -> bool:
     return all(r["pass"] is not False for r in rows)
 
 
-def finish(name: str, quick: bool, results: dict, t_start: float, tables: list[tuple[str, list[dict]]],
-           notes: tuple[str, ...] = ()) -> dict:  # fmt: skip
+def finish(
+    name: str,
+    quick: bool,
+    results: dict,
+    t_start: float,
+    tables: list[tuple[str, list[dict]]],
+    notes: tuple[str, ...] = (),
+) -> dict:
     """Every benchmark's ending: goal rows into `results`, the tables printed, results/<name>[_quick].json."""
     results["rows"] = tables[0][1]
     results["passed"] = all_passed(tables[0][1])
@@ -154,8 +160,13 @@ def arg_parser(doc: str, quick_help: str):
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=quick_help)
-    p.add_argument("--wait-quiet", type=float, default=None, metavar="S",
-                   help="wait up to S seconds for an idle machine before timing (default: 180, 0 with --quick)")  # fmt: skip
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=None,
+        metavar="S",
+        help="wait up to S seconds for an idle machine before timing (default: 180, 0 with --quick)",
+    )
     return p
 
 

@@ -75,8 +75,14 @@ def make_clock(trainer_ref: dict):
             server = getattr(getattr(tr, "runtime", None), "server", None) if tr is not None else None
             pid = server.process.pid if server is not None and server.process is not None else None
             total, idle = _proc_stat()
-            return {"step": step, "t": time.perf_counter(), "cpu_self": _self_cpu_s(), "cpu_server": _pid_cpu_s(pid),
-                    "stat_total": total, "stat_idle": idle}  # fmt: skip
+            return {
+                "step": step,
+                "t": time.perf_counter(),
+                "cpu_self": _self_cpu_s(),
+                "cpu_server": _pid_cpu_s(pid),
+                "stat_total": total,
+                "stat_idle": idle,
+            }
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.begin = self._mark(state.global_step)
@@ -105,25 +111,41 @@ def window_stats(marks: list[dict], first: int) -> dict:
     a, b = marks[max(first - 1, 0)], marks[-1]
     busy = 1.0 - (b["stat_idle"] - a["stat_idle"]) / max(1, b["stat_total"] - a["stat_total"])
     return {
-        "step_s": median(steps), "all_step_s": steps, "cpu_trainer_s": median(cpu_self),
-        "cpu_server_s": median(cpu_srv), "machine_busy": busy,
-    }  # fmt: skip
+        "step_s": median(steps),
+        "all_step_s": steps,
+        "cpu_trainer_s": median(cpu_self),
+        "cpu_server_s": median(cpu_srv),
+        "machine_busy": busy,
+    }
 
 
 def rl_config(out_dir: str, **kw):
     from verifiers_rl.rl.trainer import RLConfig
 
     base = dict(
-        output_dir=out_dir, rollouts_per_example=8, batch_size=64, micro_batch_size=64, max_tokens=24,
-        max_seq_len=256, max_steps=8, learning_rate=1e-4, temperature=1.0, use_cpu=True, seed=0,
-        save_strategy="no", log_completions=False, report_to="none", logging_steps=1,
-    )  # fmt: skip
+        output_dir=out_dir,
+        rollouts_per_example=8,
+        batch_size=64,
+        micro_batch_size=64,
+        max_tokens=24,
+        max_seq_len=256,
+        max_steps=8,
+        learning_rate=1e-4,
+        temperature=1.0,
+        use_cpu=True,
+        seed=0,
+        save_strategy="no",
+        log_completions=False,
+        report_to="none",
+        logging_steps=1,
+    )
     base.update(kw)
     return RLConfig(**base)
 
 
-def run_rl(model_dir: str, env, args, log=print, env_vars: dict | None = None, threads: int | None = None,
-           after_train=None) -> dict:  # fmt: skip
+def run_rl(
+    model_dir: str, env, args, log=print, env_vars: dict | None = None, threads: int | None = None, after_train=None
+) -> dict:
     """Train with RLTrainer; returns step marks, metrics rows, construction/first-step timings. Always closes."""
     import torch
 
@@ -170,25 +192,40 @@ def run_rl(model_dir: str, env, args, log=print, env_vars: dict | None = None, t
 # ---------------------------------------------------------------------------------------- run
 
 
-def one_level(model_dir: str, env, tmp: str, k: int, steps: int, cfg: dict, log, label: str | None = None,
-              env_vars=None, threads=None) -> dict:  # fmt: skip
+def one_level(
+    model_dir: str,
+    env,
+    tmp: str,
+    k: int,
+    steps: int,
+    cfg: dict,
+    log,
+    label: str | None = None,
+    env_vars=None,
+    threads=None,
+) -> dict:
     label = label or f"k={k}"
     out_dir = os.path.join(tmp, label.replace("=", "").replace(" ", "_").replace(",", ""))
     args = rl_config(out_dir, max_steps=steps + 1, max_async_level=k, **cfg)
     res = run_rl(model_dir, env, args, log, env_vars=env_vars, threads=threads)
     m = [r for r in res["metrics"] if r["step"] >= 2]  # drop the warm-up step
     stats = window_stats(res["marks"], 1)
-    stats.update({
-        "label": label, "k": k, "timed_steps": len(m),
-        "generation_s": median([r["timing/generation_s"] for r in m]),
-        "train_s": median([r["timing/train_s"] for r in m]),
-        "sync_s": median([r["timing/sync_s"] for r in m]),
-        "wait_s": median([r["timing/wait_s"] for r in m]),
-        "async_lag": median([r.get("async_lag", 0.0) for r in m]),
-        "reward": [r["reward"] for r in res["metrics"]],
-        "startup_s": res["startup_s"],
-        "env_vars": env_vars or {}, "trainer_threads": threads,
-    })  # fmt: skip
+    stats.update(
+        {
+            "label": label,
+            "k": k,
+            "timed_steps": len(m),
+            "generation_s": median([r["timing/generation_s"] for r in m]),
+            "train_s": median([r["timing/train_s"] for r in m]),
+            "sync_s": median([r["timing/sync_s"] for r in m]),
+            "wait_s": median([r["timing/wait_s"] for r in m]),
+            "async_lag": median([r.get("async_lag", 0.0) for r in m]),
+            "reward": [r["reward"] for r in res["metrics"]],
+            "startup_s": res["startup_s"],
+            "env_vars": env_vars or {},
+            "trainer_threads": threads,
+        }
+    )
     log(
         f"{label}: step {stats['step_s']:.2f}s (gen {stats['generation_s']:.2f}, train {stats['train_s']:.2f}, "
         f"sync {stats['sync_s']:.3f}, wait {stats['wait_s']:.2f}); CPU-s/step trainer {stats['cpu_trainer_s']:.2f} "
@@ -225,8 +262,18 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             runs[f"k={k}"] = one_level(model_dir, env, tmp, k, steps, cfg, log)
         if not quick:
             # diagnostic: the same k=1 run with the two processes each pinned to one thread (no oversubscription)
-            runs["k=1, 1+1 threads"] = one_level(model_dir, env, tmp, 1, steps, cfg, log, label="k=1, 1+1 threads",
-                                                 env_vars={"OMP_NUM_THREADS": "1"}, threads=1)  # fmt: skip
+            runs["k=1, 1+1 threads"] = one_level(
+                model_dir,
+                env,
+                tmp,
+                1,
+                steps,
+                cfg,
+                log,
+                label="k=1, 1+1 threads",
+                env_vars={"OMP_NUM_THREADS": "1"},
+                threads=1,
+            )
     results["runs"] = runs
 
     base = runs["k=0"]
@@ -235,24 +282,45 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     cpu_floor = max(ideal, (base["cpu_trainer_s"] + base["cpu_server_s"]) / cores)
     results.update(ideal_s=ideal, cpu_floor_s=cpu_floor)
     rows = [
-        row(f"k=0 step time vs max(gen {gen0:.2f}s, train {train0:.2f}s)", ideal, base["step_s"],
-            base["step_s"] / ideal, "(report)", None, unit="s"),
-    ]  # fmt: skip
+        row(
+            f"k=0 step time vs max(gen {gen0:.2f}s, train {train0:.2f}s)",
+            ideal,
+            base["step_s"],
+            base["step_s"] / ideal,
+            "(report)",
+            None,
+            unit="s",
+        ),
+    ]
     for label, r in runs.items():
         if r["k"] == 0:
             continue
         ratio = r["step_s"] / ideal
         goal = "diag" not in label and "threads" not in label
         rows.append(
-            row(f"{label}: step time / max(gen, train) of k=0 (gen {r['generation_s']:.2f}s, train "
-                f"{r['train_s']:.2f}s under overlap)", ideal, r["step_s"], ratio,
-                f"<={GOAL}x" if goal else "(report)", (ratio <= GOAL) if goal else None, unit="s")
-        )  # fmt: skip
+            row(
+                f"{label}: step time / max(gen, train) of k=0 (gen {r['generation_s']:.2f}s, train "
+                f"{r['train_s']:.2f}s under overlap)",
+                ideal,
+                r["step_s"],
+                ratio,
+                f"<={GOAL}x" if goal else "(report)",
+                (ratio <= GOAL) if goal else None,
+                unit="s",
+            )
+        )
     rows.append(
-        row(f"2-core floor: max(gen, train, (CPU-s trainer {base['cpu_trainer_s']:.2f} + server "
-            f"{base['cpu_server_s']:.2f}) / {cores} cores) vs k=1 step", cpu_floor, runs["k=1"]["step_s"],
-            runs["k=1"]["step_s"] / cpu_floor, "(report)", None, unit="s")
-    )  # fmt: skip
+        row(
+            f"2-core floor: max(gen, train, (CPU-s trainer {base['cpu_trainer_s']:.2f} + server "
+            f"{base['cpu_server_s']:.2f}) / {cores} cores) vs k=1 step",
+            cpu_floor,
+            runs["k=1"]["step_s"],
+            runs["k=1"]["step_s"] / cpu_floor,
+            "(report)",
+            None,
+            unit="s",
+        )
+    )
     title = f"async overlap ({'quick' if quick else 'full'}; {steps} timed steps after 1 warm-up)"
     return finish(NAME, quick, results, t_start, [(title, rows)])
 

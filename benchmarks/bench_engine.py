@@ -21,7 +21,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
 
 NAME = "bench_engine"
@@ -52,9 +51,16 @@ def hf_sequential(model, tokenizer, n: int, seed0: int) -> dict:
         torch.manual_seed(seed0 + i)
         with torch.no_grad():
             out = model.generate(
-                x, attention_mask=torch.ones_like(x), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, pad_token_id=tokenizer.pad_token_id,
-            )  # fmt: skip
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         tokens += out.shape[1] - x.shape[1]
     dt = time.perf_counter() - t0
     return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}
@@ -66,9 +72,13 @@ def hf_sequential(model, tokenizer, n: int, seed0: int) -> dict:
 async def _round(client, model_name: str, n: int, seed0: int) -> dict:
     async def one(i: int, msgs):
         r = await client.chat.completions.create(
-            model=model_name, messages=msgs, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed0 + i,
+            model=model_name,
+            messages=msgs,
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            seed=seed0 + i,
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
         return r.usage.completion_tokens
 
     t0 = time.perf_counter()
@@ -101,19 +111,32 @@ def server_rates(engine: str, model_dir: str, levels, repeats: int, tmp: str, lo
 
     if engine == "cpu":
         server = InferenceServer(
-            model_dir, engine="cpu", output_dir=os.path.join(tmp, "out-cpu"),
+            model_dir,
+            engine="cpu",
+            output_dir=os.path.join(tmp, "out-cpu"),
             extra_args=["--max-model-len", "1024", "--max-num-seqs", "32", "--log-level", "warning"],
             startup_timeout=300,
-        )  # fmt: skip
+        )
     else:
         server = InferenceServer(
-            model_dir, engine="vllm", output_dir=os.path.join(tmp, "out-vllm"), python=VLLM_PYTHON,
+            model_dir,
+            engine="vllm",
+            output_dir=os.path.join(tmp, "out-vllm"),
+            python=VLLM_PYTHON,
             extra_args=[
-                "--weight-transfer-backend", "gloo", "--max-model-len", "1024",
-                "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "32",
+                "--weight-transfer-backend",
+                "gloo",
+                "--max-model-len",
+                "1024",
+                "--dtype",
+                "float32",
+                "--enforce-eager",
+                "--max-num-seqs",
+                "32",
             ],
-            env={"VLLM_CPU_KVCACHE_SPACE": "1"}, startup_timeout=300,
-        )  # fmt: skip
+            env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+            startup_timeout=300,
+        )
     t0 = time.perf_counter()
     with server:
         log(f"{engine} server up in {time.perf_counter() - t0:.1f}s")
@@ -139,10 +162,15 @@ def run(
     model, tokenizer = build_tiny_model(hidden=hidden, layers=layers)
     n_params = sum(p.numel() for p in model.parameters())
     results: dict = {
-        "name": NAME, "quick": quick, "repeats": repeats, "max_tokens": MAX_TOKENS,
-        "model": {"hidden": hidden, "layers": layers, "params": n_params}, "hf_sequential": {}, "ours": {},
+        "name": NAME,
+        "quick": quick,
+        "repeats": repeats,
+        "max_tokens": MAX_TOKENS,
+        "model": {"hidden": hidden, "layers": layers, "params": n_params},
+        "hf_sequential": {},
+        "ours": {},
         "machine_before": quiet,
-    }  # fmt: skip
+    }
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         model_dir = str(save_tiny_model(os.path.join(tmp, "model"), hidden=hidden, layers=layers))
         # Sequential baseline first, alone on the machine. Its rate does not depend on c, so quick mode measures
@@ -181,11 +209,15 @@ def run(
         goal = c == 32
         rows.append(
             row(
-                f"c={c}: HF sequential loop vs ours", hf, ours, ours / hf,
-                f">={GOAL_AT_32:.0f}x" if goal else "(report)", (ours / hf >= GOAL_AT_32) if goal else None,
+                f"c={c}: HF sequential loop vs ours",
+                hf,
+                ours,
+                ours / hf,
+                f">={GOAL_AT_32:.0f}x" if goal else "(report)",
+                (ours / hf >= GOAL_AT_32) if goal else None,
                 unit="tok/s",
             )
-        )  # fmt: skip
+        )
     if "vllm" in results:
         for c in CONCURRENCY:
             v, ours = results["vllm"][c]["tokens_per_s"], results["ours"][c]["tokens_per_s"]

@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
 
 NAME = "bench_sync"
@@ -208,10 +207,12 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
             is_last = i == len(models) - 1
             server = InferenceServer(
-                str(model_dir), engine="cpu", output_dir=os.path.join(tmp, "out"),
+                str(model_dir),
+                engine="cpu",
+                output_dir=os.path.join(tmp, "out"),
                 extra_args=["--max-model-len", "1024", "--max-num-seqs", "8", "--log-level", "warning"],
                 startup_timeout=300,
-            )  # fmt: skip
+            )
             info = {"hidden": hidden, "layers": layers, "params": n_params, "tensors": n_tensors, "bytes": nbytes}
             with server as client:
                 client.init_weight_transfer()  # the default bucket size (DEFAULT_BUCKET_BYTES)
@@ -222,7 +223,8 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
                     del lora_model
                     log(f"{label}: LoRA syncs done")
                 ours, base = measure_interleaved(
-                    [lambda: bucketed_sync(client, model), lambda: per_tensor_sync(client, model, pool)], repeats
+                    [lambda m=model: bucketed_sync(client, m), lambda m=model: per_tensor_sync(client, m, pool)],
+                    repeats,
                 )
                 info["bucketed"], info["per_tensor"] = ours, base
                 if is_last and sweep:
@@ -230,7 +232,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
                     for bb in sweep:
                         client.close_weight_transfer()
                         client.init_weight_transfer(bucket_bytes=bb)
-                        info["bucket_sweep"][bb] = measure(lambda: bucketed_sync(client, model), repeats)
+                        info["bucket_sweep"][bb] = measure(lambda m=model: bucketed_sync(client, m), repeats)
             sp = base["seconds"] / ours["seconds"]
             info.update(
                 speedup=sp,
@@ -242,10 +244,14 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             rows.append(
                 row(
                     f"sync {label} ({n_params / 1e6:.2f}M params, {n_tensors} tensors, {nbytes / 1e6:.0f} MB)",
-                    base["seconds"], ours["seconds"], sp, f">={SPEEDUP_GOAL:.0f}x" if many else "(report)",
-                    (sp >= SPEEDUP_GOAL) if many else None, unit="s",
+                    base["seconds"],
+                    ours["seconds"],
+                    sp,
+                    f">={SPEEDUP_GOAL:.0f}x" if many else "(report)",
+                    (sp >= SPEEDUP_GOAL) if many else None,
+                    unit="s",
                 )
-            )  # fmt: skip
+            )
             log(
                 f"{label}: {n_params:,} params, {n_tensors} tensors, {nbytes / 1e6:.1f} MB; bucketed "
                 f"{ours['seconds'] * 1e3:.1f} ms, per-tensor {base['seconds'] * 1e3:.1f} ms ({sp:.1f}x)"
@@ -255,46 +261,71 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         biggest = results["models"][label]
         results["raw_gloo"] = raw = raw_gloo_bandwidth(biggest["bytes"], repeats)
         results["raw_gloo_fresh_recv"] = raw_fresh = raw_gloo_bandwidth(biggest["bytes"], repeats, fresh=True)
-        log(f"raw gloo {raw['gb_per_s']:.2f} GB/s; with a fresh receive buffer each time {raw_fresh['gb_per_s']:.2f} GB/s")
+        log(
+            f"raw gloo {raw['gb_per_s']:.2f} GB/s; "
+            f"with a fresh receive buffer each time {raw_fresh['gb_per_s']:.2f} GB/s"
+        )
         bw, mb = biggest["bucketed_gb_per_s"], biggest["bytes"] / 1e6
         rows.append(
             row(
-                f"bandwidth {label} ({mb:.0f} MB): raw gloo vs bucketed sync", raw["gb_per_s"], bw,
-                bw / raw["gb_per_s"], f">={BANDWIDTH_GOAL:.0%} of raw" if not quick else "(report)",
-                (bw / raw["gb_per_s"] >= BANDWIDTH_GOAL) if not quick else None, unit="GB/s",
+                f"bandwidth {label} ({mb:.0f} MB): raw gloo vs bucketed sync",
+                raw["gb_per_s"],
+                bw,
+                bw / raw["gb_per_s"],
+                f">={BANDWIDTH_GOAL:.0%} of raw" if not quick else "(report)",
+                (bw / raw["gb_per_s"] >= BANDWIDTH_GOAL) if not quick else None,
+                unit="GB/s",
             )
-        )  # fmt: skip
+        )
         lora = biggest["lora"]
         rows.append(
             row(
                 f"LoRA r16 {label}: merged vs adapter-only ({lora['merged']['tensors']} vs "
-                f"{lora['adapter']['tensors']} tensors)", lora["merged"]["bytes"] / 1e6,
-                lora["adapter"]["bytes"] / 1e6, lora["merged"]["bytes"] / lora["adapter"]["bytes"], "(report)", None,
+                f"{lora['adapter']['tensors']} tensors)",
+                lora["merged"]["bytes"] / 1e6,
+                lora["adapter"]["bytes"] / 1e6,
+                lora["merged"]["bytes"] / lora["adapter"]["bytes"],
+                "(report)",
+                None,
                 unit="MB",
             )
-        )  # fmt: skip
+        )
         rows.append(
             row(
-                f"LoRA r16 {label}: merged vs adapter-only", lora["merged"]["seconds"],
-                lora["adapter"]["seconds"], lora["merged"]["seconds"] / lora["adapter"]["seconds"], "(report)", None,
+                f"LoRA r16 {label}: merged vs adapter-only",
+                lora["merged"]["seconds"],
+                lora["adapter"]["seconds"],
+                lora["merged"]["seconds"] / lora["adapter"]["seconds"],
+                "(report)",
+                None,
                 unit="s",
             )
-        )  # fmt: skip
+        )
         # informational: what the receiver's per-sync buffer allocation and the bucket size cost
         info_rows.append(
             row(
-                f"raw gloo {mb:.0f} MB: reused vs fresh receive buffer", raw["gb_per_s"], raw_fresh["gb_per_s"],
-                raw_fresh["gb_per_s"] / raw["gb_per_s"], "(info)", None, unit="GB/s",
+                f"raw gloo {mb:.0f} MB: reused vs fresh receive buffer",
+                raw["gb_per_s"],
+                raw_fresh["gb_per_s"],
+                raw_fresh["gb_per_s"] / raw["gb_per_s"],
+                "(info)",
+                None,
+                unit="GB/s",
             )
-        )  # fmt: skip
+        )
         for bb, m in biggest.get("bucket_sweep", {}).items():
             info_rows.append(
                 row(
-                    f"bucketed {label}: default {biggest['bucket_bytes'] >> 20} MiB vs {bb >> 20} MiB buckets", biggest["bucketed"]["seconds"],
-                    m["seconds"], biggest["bucketed"]["seconds"] / m["seconds"], "(info)", None, unit="s",
+                    f"bucketed {label}: default {biggest['bucket_bytes'] >> 20} MiB vs {bb >> 20} MiB buckets",
+                    biggest["bucketed"]["seconds"],
+                    m["seconds"],
+                    biggest["bucketed"]["seconds"] / m["seconds"],
+                    "(info)",
+                    None,
+                    unit="s",
                     gb_per_s=m["bytes"] / m["seconds"] / 1e9,
                 )
-            )  # fmt: skip
+            )
     pool.shutdown()
     results["rows"] = rows
     results["info_rows"] = info_rows

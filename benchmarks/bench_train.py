@@ -10,8 +10,8 @@ peak memory of chunked vs full-vocabulary logprobs.
     - naive: fixed `micro_batch_size` samples in dataset order, right-padded to the longest of each micro-batch
       (`collate_padded`).
     - ours: what RLTrainer does with pack_sequences=True under SDPA: `plan_microbatches(lengths, micro_batch_size *
-      max_seq_len, packed=True, max_samples=micro_batch_size)` + `collate_packed(group, row_len=longest sample)` (rows as
-      wide as the micro-batch's longest sample, short samples sharing a row; block-diagonal attention per row).
+      max_seq_len, packed=True, max_samples=micro_batch_size)` + `collate_packed(group, row_len=longest sample)`
+      (rows as wide as the micro-batch's longest sample, short samples sharing a row; block-diagonal attention per row).
     - also reported: the same token budget with no sample cap (a larger micro_batch_size), length-bucketed
       padded micro-batches (pack_sequences=False), and one packed row per micro-batch (the layout flash-attention
       runs as varlen; under SDPA a dense [N, N] block-diagonal mask, which is why the trainer caps rows there).
@@ -36,7 +36,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
 
 NAME = "bench_train"
@@ -70,8 +69,9 @@ def naive_microbatches(samples: list[dict], micro_batch_size: int, pad_id: int) 
     return [collate_padded(samples[i : i + micro_batch_size], pad_id) for i in range(0, len(samples), micro_batch_size)]
 
 
-def planned_microbatches(samples: list[dict], budget: int, packed: bool, max_samples: int | None, pad_id: int,
-                         rows: bool = False):  # fmt: skip
+def planned_microbatches(
+    samples: list[dict], budget: int, packed: bool, max_samples: int | None, pad_id: int, rows: bool = False
+):
     """rows=True: packed rows as wide as the micro-batch's longest sample (RLTrainer._packed_row_len under SDPA);
     False: one packed row per micro-batch (the flash-attention layout)."""
     from verifiers_rl.rl.trainer.batching import collate_packed, collate_padded, plan_microbatches
@@ -111,12 +111,18 @@ def time_variants(model, head, variants: dict[str, list[dict]], real: int, repea
     for k, mbs in variants.items():
         sec = median(secs[k])
         out[k] = v = {
-            "seconds": sec, "all_seconds": secs[k], "tokens_per_s": real / sec, "microbatches": len(mbs),
-            "padding_frac": padding_fraction(mbs), "slots": sum(m["num_real_tokens"] + m["num_padded_tokens"] for m in mbs),
+            "seconds": sec,
+            "all_seconds": secs[k],
+            "tokens_per_s": real / sec,
+            "microbatches": len(mbs),
+            "padding_frac": padding_fraction(mbs),
+            "slots": sum(m["num_real_tokens"] + m["num_padded_tokens"] for m in mbs),
             "longest_row": max(m["input_ids"].shape[1] for m in mbs),
-        }  # fmt: skip
-        log(f"{tag} {k}: {v['microbatches']} micro-batches (longest row {v['longest_row']}), padding "
-            f"{v['padding_frac']:.1%}, {v['tokens_per_s']:.0f} tok/s")
+        }
+        log(
+            f"{tag} {k}: {v['microbatches']} micro-batches (longest row {v['longest_row']}), padding "
+            f"{v['padding_frac']:.1%}, {v['tokens_per_s']:.0f} tok/s"
+        )
     return out
 
 
@@ -132,7 +138,9 @@ def microbatch_throughput(quick: bool, log) -> dict:
     repeats = 1 if quick else 3
     model, tok = build_tiny_model(hidden=hidden, layers=layers, seed=0)
     torch.manual_seed(0)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=32, target_modules=DEFAULT_LORA_TARGETS, task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=32, target_modules=DEFAULT_LORA_TARGETS, task_type="CAUSAL_LM")
+    )
     model.train()
     head = output_head(model)
     pad = tok.pad_token_id
@@ -150,10 +158,14 @@ def microbatch_throughput(quick: bool, log) -> dict:
     }
     out = {
         "model": {"hidden": hidden, "layers": layers, "lora_rank": 8},
-        "samples": n, "lengths": [min_len, max_len], "real_tokens": real, "micro_batch_size": mbs_size,
-        "token_budget": budget, "repeats": repeats,
+        "samples": n,
+        "lengths": [min_len, max_len],
+        "real_tokens": real,
+        "micro_batch_size": mbs_size,
+        "token_budget": budget,
+        "repeats": repeats,
         "variants": time_variants(model, head, variants, real, repeats, log, "mixed"),
-    }  # fmt: skip
+    }
     if not quick:
         # diagnostic: an RL-shaped batch (64 samples of 140..165 tokens, like reverse-text rollouts) with
         # micro_batch_size 64 / max_seq_len 256 (one packed row of ~9.7k tokens) vs 8, packed vs padded
@@ -165,8 +177,12 @@ def microbatch_throughput(quick: bool, log) -> dict:
             "padded_mbs8": planned_microbatches(rl, 8 * 256, False, 8, pad),
             "packed_mbs8": planned_microbatches(rl, 8 * 256, True, 8, pad, rows=True),
         }
-        out["rl_shaped"] = {"samples": 64, "lengths": [140, 165], "real_tokens": rl_real,
-                            "variants": time_variants(model, head, rl_variants, rl_real, repeats, log, "rl-shaped")}  # fmt: skip
+        out["rl_shaped"] = {
+            "samples": 64,
+            "lengths": [140, 165],
+            "real_tokens": rl_real,
+            "variants": time_variants(model, head, rl_variants, rl_real, repeats, log, "rl-shaped"),
+        }
     return out
 
 
@@ -206,10 +222,16 @@ def memory_child(method: str, vocab: int, hidden: int, n: int, repeats: int, chu
         del lp
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
-        "method": method, "chunk_size": chunk_size or L.auto_chunk_size(vocab), "rss_inputs": base, "peak_rss": peak, "peak_before_run": peak_before,
-        "peak_over_inputs": peak - base, "seconds": median(secs), "all_seconds": secs,
+        "method": method,
+        "chunk_size": chunk_size or L.auto_chunk_size(vocab),
+        "rss_inputs": base,
+        "peak_rss": peak,
+        "peak_before_run": peak_before,
+        "peak_over_inputs": peak - base,
+        "seconds": median(secs),
+        "all_seconds": secs,
         "logits_bytes": n * vocab * 4,
-    }  # fmt: skip
+    }
 
 
 def logprobs_memory(quick: bool, log) -> dict:
@@ -219,14 +241,25 @@ def logprobs_memory(quick: bool, log) -> dict:
     # "chunked" uses the trainer's default chunk size (logprobs.auto_chunk_size(V)); "chunked_1024" is a diagnostic
     runs = [("full", "full", 0), ("chunked", "chunked", 0)] + ([] if quick else [("chunked_1024", "chunked", 1024)])
     for label, method, chunk in runs:
-        cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", method, str(vocab), str(hidden), str(n),
-               str(repeats), str(chunk)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--memory-child",
+            method,
+            str(vocab),
+            str(hidden),
+            str(n),
+            str(repeats),
+            str(chunk),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
         if res.returncode != 0:
             raise RuntimeError(f"memory child {label} failed: {res.stderr[-2000:]}")
         out[label] = m = json.loads(res.stdout.strip().splitlines()[-1])
-        log(f"logprobs {label}: peak {m['peak_over_inputs'] / 2**20:.0f} MiB over inputs "
-            f"(logits would be {m['logits_bytes'] / 2**20:.0f} MiB), {m['seconds']:.2f}s fwd+bwd")
+        log(
+            f"logprobs {label}: peak {m['peak_over_inputs'] / 2**20:.0f} MiB over inputs "
+            f"(logits would be {m['logits_bytes'] / 2**20:.0f} MiB), {m['seconds']:.2f}s fwd+bwd"
+        )
     return out
 
 
@@ -248,45 +281,110 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     v = mb["variants"]
     naive, packed = v["naive"], v["packed"]
     sp = packed["tokens_per_s"] / naive["tokens_per_s"]
-    desc = (f"{mb['samples']} samples, len {mb['lengths'][0]}..{mb['lengths'][1]}, LoRA Qwen3 h{mb['model']['hidden']}"
-            f"x{mb['model']['layers']}")  # fmt: skip
+    desc = (
+        f"{mb['samples']} samples, len {mb['lengths'][0]}..{mb['lengths'][1]}, LoRA Qwen3 h{mb['model']['hidden']}"
+        f"x{mb['model']['layers']}"
+    )
     rows = [
-        row(f"fwd+bwd tok/s: padded mbs={mb['micro_batch_size']} vs packed budget {mb['token_budget']} ({desc})",
-            naive["tokens_per_s"], packed["tokens_per_s"], sp, f">={SPEEDUP_GOAL}x", sp >= SPEEDUP_GOAL, unit="tok/s"),
+        row(
+            f"fwd+bwd tok/s: padded mbs={mb['micro_batch_size']} vs packed budget {mb['token_budget']} ({desc})",
+            naive["tokens_per_s"],
+            packed["tokens_per_s"],
+            sp,
+            f">={SPEEDUP_GOAL}x",
+            sp >= SPEEDUP_GOAL,
+            unit="tok/s",
+        ),
         row("padding fraction: naive vs packed", naive["padding_frac"], packed["padding_frac"], None, "(report)", None),
-        row("fwd+bwd tok/s: padded vs packed, no sample cap", naive["tokens_per_s"], v["packed_uncapped"]["tokens_per_s"],
-            v["packed_uncapped"]["tokens_per_s"] / naive["tokens_per_s"], "(report)", None, unit="tok/s"),
-        row("fwd+bwd tok/s: padded vs length-bucketed padded", naive["tokens_per_s"], v["bucketed_padded"]["tokens_per_s"],
-            v["bucketed_padded"]["tokens_per_s"] / naive["tokens_per_s"], "(report)", None, unit="tok/s",
-            padding_frac=v["bucketed_padded"]["padding_frac"]),
-    ]  # fmt: skip
+        row(
+            "fwd+bwd tok/s: padded vs packed, no sample cap",
+            naive["tokens_per_s"],
+            v["packed_uncapped"]["tokens_per_s"],
+            v["packed_uncapped"]["tokens_per_s"] / naive["tokens_per_s"],
+            "(report)",
+            None,
+            unit="tok/s",
+        ),
+        row(
+            "fwd+bwd tok/s: padded vs length-bucketed padded",
+            naive["tokens_per_s"],
+            v["bucketed_padded"]["tokens_per_s"],
+            v["bucketed_padded"]["tokens_per_s"] / naive["tokens_per_s"],
+            "(report)",
+            None,
+            unit="tok/s",
+            padding_frac=v["bucketed_padded"]["padding_frac"],
+        ),
+    ]
     po = v["packed_one_row"]
-    rows.append(row(f"fwd+bwd tok/s: padded vs one packed row per micro-batch (longest {po['longest_row']} tokens; the "
-                    "flash-attention layout, under SDPA)", naive["tokens_per_s"], po["tokens_per_s"],
-                    po["tokens_per_s"] / naive["tokens_per_s"], "(report)", None, unit="tok/s"))  # fmt: skip
+    rows.append(
+        row(
+            f"fwd+bwd tok/s: padded vs one packed row per micro-batch (longest {po['longest_row']} tokens; the "
+            "flash-attention layout, under SDPA)",
+            naive["tokens_per_s"],
+            po["tokens_per_s"],
+            po["tokens_per_s"] / naive["tokens_per_s"],
+            "(report)",
+            None,
+            unit="tok/s",
+        )
+    )
     if "rl_shaped" in mb:
         rv = mb["rl_shaped"]["variants"]
         for size in (64, 8):
             a, b = rv[f"padded_mbs{size}"], rv[f"packed_mbs{size}"]
-            rows.append(row(f"RL-shaped batch (64 x 140..165 tok), micro_batch_size {size}: padded vs packed "
-                            f"(longest packed row {b['longest_row']})", a["tokens_per_s"], b["tokens_per_s"],
-                            b["tokens_per_s"] / a["tokens_per_s"], "(report)", None, unit="tok/s"))  # fmt: skip
+            rows.append(
+                row(
+                    f"RL-shaped batch (64 x 140..165 tok), micro_batch_size {size}: padded vs packed "
+                    f"(longest packed row {b['longest_row']})",
+                    a["tokens_per_s"],
+                    b["tokens_per_s"],
+                    b["tokens_per_s"] / a["tokens_per_s"],
+                    "(report)",
+                    None,
+                    unit="tok/s",
+                )
+            )
     full, chunked = mem["full"], mem["chunked"]
     mr = chunked["peak_over_inputs"] / max(full["peak_over_inputs"], 1)
     tag = f"V={mem['vocab']}, H={mem['hidden']}, N={mem['tokens']}, chunk {chunked['chunk_size']}"
     rows += [
-        row(f"logprobs fwd+bwd peak RSS over inputs: full vs chunked ({tag})", full["peak_over_inputs"] / 2**20,
-            chunked["peak_over_inputs"] / 2**20, mr, f"<={MEMORY_GOAL}x", mr <= MEMORY_GOAL, unit="MiB"),
-        row(f"logprobs fwd+bwd time: full vs chunked ({tag})", full["seconds"], chunked["seconds"],
-            chunked["seconds"] / full["seconds"], "(report)", None, unit="s"),
-    ]  # fmt: skip
+        row(
+            f"logprobs fwd+bwd peak RSS over inputs: full vs chunked ({tag})",
+            full["peak_over_inputs"] / 2**20,
+            chunked["peak_over_inputs"] / 2**20,
+            mr,
+            f"<={MEMORY_GOAL}x",
+            mr <= MEMORY_GOAL,
+            unit="MiB",
+        ),
+        row(
+            f"logprobs fwd+bwd time: full vs chunked ({tag})",
+            full["seconds"],
+            chunked["seconds"],
+            chunked["seconds"] / full["seconds"],
+            "(report)",
+            None,
+            unit="s",
+        ),
+    ]
     if "chunked_1024" in mem:
         c2 = mem["chunked_1024"]
-        rows.append(row(f"logprobs peak RSS over inputs: full vs chunked, chunk_size 1024 (default {chunked['chunk_size']})",
-                        full["peak_over_inputs"] / 2**20, c2["peak_over_inputs"] / 2**20,
-                        c2["peak_over_inputs"] / max(full["peak_over_inputs"], 1), "(report)", None, unit="MiB",
-                        seconds=c2["seconds"]))  # fmt: skip
-    return finish(NAME, quick, results, t_start, [(f"training throughput and memory ({'quick' if quick else 'full'})", rows)])
+        rows.append(
+            row(
+                f"logprobs peak RSS over inputs: full vs chunked, chunk_size 1024 (default {chunked['chunk_size']})",
+                full["peak_over_inputs"] / 2**20,
+                c2["peak_over_inputs"] / 2**20,
+                c2["peak_over_inputs"] / max(full["peak_over_inputs"], 1),
+                "(report)",
+                None,
+                unit="MiB",
+                seconds=c2["seconds"],
+            )
+        )
+    return finish(
+        NAME, quick, results, t_start, [(f"training throughput and memory ({'quick' if quick else 'full'})", rows)]
+    )
 
 
 def main(argv=None) -> int:
@@ -295,7 +393,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.memory_child:
         method, vocab, hidden, n, repeats, chunk = args.memory_child
-        print(json.dumps(memory_child(method, int(vocab), int(hidden), int(n), int(repeats), int(chunk) or None)), flush=True)
+        print(
+            json.dumps(memory_child(method, int(vocab), int(hidden), int(n), int(repeats), int(chunk) or None)),
+            flush=True,
+        )
         return 0
     res = run(quick=args.quick, wait_quiet=args.wait_quiet)
     return 0 if res["passed"] else 1

@@ -15,12 +15,10 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from _common import print_table, row, wait_for_quiet, write_results  # noqa: E402
 
 _BUF: dict[str, torch.Tensor] = {}
@@ -77,13 +75,17 @@ def _server(model_dir: str, tmp: str, proto: bool):
             return [cmd[0], os.path.abspath(__file__), "--serve", *cmd[3:]] if proto else cmd
 
     return ProtoServer(
-        model_dir, engine="cpu", output_dir=os.path.join(tmp, "out"), startup_timeout=300,
+        model_dir,
+        engine="cpu",
+        output_dir=os.path.join(tmp, "out"),
+        startup_timeout=300,
         extra_args=["--max-model-len", "1024", "--max-num-seqs", "8", "--log-level", "warning"],
-    )  # fmt: skip
+    )
 
 
 def run(hidden: int = 704, layers: int = 22, repeats: int = 5) -> dict:
     import bench_sync
+
     from verifiers_rl.rl.inference.transfer import gloo
     from verifiers_rl.tiny import build_tiny_model, save_tiny_model
 
@@ -118,11 +120,25 @@ def run(hidden: int = 704, layers: int = 22, repeats: int = 5) -> dict:
         out["raw_gloo"] = bench_sync.raw_gloo_bandwidth(nbytes, repeats)
     raw, st, pr = out["raw_gloo"]["gb_per_s"], out["stock"], out["persistent_buffers"]
     rows = [
-        row(f"bucketed sync {nbytes / 1e6:.0f} MB: stock vs persistent buffers", st["seconds"], pr["seconds"],
-            st["seconds"] / pr["seconds"], "(info)", None, unit="s"),
-        row("  as a fraction of raw gloo GB/s", st["gb_per_s"] / raw, pr["gb_per_s"] / raw,
-            pr["gb_per_s"] / st["gb_per_s"], ">=50% (bench_sync goal)", pr["gb_per_s"] / raw >= 0.5, unit="of raw"),
-    ]  # fmt: skip
+        row(
+            f"bucketed sync {nbytes / 1e6:.0f} MB: stock vs persistent buffers",
+            st["seconds"],
+            pr["seconds"],
+            st["seconds"] / pr["seconds"],
+            "(info)",
+            None,
+            unit="s",
+        ),
+        row(
+            "  as a fraction of raw gloo GB/s",
+            st["gb_per_s"] / raw,
+            pr["gb_per_s"] / raw,
+            pr["gb_per_s"] / st["gb_per_s"],
+            ">=50% (bench_sync goal)",
+            pr["gb_per_s"] / raw >= 0.5,
+            unit="of raw",
+        ),
+    ]
     out["rows"] = rows
     print_table(f"prototype: persistent transfer buffers (raw gloo {raw:.2f} GB/s; median of {repeats})", rows)
     print(f"results: {write_results(f'proto_sync_buffers_{hidden}x{layers}', out)}")

@@ -5,8 +5,8 @@
 Imports each benchmark module and calls its `run(quick=..., wait_quiet=...)`; a benchmark that raises is recorded
 as a failed row and the others still run. With --only, the other benchmarks' rows are kept from the previous
 latest.json of the same mode. Writes benchmarks/results/latest.json and latest.md (the table, the
-machine, the command to reproduce); --quick writes latest_quick.{json,md}. Exit code: 0 when every benchmark ran, whether or not its goals were met;
-1 when one crashed.
+machine, the command to reproduce); --quick writes latest_quick.{json,md}. Exit code: 0 when every benchmark ran,
+whether or not its goals were met; 1 when one crashed.
 """
 
 from __future__ import annotations
@@ -63,15 +63,28 @@ def run_one(name: str, quick: bool, wait_quiet: float | None) -> dict:
     try:
         mod = importlib.import_module(name)
         res = mod.run(quick=quick, wait_quiet=wait_quiet)
-        return {"name": name, "ok": True, "seconds": time.perf_counter() - t0, "rows": res.get("rows", []),
-                "passed": res.get("passed"), "machine_before": res.get("machine_before")}  # fmt: skip
+        return {
+            "name": name,
+            "ok": True,
+            "seconds": time.perf_counter() - t0,
+            "rows": res.get("rows", []),
+            "passed": res.get("passed"),
+            "machine_before": res.get("machine_before"),
+        }
     except BaseException as e:  # noqa: BLE001 - record and keep going (KeyboardInterrupt still stops the run)
         if isinstance(e, KeyboardInterrupt):
             raise
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)
-        return {"name": name, "ok": False, "seconds": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}",
-                "traceback": tb[-4000:], "rows": [], "passed": False}  # fmt: skip
+        return {
+            "name": name,
+            "ok": False,
+            "seconds": time.perf_counter() - t0,
+            "error": f"{type(e).__name__}: {e}",
+            "traceback": tb[-4000:],
+            "rows": [],
+            "passed": False,
+        }
 
 
 def _merge_previous(results: list[dict], quick: bool) -> list[dict]:
@@ -93,8 +106,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="every benchmark's quick mode (CI smoke test, < 3 min)")
     p.add_argument("--only", default=None, help="comma-separated subset of: " + ", ".join(BENCHMARKS))
-    p.add_argument("--wait-quiet", type=float, default=None, metavar="S",
-                   help="passed to every benchmark: wait up to S s for an idle machine (default: theirs)")
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=None,
+        metavar="S",
+        help="passed to every benchmark: wait up to S s for an idle machine (default: theirs)",
+    )
     args = p.parse_args(argv)
     names = BENCHMARKS if not args.only else tuple(n.strip() for n in args.only.split(",") if n.strip())
     unknown = [n for n in names if n not in BENCHMARKS]
@@ -126,21 +144,49 @@ def main(argv=None) -> int:
     for r in results:
         print(f"  {r['name']}: {r['seconds']:.1f}s, machine before: {r.get('machine_before')}")
 
-    cmd = "/work/main/.venv/bin/python benchmarks/run.py" + (" " + shlex.join(argv if argv is not None else sys.argv[1:])).rstrip()
+    cmd = (
+        "/work/main/.venv/bin/python benchmarks/run.py"
+        + (" " + shlex.join(argv if argv is not None else sys.argv[1:])).rstrip()
+    )
     info = machine()
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    payload = {"quick": args.quick, "wall_seconds": wall, "command": cmd, "machine": info, "machine_at_start": quiet,
-               "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "benchmarks": results}  # fmt: skip
+    payload = {
+        "quick": args.quick,
+        "wall_seconds": wall,
+        "command": cmd,
+        "machine": info,
+        "machine_at_start": quiet,
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "benchmarks": results,
+    }
     stem = "latest_quick" if args.quick else "latest"  # a smoke test never overwrites the full run's numbers
     (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    md = [f"# Benchmarks ({'quick' if args.quick else 'full'})", "", md_table(lines), "",
-          "Per benchmark (wall seconds; machine load seen before timing, from `_common.wait_for_quiet`):", ""]  # fmt: skip
+    md = [
+        f"# Benchmarks ({'quick' if args.quick else 'full'})",
+        "",
+        md_table(lines),
+        "",
+        "Per benchmark (wall seconds; machine load seen before timing, from `_common.wait_for_quiet`):",
+        "",
+    ]
     for r in results:
         status = "ran" if r["ok"] else f"crashed: `{r['error'][:200]}`"
-        md.append(f"- `{r['name']}`: {status}, {r['seconds']:.1f}s, measured {r.get('measured_at', '?')}, machine "
-                  f"before: {r.get('machine_before')}")
-    md += ["", "Machine:", "", "```", json.dumps(info, indent=2), "```", "",
-           f"Reproduce: `cd /work/main && {cmd}`", f"Written {payload['written_at']}, total {wall:.0f}s.", ""]  # fmt: skip
+        md.append(
+            f"- `{r['name']}`: {status}, {r['seconds']:.1f}s, measured {r.get('measured_at', '?')}, machine "
+            f"before: {r.get('machine_before')}"
+        )
+    md += [
+        "",
+        "Machine:",
+        "",
+        "```",
+        json.dumps(info, indent=2),
+        "```",
+        "",
+        f"Reproduce: `cd /work/main && {cmd}`",
+        f"Written {payload['written_at']}, total {wall:.0f}s.",
+        "",
+    ]
     (RESULTS_DIR / f"{stem}.md").write_text("\n".join(md))
     print(f"results: {RESULTS_DIR / (stem + '.json')}, {RESULTS_DIR / (stem + '.md')}")
 

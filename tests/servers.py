@@ -31,9 +31,16 @@ def start_server(engine: str, model_dir: str, output_dir) -> InferenceServer:
             output_dir=output_dir,
             python=VLLM_PYTHON,
             extra_args=[
-                "--weight-transfer-backend", "gloo", "--max-model-len", "1024",
-                "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "32",
-            ],  # fmt: skip
+                "--weight-transfer-backend",
+                "gloo",
+                "--max-model-len",
+                "1024",
+                "--dtype",
+                "float32",
+                "--enforce-eager",
+                "--max-num-seqs",
+                "32",
+            ],
             env={"VLLM_CPU_KVCACHE_SPACE": "1"},
             startup_timeout=240,
         )

@@ -8,7 +8,13 @@ import random
 import pytest
 import torch
 
-from verifiers_rl.rl.trainer.batching import collate_packed, collate_padded, padding_fraction, plan_microbatches, plan_rows
+from verifiers_rl.rl.trainer.batching import (
+    collate_packed,
+    collate_padded,
+    padding_fraction,
+    plan_microbatches,
+    plan_rows,
+)
 from verifiers_rl.rl.trainer.losses import LOSS_TYPES, policy_loss
 
 
@@ -51,12 +57,14 @@ def _samples(lengths, seed=0, vocab=256):
         mask = [False] * prompt + [True] * (n - prompt)
         if n > 4:
             mask[-2] = False  # an env-response token inside the completion
-        out.append({
-            "input_ids": torch.randint(0, vocab, (n,), generator=gen).tolist(),
-            "loss_mask": mask,
-            "sampler_logprobs": [float(-torch.rand(1, generator=gen)) if m else 0.0 for m in mask],
-            "advantage": float(i) - 1.5,
-        })
+        out.append(
+            {
+                "input_ids": torch.randint(0, vocab, (n,), generator=gen).tolist(),
+                "loss_mask": mask,
+                "sampler_logprobs": [float(-torch.rand(1, generator=gen)) if m else 0.0 for m in mask],
+                "advantage": float(i) - 1.5,
+            }
+        )
     return out
 
 
@@ -165,13 +173,28 @@ def test_policy_loss_packed_equals_padded(loss_type):
     lp_pack = torch.cat(leaves)[None, 1:]
     ref_pack = torch.cat(refs)[None, 1:]
 
-    kw = dict(loss_type=loss_type, num_tokens_global=padded["num_loss_tokens"], num_sequences_global=len(samples),
-              max_tokens=10, clip_eps_low=0.1, clip_eps_high=0.1, kl_beta=0.05)
-    loss_pad, m_pad = policy_loss(lp_pad, padded["sampler_logprobs"], padded["advantages"], padded["loss_mask"],
-                                  ref_logprobs=ref_pad, **kw)
+    kw = dict(
+        loss_type=loss_type,
+        num_tokens_global=padded["num_loss_tokens"],
+        num_sequences_global=len(samples),
+        max_tokens=10,
+        clip_eps_low=0.1,
+        clip_eps_high=0.1,
+        kl_beta=0.05,
+    )
+    loss_pad, m_pad = policy_loss(
+        lp_pad, padded["sampler_logprobs"], padded["advantages"], padded["loss_mask"], ref_logprobs=ref_pad, **kw
+    )
     grads_pad = torch.autograd.grad(loss_pad, leaves)
-    loss_pack, m_pack = policy_loss(lp_pack, packed["sampler_logprobs"], packed["advantages"], packed["loss_mask"],
-                                    ref_logprobs=ref_pack, seq_index=packed["seq_index"], **kw)
+    loss_pack, m_pack = policy_loss(
+        lp_pack,
+        packed["sampler_logprobs"],
+        packed["advantages"],
+        packed["loss_mask"],
+        ref_logprobs=ref_pack,
+        seq_index=packed["seq_index"],
+        **kw,
+    )
     grads_pack = torch.autograd.grad(loss_pack, leaves)
     assert padded["num_loss_tokens"] == packed["num_loss_tokens"]
     torch.testing.assert_close(loss_pack, loss_pad)
@@ -222,12 +245,20 @@ def test_policy_loss_rows_equal_one_row(loss_type):
     lp_rows = torch.zeros(rows["loss_mask"].shape)
     for i in range(len(samples)):
         lp_rows[(rows["seq_index"] == i) & rows["loss_mask"]] = lp_one[(one["seq_index"] == i) & one["loss_mask"]]
-    kw = dict(loss_type=loss_type, num_tokens_global=one["num_loss_tokens"], num_sequences_global=len(samples),
-              max_tokens=10, clip_eps_low=0.1, clip_eps_high=0.1)  # fmt: skip
-    loss_one, m_one = policy_loss(lp_one, one["sampler_logprobs"], one["advantages"], one["loss_mask"],
-                                  seq_index=one["seq_index"], **kw)  # fmt: skip
-    loss_rows, m_rows = policy_loss(lp_rows, rows["sampler_logprobs"], rows["advantages"], rows["loss_mask"],
-                                    seq_index=rows["seq_index"], **kw)  # fmt: skip
+    kw = dict(
+        loss_type=loss_type,
+        num_tokens_global=one["num_loss_tokens"],
+        num_sequences_global=len(samples),
+        max_tokens=10,
+        clip_eps_low=0.1,
+        clip_eps_high=0.1,
+    )
+    loss_one, m_one = policy_loss(
+        lp_one, one["sampler_logprobs"], one["advantages"], one["loss_mask"], seq_index=one["seq_index"], **kw
+    )
+    loss_rows, m_rows = policy_loss(
+        lp_rows, rows["sampler_logprobs"], rows["advantages"], rows["loss_mask"], seq_index=rows["seq_index"], **kw
+    )
     torch.testing.assert_close(loss_rows, loss_one)
     for k in m_one:
         torch.testing.assert_close(m_rows[k], m_one[k])

@@ -16,8 +16,14 @@ BIN = Path(sys.executable).parent
 
 
 def _run(cmd: str, *args, cwd=None, env=None, timeout=300):
-    proc = subprocess.Popen([str(BIN / cmd), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=cwd, env={**os.environ, **(env or {})})  # fmt: skip
+    proc = subprocess.Popen(
+        [str(BIN / cmd), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
     out, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), proc.pid
 
@@ -72,8 +78,14 @@ num_examples = 4
 @pytest.mark.parametrize(
     "body, message",
     [
-        ("[trainer.args]\nbatch_size = 10\nrollouts_per_example = 4\n", "batch_size=10: must be a positive multiple of rollouts_per_example=4"),
-        ("[trainer.args]\nlearning_rat = 1e-4\n", "unknown key 'trainer.args.learning_rat' (did you mean 'learning_rate'?)"),
+        (
+            "[trainer.args]\nbatch_size = 10\nrollouts_per_example = 4\n",
+            "batch_size=10: must be a positive multiple of rollouts_per_example=4",
+        ),
+        (
+            "[trainer.args]\nlearning_rat = 1e-4\n",
+            "unknown key 'trainer.args.learning_rat' (did you mean 'learning_rate'?)",
+        ),
         ("[trainr]\ngpus = 1\n", "unknown section [trainr] (did you mean 'trainer'?)"),
         ("[inference]\nengine = 'tpu'\n", "inference.engine='tpu'; allowed: auto, cpu, vllm"),
         ("[inference]\ngpus = 'two'\n", "inference.gpus='two': expected int"),
@@ -95,7 +107,9 @@ def test_missing_env_and_missing_file(tmp_path, tiny_model_dir):
     cfg = _write(tmp_path, f'model = "{tiny_model_dir}"\n')
     r, pid = _run("vf-rl", "@", cfg)
     assert r.returncode == 2 and "missing required key [env] id" in r.stderr
-    cfg = _write(tmp_path, TINY_RL.format(model=tiny_model_dir, out=tmp_path / "o").replace('"reverse-text"', '"no-such-env"'))
+    cfg = _write(
+        tmp_path, TINY_RL.format(model=tiny_model_dir, out=tmp_path / "o").replace('"reverse-text"', '"no-such-env"')
+    )
     r, pid = _run("vf-rl", "@", cfg)
     assert r.returncode == 2 and "environment 'no-such-env' is not installed" in r.stderr
     assert "Traceback" not in r.stderr
@@ -127,7 +141,9 @@ def test_vf_rl_runs_end_to_end(tmp_path, tiny_model_dir):
 
 
 def test_vf_sft_writes_a_checkpoint_rl_can_use(tmp_path, tiny_model_dir):
-    cfg = _write(tmp_path, f"""
+    cfg = _write(
+        tmp_path,
+        f"""
         model = "{tiny_model_dir}"
         [dataset]
         env = "reverse-text"
@@ -136,13 +152,15 @@ def test_vf_sft_writes_a_checkpoint_rl_can_use(tmp_path, tiny_model_dir):
         [env.args]
         num_train_examples = 32
         [trainer.args]
-        output_dir = "{tmp_path / 'sft'}"
+        output_dir = "{tmp_path / "sft"}"
         per_device_train_batch_size = 8
         max_length = 128
         learning_rate = 1e-3
         use_lora = true
         lora_rank = 4
-        """, "sft.toml")  # fmt: skip
+        """,
+        "sft.toml",
+    )
     r, pid = _run("vf-sft", "@", cfg)
     assert r.returncode == 0, r.stderr[-3000:]
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -153,7 +171,11 @@ def test_vf_sft_writes_a_checkpoint_rl_can_use(tmp_path, tiny_model_dir):
     assert AutoTokenizer.from_pretrained(final).chat_template
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert any((p - q).abs().max() > 0 for p, q in zip(model.parameters(), base.parameters()))
-    bad = _write(tmp_path, f'model = "{tiny_model_dir}"\n[dataset]\nenv = "reverse-text"\n[trainer.args]\nnum_epochs = 1\n', "bad.toml")
+    bad = _write(
+        tmp_path,
+        f'model = "{tiny_model_dir}"\n[dataset]\nenv = "reverse-text"\n[trainer.args]\nnum_epochs = 1\n',
+        "bad.toml",
+    )
     r, pid = _run("vf-sft", "@", bad)
     assert r.returncode == 2 and "unknown key 'trainer.args.num_epochs'" in r.stderr and "num_train_epochs" in r.stderr
 
@@ -175,8 +197,13 @@ def test_setup_lays_out_workspace_idempotently(tmp_path):
     ws = tmp_path / "ws"
     r, pid = _run("vf-rl", "setup", ws)
     assert r.returncode == 0 and r.stdout.count("✓ created") == 9
-    for rel in ("configs/endpoints.py", "configs/vf-rl/alphabet-sort.toml", "configs/vf-rl/wordle.toml",
-                "configs/vf-rl/reverse-text.toml", "environments/AGENTS.md"):  # fmt: skip
+    for rel in (
+        "configs/endpoints.py",
+        "configs/vf-rl/alphabet-sort.toml",
+        "configs/vf-rl/wordle.toml",
+        "configs/vf-rl/reverse-text.toml",
+        "environments/AGENTS.md",
+    ):
         assert (ws / rel).exists(), rel
     r, pid = _run("vf-rl", "setup", ws)
     assert r.stdout.count("✓ up to date") == 9
@@ -219,6 +246,19 @@ def test_config_specs_from_the_issue():
     al = tomllib.loads((ROOT / "configs/vf-rl/alphabet-sort.toml").read_text())
     a = al["trainer"]["args"]
     assert al["model"] == "Qwen/Qwen3-4B-Instruct-2507"
-    assert (a["lora_rank"], a["lora_alpha"], a["max_steps"], a["batch_size"], a["rollouts_per_example"], a["max_seq_len"]) == (32, 64, 100, 512, 8, 2048)
-    assert al["env"]["args"] == {"min_turns": 3, "max_turns": 3, "min_names_per_turn": 1, "max_names_per_turn": 4,
-                                 "similarity_power": 8, "power_per_turn": False}  # fmt: skip
+    assert (
+        a["lora_rank"],
+        a["lora_alpha"],
+        a["max_steps"],
+        a["batch_size"],
+        a["rollouts_per_example"],
+        a["max_seq_len"],
+    ) == (32, 64, 100, 512, 8, 2048)
+    assert al["env"]["args"] == {
+        "min_turns": 3,
+        "max_turns": 3,
+        "min_names_per_turn": 1,
+        "max_names_per_turn": 4,
+        "similarity_power": 8,
+        "power_per_turn": False,
+    }

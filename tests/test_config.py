@@ -17,7 +17,11 @@ from transformers import TrainingArguments
 from verifiers_rl.rl.trainer.config import DEFAULT_LORA_TARGETS, RLConfig
 
 LIB = Path(__file__).resolve().parents[1] / "verifiers_rl"
-OURS = [f.name for f in dataclasses.fields(RLConfig) if f.name not in {g.name for g in dataclasses.fields(TrainingArguments)}]
+OURS = [
+    f.name
+    for f in dataclasses.fields(RLConfig)
+    if f.name not in {g.name for g in dataclasses.fields(TrainingArguments)}
+]
 ESTABLISHED = (
     "use_lora lora_rank lora_alpha lora_dropout lora_target_modules lora_modules_to_save lora_use_rslora "
     "rollouts_per_example batch_size micro_batch_size max_seq_len max_prompt_len max_concurrent mask_ratio_low "
@@ -50,8 +54,16 @@ def _cfg(**kw) -> RLConfig:
 
 
 def test_sampling_fields_reach_the_request():
-    cfg = _cfg(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.3,
-               frequency_penalty=0.2, max_tokens=33)  # fmt: skip
+    cfg = _cfg(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.3,
+        frequency_penalty=0.2,
+        max_tokens=33,
+    )
     sa = cfg.sampling_args()
     assert sa["temperature"] == 0.7 and sa["top_p"] == 0.9 and sa["max_tokens"] == 33
     assert sa["presence_penalty"] == 0.3 and sa["frequency_penalty"] == 0.2
@@ -88,8 +100,14 @@ def test_lora_fields_reach_peft():
     from verifiers_rl.tiny import build_tiny_model
 
     model, _ = build_tiny_model()
-    cfg = _cfg(lora_rank=4, lora_alpha=12, lora_dropout=0.1, lora_target_modules=["q_proj"],
-               lora_modules_to_save=["lm_head"], lora_use_rslora=True)  # fmt: skip
+    cfg = _cfg(
+        lora_rank=4,
+        lora_alpha=12,
+        lora_dropout=0.1,
+        lora_target_modules=["q_proj"],
+        lora_modules_to_save=["lm_head"],
+        lora_use_rslora=True,
+    )
     peft = RLTrainer._wrap_lora(model, cfg)
     lc = peft.peft_config["default"]
     assert lc.r == 4 and lc.lora_alpha == 12 and lc.lora_dropout == 0.1 and lc.use_rslora

@@ -21,15 +21,29 @@ def _rewards_losses(out):
 def test_two_process_ddp_matches_single_process(tiny_model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     single, ddp = tmp_path / "single", tmp_path / "ddp"
-    r1 = subprocess.run([sys.executable, str(SCRIPT), tiny_model_dir, str(single)], capture_output=True, text=True,
-                        timeout=300, env=env)  # fmt: skip
+    r1 = subprocess.run(
+        [sys.executable, str(SCRIPT), tiny_model_dir, str(single)], capture_output=True, text=True, timeout=300, env=env
+    )
     assert r1.returncode == 0, r1.stderr[-3000:]
     # accelerate 1.x sends `--cpu` to its single-process launcher (multi-CPU there means mpirun); its torchrun
     # launcher starts two gloo ranks, and use_cpu=True in the config keeps them on the CPU.
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
-    r2 = subprocess.run([*launcher, str(SCRIPT), tiny_model_dir, str(ddp)], capture_output=True, text=True,
-                        timeout=400, env=env)  # fmt: skip
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
+    r2 = subprocess.run(
+        [*launcher, str(SCRIPT), tiny_model_dir, str(ddp)], capture_output=True, text=True, timeout=400, env=env
+    )
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert "WORLD 2" in r2.stdout
     a, b = _rewards_losses(single), _rewards_losses(ddp)

@@ -10,12 +10,12 @@ import subprocess
 import sys
 import textwrap
 
+import alphabet_sort as asort
 import pytest
+import reverse_text as rt
 import verifiers as vf
 from openai import AsyncOpenAI
 
-import alphabet_sort as asort
-import reverse_text as rt
 from verifiers_rl.rl.inference.launcher import InferenceServer
 
 
@@ -56,6 +56,7 @@ def test_reverse_text_data_is_seeded_and_splits_are_disjoint():
     a = rt.load_environment(num_train_examples=300, num_eval_examples=100, seed=1)
     b = rt.load_environment(num_train_examples=300, num_eval_examples=100, seed=1)
     c = rt.load_environment(num_train_examples=300, num_eval_examples=100, seed=2)
+
     def q(env, split="train"):
         return list((env.get_dataset() if split == "train" else env.get_eval_dataset())["question"])
 
@@ -145,8 +146,14 @@ def test_alphabet_sort_similarity_and_aggregation_by_hand():
 
 
 def test_alphabet_sort_loads_and_data_is_seeded_and_disjoint():
-    kw = dict(min_turns=3, max_turns=3, min_names_per_turn=1, max_names_per_turn=3, num_train_examples=200,
-              num_eval_examples=50)  # fmt: skip
+    kw = dict(
+        min_turns=3,
+        max_turns=3,
+        min_names_per_turn=1,
+        max_names_per_turn=3,
+        num_train_examples=200,
+        num_eval_examples=50,
+    )
     env = vf.load_environment("alphabet-sort", seed=5, **kw)
     assert isinstance(env, asort.AlphabetSortEnv) and isinstance(env, vf.MultiTurnEnv)
     again, other = asort.load_environment(seed=5, **kw), asort.load_environment(seed=6, **kw)
@@ -185,8 +192,9 @@ def test_alphabet_sort_env_response_and_stop():
 
 @pytest.mark.parametrize("power_per_turn, wrong_reward", [(True, (1 + 0.64 + 0) / 3), (False, 0.6**2)])
 def test_alphabet_sort_rubric_scores_conversations(power_per_turn, wrong_reward):
-    env = asort.load_environment(num_train_examples=2, num_eval_examples=1, similarity_power=2.0,
-                                 power_per_turn=power_per_turn)  # fmt: skip
+    env = asort.load_environment(
+        num_train_examples=2, num_eval_examples=1, similarity_power=2.0, power_per_turn=power_per_turn
+    )
     info = {"sort_by": "last", "turns": TURNS}
     row = {"prompt": [_user(asort.turn_message(0, TURNS[0], "last"))], "answer": "", "info": info, "example_id": 0}
     answers = asort.expected_answers(TURNS, "last")
@@ -230,8 +238,15 @@ def test_reverse_text_generate_end_to_end(server_url, tiny_model_dir):
 
 
 def test_alphabet_sort_generate_end_to_end(server_url, tiny_model_dir):
-    env = vf.load_environment("alphabet-sort", min_turns=3, max_turns=3, min_names_per_turn=1,
-                              max_names_per_turn=2, num_train_examples=4, num_eval_examples=3)  # fmt: skip
+    env = vf.load_environment(
+        "alphabet-sort",
+        min_turns=3,
+        max_turns=3,
+        min_names_per_turn=1,
+        max_names_per_turn=2,
+        num_train_examples=4,
+        num_eval_examples=3,
+    )
     outputs = _generate(env, env.get_eval_dataset().repeat(2), server_url, tiny_model_dir)
     assert len(outputs) == 6
     for out in outputs:
@@ -279,11 +294,31 @@ def test_vf_eval_cli(server_url, tiny_model_dir, tmp_path, env_id, env_args, tur
     env = {**os.environ, "PYTHONPATH": str(guard), "VF_TEST_NET_LOG": str(net_log), "VF_TEST_KEY": "x"}
     out_dir = tmp_path / "out"
     cmd = [
-        sys.executable, "-m", "verifiers.scripts.eval", env_id,
-        "-m", tiny_model_dir, "-b", server_url, "-k", "VF_TEST_KEY",
-        "-n", "2", "-r", "2", "-t", "16", "-T", "1.0", "-a", json.dumps(env_args),
-        "-d", "-s", "-o", str(out_dir),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "verifiers.scripts.eval",
+        env_id,
+        "-m",
+        tiny_model_dir,
+        "-b",
+        server_url,
+        "-k",
+        "VF_TEST_KEY",
+        "-n",
+        "2",
+        "-r",
+        "2",
+        "-t",
+        "16",
+        "-T",
+        "1.0",
+        "-a",
+        json.dumps(env_args),
+        "-d",
+        "-s",
+        "-o",
+        str(out_dir),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not net_log.exists(), net_log.read_text()

@@ -47,8 +47,17 @@ def test_demo_configs_agree_and_plan_sft_first(tmp_path):
 
 def test_tiny_alphabet_sort_runs_end_to_end(tmp_path):
     ws = _workspace(tmp_path, ALPHABET)
-    r, pid = _run("vf-rl", "@", "configs/vf-rl/tiny-alphabet-sort.toml", "--trainer.args.max_steps", "2",
-                  "--eval.num_examples", "4", cwd=ws, timeout=600)  # fmt: skip
+    r, pid = _run(
+        "vf-rl",
+        "@",
+        "configs/vf-rl/tiny-alphabet-sort.toml",
+        "--trainer.args.max_steps",
+        "2",
+        "--eval.num_examples",
+        "4",
+        cwd=ws,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = ws / "outputs" / "tiny-alphabet-sort"
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -74,11 +83,13 @@ def test_demo_learns(tmp_path):
     out = ws / "outputs" / "tiny-reverse-text"
     assert (out / "summary.json").exists(), tail
     summary = json.loads((out / "summary.json").read_text())
-    print(f"demo: {elapsed:.0f}s, eval reward {summary['eval_reward_before']:.3f} -> {summary['eval_reward_after']:.3f}")
+    print(
+        f"demo: {elapsed:.0f}s, eval reward {summary['eval_reward_before']:.3f} -> {summary['eval_reward_after']:.3f}"
+    )
     assert summary["eval_reward_delta"] >= 0.10, summary
     assert (out / "reward_curve.png").stat().st_size > 1000
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"reward"' in x]
     max_steps = tomllib.loads(DEMO.read_text())["trainer"]["args"]["max_steps"]
-    assert steps[: max_steps] == list(range(1, max_steps + 1))
+    assert steps[:max_steps] == list(range(1, max_steps + 1))
     assert "eval reward: before RL" in r.stdout and "vf-rl: done." in r.stdout
     assert not _servers_started_by(pid)

@@ -120,8 +120,11 @@ def test_crash_during_start_reports_log_tail(tmp_path):
 def _vf_vllm(*args, env=None):
     return subprocess.run(
         [sys.executable, "-m", "verifiers_rl.rl.inference.server", *args],
-        capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_vf_vllm_help_without_vllm():

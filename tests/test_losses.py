@@ -83,8 +83,17 @@ def test_gspo_hand_computed():
 def test_gspo_clipped_sequence_has_no_gradient():
     logp = torch.zeros(1, 3, requires_grad=True)
     sampler = torch.full((1, 3), -0.1)  # s = e^0.1 > 1 + eps with A > 0: clipped
-    loss, m = policy_loss(logp, sampler, torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool), loss_type="gspo",
-                          num_tokens_global=3, num_sequences_global=1, clip_eps_low=3e-4, clip_eps_high=4e-4)
+    loss, m = policy_loss(
+        logp,
+        sampler,
+        torch.tensor([1.0]),
+        torch.ones(1, 3, dtype=torch.bool),
+        loss_type="gspo",
+        num_tokens_global=3,
+        num_sequences_global=1,
+        clip_eps_low=3e-4,
+        clip_eps_high=4e-4,
+    )
     loss.backward()
     assert loss.item() == pytest.approx(-(1 + 4e-4))
     assert (logp.grad == 0).all() and m["masked_frac"].item() == pytest.approx(1.0)
@@ -106,8 +115,16 @@ def test_on_policy_is_plain_policy_gradient(loss_type):
     mask = torch.rand(3, 6, generator=gen) > 0.3
     adv = torch.tensor([0.5, -1.0, 2.0])
     n_tok, n_seq = int(mask.sum()) + 7, 5  # as if other micro-batches held more
-    loss, m = policy_loss(logp, logp.detach(), adv, mask, loss_type=loss_type, num_tokens_global=n_tok,
-                          num_sequences_global=n_seq, max_tokens=10)
+    loss, m = policy_loss(
+        logp,
+        logp.detach(),
+        adv,
+        mask,
+        loss_type=loss_type,
+        num_tokens_global=n_tok,
+        num_sequences_global=n_seq,
+        max_tokens=10,
+    )
     loss.backward()
     if loss_type == "grpo":
         weight = 1.0 / (mask.sum(1, keepdim=True) * n_seq)
@@ -135,8 +152,14 @@ def _random_batch(seed=0, b=4, t=7):
 @pytest.mark.parametrize("kl_beta", [0.0, 0.1])
 def test_microbatch_split_sums_to_full_batch(loss_type, kl_beta):
     logp, sampler, ref, mask, adv = _random_batch()
-    kw = dict(loss_type=loss_type, num_tokens_global=int(mask.sum()), num_sequences_global=4, max_tokens=7,
-              clip_eps_high=0.28, kl_beta=kl_beta)
+    kw = dict(
+        loss_type=loss_type,
+        num_tokens_global=int(mask.sum()),
+        num_sequences_global=4,
+        max_tokens=7,
+        clip_eps_high=0.28,
+        kl_beta=kl_beta,
+    )
     full_lp = logp.clone().requires_grad_()
     full, full_m = policy_loss(full_lp, sampler, adv, mask, ref_logprobs=ref, **kw)
     full.backward()
@@ -157,8 +180,14 @@ def test_microbatch_split_sums_to_full_batch(loss_type, kl_beta):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_untrained_positions_never_contribute(loss_type):
     logp, sampler, ref, mask, adv = _random_batch(seed=1)
-    kw = dict(loss_type=loss_type, num_tokens_global=int(mask.sum()), num_sequences_global=4, max_tokens=7,
-              ref_logprobs=ref, kl_beta=0.1)
+    kw = dict(
+        loss_type=loss_type,
+        num_tokens_global=int(mask.sum()),
+        num_sequences_global=4,
+        max_tokens=7,
+        ref_logprobs=ref,
+        kl_beta=0.1,
+    )
     a = logp.clone().requires_grad_()
     loss_a, m_a = policy_loss(a, sampler, adv, mask, **kw)
     loss_a.backward()
@@ -178,8 +207,15 @@ def test_untrained_positions_never_contribute(loss_type):
 def test_is_ratio_bounds_mask_tokens():
     logp = torch.zeros(1, 4, requires_grad=True)
     sampler = -torch.tensor([[math.log(0.1), math.log(0.2), math.log(7.0), math.log(9.0)]])  # r = .1 .2 7 9
-    loss, m = policy_loss(logp, sampler, torch.tensor([1.0]), torch.ones(1, 4, dtype=torch.bool), loss_type="is",
-                          num_tokens_global=4, num_sequences_global=1)
+    loss, m = policy_loss(
+        logp,
+        sampler,
+        torch.tensor([1.0]),
+        torch.ones(1, 4, dtype=torch.bool),
+        loss_type="is",
+        num_tokens_global=4,
+        num_sequences_global=1,
+    )
     loss.backward()
     assert logp.grad[0, 0] == 0 and logp.grad[0, 3] == 0
     assert logp.grad[0, 1] < 0 and logp.grad[0, 2] < 0
@@ -190,8 +226,15 @@ def test_clip_only_stops_gradient_on_the_profitable_side():
     # A > 0, r < 1 - eps and A < 0, r > 1 + eps: the min picks the unclipped term, gradient remains.
     logp = torch.zeros(2, 1, requires_grad=True)
     sampler = -torch.tensor([[math.log(0.5)], [math.log(2.0)]])
-    loss, m = policy_loss(logp, sampler, torch.tensor([1.0, -1.0]), torch.ones(2, 1, dtype=torch.bool),
-                          loss_type="dapo", num_tokens_global=2, num_sequences_global=2)
+    loss, m = policy_loss(
+        logp,
+        sampler,
+        torch.tensor([1.0, -1.0]),
+        torch.ones(2, 1, dtype=torch.bool),
+        loss_type="dapo",
+        num_tokens_global=2,
+        num_sequences_global=2,
+    )
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.25], [1.0]]))
     assert m["masked_frac"].item() == 0.0
@@ -206,8 +249,17 @@ def test_kl_zero_when_ref_equals_logp_and_hand_gradient():
     assert m["kl"].item() == 0.0
     # single token: d/dl [exp(ref-l) - (ref-l) - 1] = 1 - exp(ref-l)
     lp = torch.tensor([[-1.0]], requires_grad=True)
-    loss, m = policy_loss(lp, lp.detach(), torch.tensor([0.0]), torch.ones(1, 1, dtype=torch.bool), loss_type="is",
-                          num_tokens_global=1, num_sequences_global=1, ref_logprobs=torch.tensor([[-2.0]]), kl_beta=2.0)
+    loss, m = policy_loss(
+        lp,
+        lp.detach(),
+        torch.tensor([0.0]),
+        torch.ones(1, 1, dtype=torch.bool),
+        loss_type="is",
+        num_tokens_global=1,
+        num_sequences_global=1,
+        ref_logprobs=torch.tensor([[-2.0]]),
+        kl_beta=2.0,
+    )
     loss.backward()
     assert loss.item() == pytest.approx(2.0 * (math.exp(-1) + 1 - 1))
     assert lp.grad.item() == pytest.approx(2.0 * (1 - math.exp(-1)))
@@ -230,13 +282,21 @@ def test_advantages_per_token_equal_per_row():
 
 def test_empty_microbatch_and_errors():
     z = torch.zeros(1, 3)
-    loss, m = policy_loss(z, z, torch.zeros(1), torch.zeros(1, 3, dtype=torch.bool), loss_type="grpo",
-                          num_tokens_global=0, num_sequences_global=0)
+    loss, m = policy_loss(
+        z,
+        z,
+        torch.zeros(1),
+        torch.zeros(1, 3, dtype=torch.bool),
+        loss_type="grpo",
+        num_tokens_global=0,
+        num_sequences_global=0,
+    )
     assert loss.item() == 0.0 and m["ratio_min"].item() == math.inf
     with pytest.raises(ValueError, match=r"loss_type.*'is'.*'cispo'"):
         policy_loss(z, z, torch.zeros(1), z.bool(), loss_type="ppo", num_tokens_global=1, num_sequences_global=1)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(z, z, torch.zeros(1), z.bool(), loss_type="is", num_tokens_global=1, num_sequences_global=1,
-                    kl_beta=0.1)
+        policy_loss(
+            z, z, torch.zeros(1), z.bool(), loss_type="is", num_tokens_global=1, num_sequences_global=1, kl_beta=0.1
+        )
     with pytest.raises(ValueError, match="advantages"):
         policy_loss(z, z, torch.zeros(2), z.bool(), loss_type="is", num_tokens_global=1, num_sequences_global=1)

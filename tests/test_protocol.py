@@ -11,9 +11,9 @@ import httpx
 import pytest
 import torch
 from openai import AsyncOpenAI, OpenAI
+from servers import ENGINES, start_server
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from servers import ENGINES, start_server
 from verifiers_rl.tiny import build_tiny_model
 
 MSG = [{"role": "user", "content": "Reverse: hello"}]
@@ -171,11 +171,15 @@ def test_verifiers_env_generate_gets_trajectory_tokens(server, tiny_model_dir):
     from datasets import Dataset
 
     ds = Dataset.from_list([{"question": f"say {w}", "answer": w} for w in ["cat", "dog"]])
-    env = vf.SingleTurnEnv(dataset=ds, rubric=vf.Rubric(funcs=[lambda completion, answer, **kw: float(len(str(completion)))]))
+    env = vf.SingleTurnEnv(
+        dataset=ds, rubric=vf.Rubric(funcs=[lambda completion, answer, **kw: float(len(str(completion)))])
+    )
     client = vf.OpenAIChatCompletionsClient(AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x"))
     sampling = {"max_tokens": 8, "temperature": 1.0, "logprobs": True, "extra_body": {"return_token_ids": True}}
     out = asyncio.run(
-        env.generate(env.get_dataset().repeat(2), client, tiny_model_dir, sampling_args=sampling, state_columns=["trajectory"])
+        env.generate(
+            env.get_dataset().repeat(2), client, tiny_model_dir, sampling_args=sampling, state_columns=["trajectory"]
+        )
     )
     rollouts = out["outputs"]
     assert sorted(r["example_id"] for r in rollouts) == [0, 0, 1, 1]

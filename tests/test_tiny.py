@@ -81,8 +81,13 @@ def test_chat_template_tools_and_tool_responses(tiny_model_dir):
     ]
     text = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
     assert '<tools>\n{"type": "function"' in text
-    assert '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call><|im_end|>\n' in text
-    assert "<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n4\n</tool_response><|im_end|>\n" in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call><|im_end|>\n' in text
+    )
+    assert (
+        "<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n4\n</tool_response><|im_end|>\n"
+        in text
+    )
     assert text.endswith("<|im_start|>assistant\n")
 
 

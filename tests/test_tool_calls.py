@@ -15,7 +15,10 @@ def test_hermes_single_call():
 
 
 def test_text_before_calls_is_content_and_several_calls_parse():
-    text = 'Let me add.\n<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "mul", "arguments": "{\\"x\\": 2}"}</tool_call>'
+    text = (
+        'Let me add.\n<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n'
+        '<tool_call>{"name": "mul", "arguments": "{\\"x\\": 2}"}</tool_call>'
+    )
     content, calls = parse_tool_calls(text)
     assert content == "Let me add."
     assert [c["function"]["name"] for c in calls] == ["add", "mul"]
@@ -33,7 +36,9 @@ def test_chat_response_sets_tool_calls_finish_reason():
     ids = tok(text)["input_ids"] + [tok.eos_token_id]
     comp = Completion(ids, [-0.1] * len(ids), "stop", None, 3)
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, return_token_ids=True, logprobs=True)
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], tools=tools, return_token_ids=True, logprobs=True
+    )
     body = chat_response(tok, "m", req, req.to_sampling_params(), [1, 2], [comp])
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"

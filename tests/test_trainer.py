@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from rl_envs import again_env, reverse_env
+
 from verifiers_rl.rl.trainer import RLConfig, RLTrainer
 
 
@@ -56,8 +56,19 @@ def test_single_turn_steps_log_sync_and_checkpoint(tiny_model_dir, tmp_path):
         assert [m["step"] for m in metrics] == [1, 2]
         for m in metrics:
             assert 0.0 <= m["reward"] <= 1.1
-            for key in ("loss", "entropy", "mismatch_kl", "ratio_mean", "frac_reward_zero_std", "timing/sync_s",
-                        "timing/generation_s", "tokens_per_s", "async_lag", "padding_frac", "rewards/char_match"):
+            for key in (
+                "loss",
+                "entropy",
+                "mismatch_kl",
+                "ratio_mean",
+                "frac_reward_zero_std",
+                "timing/sync_s",
+                "timing/generation_s",
+                "tokens_per_s",
+                "async_lag",
+                "padding_frac",
+                "rewards/char_match",
+            ):
                 assert key in m, key
         # step 1 is on-policy: trainer and sampler agree; step 2 trains on rollouts of the previous policy
         assert abs(metrics[0]["ratio_mean"] - 1.0) < 1e-4 and metrics[0]["mismatch_kl"] < 1e-6
@@ -66,8 +77,14 @@ def test_single_turn_steps_log_sync_and_checkpoint(tiny_model_dir, tmp_path):
         after = _lora_b(trainer.model)
         assert any(not torch.equal(before[k], after[k]) for k in before), "LoRA weights did not change"
         ckpt = Path(args.output_dir) / "checkpoint-2"
-        for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json", "orchestrator.pt",
-                     "adapter_model.safetensors"):
+        for name in (
+            "optimizer.pt",
+            "scheduler.pt",
+            "rng_state.pth",
+            "trainer_state.json",
+            "orchestrator.pt",
+            "adapter_model.safetensors",
+        ):
             assert (ckpt / name).exists(), name
         evals = [json.loads(x) for x in (Path(args.output_dir) / "metrics.jsonl").read_text().splitlines()]
         assert any("eval/reward" in r and r["step"] == 2 for r in evals), "eval_steps did not evaluate"
@@ -80,9 +97,19 @@ def test_single_turn_steps_log_sync_and_checkpoint(tiny_model_dir, tmp_path):
 
 
 def test_multi_turn_env_trains_each_turn_full_finetune(tiny_model_dir, tmp_path):
-    args = _args(tmp_path, batch_size=8, rollouts_per_example=2, micro_batch_size=4, max_steps=1,
-                 max_async_level=0, max_tokens=4, use_lora=False, gradient_checkpointing=True,
-                 pack_sequences=False, learning_rate=1e-3)  # fmt: skip
+    args = _args(
+        tmp_path,
+        batch_size=8,
+        rollouts_per_example=2,
+        micro_batch_size=4,
+        max_steps=1,
+        max_async_level=0,
+        max_tokens=4,
+        use_lora=False,
+        gradient_checkpointing=True,
+        pack_sequences=False,
+        learning_rate=1e-3,
+    )
     trainer = RLTrainer(model=tiny_model_dir, env=again_env(), args=args)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     try:
@@ -139,13 +166,24 @@ def test_trainer_and_engine_logprobs_agree_at_temperature(tiny_model_dir, tmp_pa
         oai = OpenAI(base_url=client.base_url + "/v1", api_key="x")
         for seed in range(3):
             r = oai.chat.completions.create(
-                model=tiny_model_dir, messages=[{"role": "user", "content": f"hi {seed}"}], max_tokens=12,
-                temperature=0.7, seed=seed, logprobs=True, extra_body={"return_token_ids": True},
-            )  # fmt: skip
+                model=tiny_model_dir,
+                messages=[{"role": "user", "content": f"hi {seed}"}],
+                max_tokens=12,
+                temperature=0.7,
+                seed=seed,
+                logprobs=True,
+                extra_body={"return_token_ids": True},
+            )
             p, c = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
             lps = [x.logprob for x in r.choices[0].logprobs.content]
-            samples.append({"input_ids": p + c, "loss_mask": [False] * len(p) + [True] * len(c),
-                            "sampler_logprobs": [0.0] * len(p) + lps, "advantage": 1.0})  # fmt: skip
+            samples.append(
+                {
+                    "input_ids": p + c,
+                    "loss_mask": [False] * len(p) + [True] * len(c),
+                    "sampler_logprobs": [0.0] * len(p) + lps,
+                    "advantage": 1.0,
+                }
+            )
     mb = collate_packed(samples)
     with torch.no_grad():
         lp, _ = token_logprobs(model, output_head(model), mb, temperature=0.7)
@@ -156,7 +194,10 @@ def test_trainer_and_engine_logprobs_agree_at_temperature(tiny_model_dir, tmp_pa
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(batch_size=10, rollouts_per_example=4), "batch_size=10: must be a positive multiple of rollouts_per_example=4"),
+        (
+            dict(batch_size=10, rollouts_per_example=4),
+            "batch_size=10: must be a positive multiple of rollouts_per_example=4",
+        ),
         (dict(rollouts_per_example=1, batch_size=4), "rollouts_per_example=1: must be >= 2"),
         (dict(temperature=0.0), "temperature=0.0: must be > 0"),
         (dict(loss_type="ppo"), "loss_type='ppo': allowed: is, grpo, dapo, dr_grpo, gspo, cispo"),

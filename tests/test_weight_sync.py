@@ -130,9 +130,14 @@ def cpu_server(tiny_model_dir, tmp_path_factory):
 def _engine_logprobs(server, model_dir, prompt_ids):
     oai = OpenAI(base_url=server.base_url + "/v1", api_key="x")
     r = oai.completions.create(
-        model=model_dir, prompt=prompt_ids, max_tokens=10, temperature=1.0, seed=9, logprobs=0,
+        model=model_dir,
+        prompt=prompt_ids,
+        max_tokens=10,
+        temperature=1.0,
+        seed=9,
+        logprobs=0,
         extra_body={"return_token_ids": True},
-    )  # fmt: skip
+    )
     c = r.choices[0]
     return c.model_extra["token_ids"], torch.tensor(c.logprobs.token_logprobs)
 

@@ -145,7 +145,7 @@ def make_episode(rng: random.Random, min_turns: int, max_turns: int, min_names: 
     counts = [rng.randint(min_names, max_names) for _ in range(rng.randint(min_turns, max_turns))]
     firsts = rng.sample(FIRST_NAMES, sum(counts))
     lasts = rng.sample(LAST_NAMES, sum(counts))
-    names = [f"{f} {l}" for f, l in zip(firsts, lasts)]
+    names = [f"{first} {last}" for first, last in zip(firsts, lasts)]
     turns, i = [], 0
     for c in counts:
         turns.append(names[i : i + c])
@@ -171,11 +171,13 @@ def make_rows(n: int, min_turns: int, max_turns: int, min_names: int, max_names:
         if key in seen:
             continue
         seen.add(key)
-        rows.append({
-            "prompt": [{"role": "user", "content": turn_message(0, ep["turns"][0], ep["sort_by"])}],
-            "answer": expected_answers(ep["turns"], ep["sort_by"])[-1],
-            "info": ep,
-        })  # fmt: skip
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": turn_message(0, ep["turns"][0], ep["sort_by"])}],
+                "answer": expected_answers(ep["turns"], ep["sort_by"])[-1],
+                "info": ep,
+            }
+        )
     if len(rows) < n:
         raise ValueError(f"could only draw {len(rows)} distinct episodes of {n}; widen the turn/name ranges")
     return rows

@@ -127,9 +127,7 @@ def _capacity(n_symbols: int, min_len: int, max_len: int) -> int:
     return sum(n_symbols**k for k in range(min_len, max_len + 1))
 
 
-def generate_texts(
-    n: int, min_len: int, max_len: int, symbols: Sequence[str], sep: str, seed: int
-) -> list[str]:
+def generate_texts(n: int, min_len: int, max_len: int, symbols: Sequence[str], sep: str, seed: int) -> list[str]:
     """``n`` distinct texts of ``min_len``..``max_len`` symbols joined by ``sep``, fixed by ``seed``."""
     symbols = list(dict.fromkeys(symbols))  # dedupe, keep order
     if not symbols:
@@ -158,9 +156,15 @@ def build_rows(texts: Sequence[str]) -> list[dict]:
 
 
 def make_splits(
-    num_train_examples: int, num_eval_examples: int, min_len: int, max_len: int,
-    alphabet: str, unit: str, words: Sequence[str] | None, seed: int,
-) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    num_train_examples: int,
+    num_eval_examples: int,
+    min_len: int,
+    max_len: int,
+    alphabet: str,
+    unit: str,
+    words: Sequence[str] | None,
+    seed: int,
+) -> tuple[list[dict], list[dict]]:
     """Train and eval rows from one stream of distinct texts, so the two splits never overlap."""
     if unit == "char":
         symbols, sep = list(alphabet), ""

@@ -11,16 +11,33 @@ from verifiers_rl.rl.trainer import RLConfig, RLTrainer  # noqa: E402
 
 model_dir, out = sys.argv[1], sys.argv[2]
 args = RLConfig(
-    output_dir=out, rollouts_per_example=4, batch_size=16, micro_batch_size=4, max_steps=2, max_tokens=6,
-    max_seq_len=96, max_prompt_len=64, learning_rate=5e-3, lora_rank=4, lora_alpha=8, use_cpu=True, seed=3,
-    save_strategy="no", max_async_level=0, log_completions=False,
-)  # fmt: skip
+    output_dir=out,
+    rollouts_per_example=4,
+    batch_size=16,
+    micro_batch_size=4,
+    max_steps=2,
+    max_tokens=6,
+    max_seq_len=96,
+    max_prompt_len=64,
+    learning_rate=5e-3,
+    lora_rank=4,
+    lora_alpha=8,
+    use_cpu=True,
+    seed=3,
+    save_strategy="no",
+    max_async_level=0,
+    log_completions=False,
+)
 trainer = RLTrainer(model=model_dir, env=reverse_env(), args=args)
 try:
     trainer.train()
 finally:
     trainer.close()
 if trainer.is_world_process_zero():
-    lora = {n: p.detach().cpu() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters() if "lora_" in n}
+    lora = {
+        n: p.detach().cpu()
+        for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
+        if "lora_" in n
+    }
     torch.save(lora, f"{out}/lora.pt")
     print("WORLD", trainer.accelerator.num_processes)

@@ -84,17 +84,27 @@ def render() -> str:
     lines = [HEADER, "## TOML keys by section\n", "| section | keys |", "|---|---|"]
     for section, keys in SCHEMA.items():
         lines.append(f"| `{section or 'top level'}` | {', '.join(f'`{k}`' for k in keys)} |")
-    lines += ["", "## RLConfig (`[trainer.args]`)", "",
-              "Fields RLConfig adds to `transformers.TrainingArguments`, and the TrainingArguments defaults it changes.",
-              "", "| field | type | default | meaning |", "|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "## RLConfig (`[trainer.args]`)",
+        "",
+        "Fields RLConfig adds to `transformers.TrainingArguments`, and the TrainingArguments defaults it changes.",
+        "",
+        "| field | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
     for f in dataclasses.fields(RLConfig):
         own = f.name not in inherited or f.name in RLConfig.__dict__.get("__annotations__", {})
         if not own:
             continue
         help_text = f.metadata.get("help", "").replace("|", "\\|").replace("\n", " ")
         lines.append(f"| `{f.name}` | `{_type_name(f)}` | `{_default(f)}` | {help_text} |")
-    lines += ["", "Every other `TrainingArguments` field (e.g. `gradient_checkpointing`, `bf16`, `seed`, `eval_strategy`,",
-              "`eval_steps`, `save_total_limit`) works as in transformers.", ""]  # fmt: skip
+    lines += [
+        "",
+        "Every other `TrainingArguments` field (e.g. `gradient_checkpointing`, `bf16`, `seed`, `eval_strategy`,",
+        "`eval_steps`, `save_total_limit`) works as in transformers.",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -37,13 +37,21 @@ def plot_reward_curve(output_dir: str | Path, before: float | None = None, after
     if train:
         steps, rewards = zip(*train)
         ax.plot(steps, rewards, color="#9bb7d4", lw=1, label="train reward (batch mean)")
-        ax.plot(steps, _smooth(list(rewards), max(1, len(rewards) // 10)), color="#1f5fa8", lw=2, label="train reward (smoothed)")
+        ax.plot(
+            steps,
+            _smooth(list(rewards), max(1, len(rewards) // 10)),
+            color="#1f5fa8",
+            lw=2,
+            label="train reward (smoothed)",
+        )
     if evals:
         es, ev = zip(*evals)
         ax.scatter(es, ev, color="#d1495b", zorder=3, label="eval reward")
     for value, label in ((before, "eval before RL"), (after, "eval after RL")):
         if value is not None:
-            ax.axhline(value, ls="--", lw=1, color="#d1495b" if "after" in label else "#888888", label=f"{label}: {value:.3f}")
+            ax.axhline(
+                value, ls="--", lw=1, color="#d1495b" if "after" in label else "#888888", label=f"{label}: {value:.3f}"
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)

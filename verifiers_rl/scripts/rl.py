@@ -69,18 +69,35 @@ def build_plan(
     if engine == "vllm" and not cuda:
         raise ConfigError("inference.engine='vllm' needs CUDA devices; none are visible (use engine = \"cpu\")")
     server = InferenceServer(
-        model, engine=engine, host=inf.get("host", "127.0.0.1"), port=inf.get("port"), output_dir=args.output_dir,
-        gpus=gpus.inference or None, extra_args=_server_args(cfg, args),
-    )  # fmt: skip
+        model,
+        engine=engine,
+        host=inf.get("host", "127.0.0.1"),
+        port=inf.get("port"),
+        output_dir=args.output_dir,
+        gpus=gpus.inference or None,
+        extra_args=_server_args(cfg, args),
+    )
     server.port = server.port or "<free port>"
     plan = Plan(cfg, config_path, overrides, model, engine, gpus, args.output_dir, sft, server.command())
     n_trainer = len(gpus.trainer)
     if n_trainer > 1:
         plan.trainer_cmd = [
-            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(n_trainer),
-            "-m", "verifiers_rl.scripts.train", "@", config_path, *overrides,
-            "--inference.host", inf.get("host", "127.0.0.1"), "--inference.port", "<server port>",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(n_trainer),
+            "-m",
+            "verifiers_rl.scripts.train",
+            "@",
+            config_path,
+            *overrides,
+            "--inference.host",
+            inf.get("host", "127.0.0.1"),
+            "--inference.port",
+            "<server port>",
+        ]
     return plan
 
 
@@ -112,7 +129,6 @@ def print_plan(plan: Plan) -> None:
 
 def run(plan: Plan) -> int:
     from verifiers_rl.rl.inference.launcher import InferenceServer
-    from verifiers_rl.scripts.report import write_report
 
     cfg = plan.cfg
     if plan.sft and not plan.sft["done"]:
@@ -125,19 +141,28 @@ def run(plan: Plan) -> int:
     inf = cfg.get("inference", {})
     args0 = rl_config(cfg)
     server = InferenceServer(
-        plan.model, engine=plan.engine, host=inf.get("host", "127.0.0.1"), port=inf.get("port"),
-        output_dir=args0.output_dir, gpus=plan.gpus.inference or None, extra_args=_server_args(cfg, args0),
+        plan.model,
+        engine=plan.engine,
+        host=inf.get("host", "127.0.0.1"),
+        port=inf.get("port"),
+        output_dir=args0.output_dir,
+        gpus=plan.gpus.inference or None,
+        extra_args=_server_args(cfg, args0),
         startup_timeout=inf.get("startup_timeout", args0.vllm_server_timeout),
         env=server_thread_env(cpu_thread_split(args0)),
-    )  # fmt: skip
+    )
     print(f"vf-rl: starting the {plan.engine} inference server (log: {server.log_path})", flush=True)
     with server:
         if plan.trainer_cmd:
             return _run_accelerate(plan, server)
         args = rl_config(
-            cfg, server_mode="connect", vllm_server_host=server.host, vllm_server_port=server.port,
-            server_control_token=server.token, server_engine=plan.engine,
-        )  # fmt: skip
+            cfg,
+            server_mode="connect",
+            vllm_server_host=server.host,
+            vllm_server_port=server.port,
+            server_control_token=server.token,
+            server_engine=plan.engine,
+        )
         return _train_here(plan, env, args)
 
 
@@ -171,8 +196,11 @@ def _resume(output_dir: str, cfg) -> bool | None:
 
 def _run_accelerate(plan: Plan, server) -> int:
     cmd = [str(server.port) if a == "<server port>" else a for a in plan.trainer_cmd]
-    env = {**os.environ, "VF_CONTROL_TOKEN": server.token,
-           "CUDA_VISIBLE_DEVICES": ",".join(map(str, plan.gpus.trainer))}  # fmt: skip
+    env = {
+        **os.environ,
+        "VF_CONTROL_TOKEN": server.token,
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, plan.gpus.trainer)),
+    }
     print(f"vf-rl: {shlex.join(cmd)}", flush=True)
     return subprocess.call(cmd, env=env)
 
@@ -197,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         code = run(plan)
         out = Path(plan.output_dir)
-        print(f"vf-rl: done. metrics: {out / 'metrics.jsonl'}  curve: {out / 'reward_curve.png'}  "
-              f"checkpoints: {out}/checkpoint-*  server log: {out / 'logs' / 'inference.log'}")  # fmt: skip
+        print(
+            f"vf-rl: done. metrics: {out / 'metrics.jsonl'}  curve: {out / 'reward_curve.png'}  "
+            f"checkpoints: {out}/checkpoint-*  server log: {out / 'logs' / 'inference.log'}"
+        )
         return code
 
     return run_cli("vf-rl", body)

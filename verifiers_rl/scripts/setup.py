@@ -57,10 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="overwrite files you have edited")
     args = p.parse_args(argv)
     report = setup_workspace(args.dir, force=args.force)
-    marks = {"created": "✓ created", "unchanged": "✓ up to date", "overwritten": "✓ overwritten", "kept": "• kept (edited; --force to replace)"}
+    marks = {
+        "created": "✓ created",
+        "unchanged": "✓ up to date",
+        "overwritten": "✓ overwritten",
+        "kept": "• kept (edited; --force to replace)",
+    }
     for rel, status in report:
         print(f"{marks[status]:36} {Path(args.dir) / rel}")
-    print(f"\nnext: pip install -e environments/<name>, then vf-rl @ {Path(args.dir) / 'configs/vf-rl/reverse-text.toml'}")
+    print(
+        f"\nnext: pip install -e environments/<name>, then vf-rl @ {Path(args.dir) / 'configs/vf-rl/reverse-text.toml'}"
+    )
     return 0
 
 

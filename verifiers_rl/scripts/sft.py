@@ -22,9 +22,23 @@ from typing import Any
 from verifiers_rl.scripts.common import resolve_model, run_cli, split_argv
 from verifiers_rl.scripts.toml_config import ConfigError, _suggest, apply_overrides, load, validate
 
-LORA_KEYS = {"use_lora": False, "lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.0, "lora_target_modules": "all-linear"}
-SFT_DEFAULTS = {"learning_rate": 2e-4, "num_train_epochs": 1, "per_device_train_batch_size": 8, "logging_steps": 10,
-                "save_strategy": "no", "report_to": "none", "max_length": 1024, "completion_only_loss": True}  # fmt: skip
+LORA_KEYS = {
+    "use_lora": False,
+    "lora_rank": 16,
+    "lora_alpha": 32,
+    "lora_dropout": 0.0,
+    "lora_target_modules": "all-linear",
+}
+SFT_DEFAULTS = {
+    "learning_rate": 2e-4,
+    "num_train_epochs": 1,
+    "per_device_train_batch_size": 8,
+    "logging_steps": 10,
+    "save_strategy": "no",
+    "report_to": "none",
+    "max_length": 1024,
+    "completion_only_loss": True,
+}
 
 
 def sft_plan(config_path: str, dry_run: bool = False) -> dict[str, Any]:
@@ -47,8 +61,10 @@ def sft_args(cfg: dict[str, Any], config_path: str):
     fields = {f.name for f in dataclasses.fields(SFTConfig)}
     for key in given:
         if key not in fields:
-            raise ConfigError(f"unknown key 'trainer.args.{key}'{_suggest(key, fields | set(LORA_KEYS))}; vf-sft takes "
-                              "SFTConfig fields plus use_lora, lora_rank, lora_alpha, lora_dropout, lora_target_modules")  # fmt: skip
+            raise ConfigError(
+                f"unknown key 'trainer.args.{key}'{_suggest(key, fields | set(LORA_KEYS))}; vf-sft takes "
+                "SFTConfig fields plus use_lora, lora_rank, lora_alpha, lora_dropout, lora_target_modules"
+            )
     import torch
 
     kwargs = {**SFT_DEFAULTS, "output_dir": str(sft_output_dir(cfg, config_path)), **given}
@@ -107,10 +123,17 @@ def run_sft(cfg: dict[str, Any], config_path: str) -> str:
     if lora["use_lora"]:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=lora["lora_rank"], lora_alpha=lora["lora_alpha"], lora_dropout=lora["lora_dropout"],
-                                 target_modules=lora["lora_target_modules"], task_type="CAUSAL_LM")  # fmt: skip
+        peft_config = LoraConfig(
+            r=lora["lora_rank"],
+            lora_alpha=lora["lora_alpha"],
+            lora_dropout=lora["lora_dropout"],
+            target_modules=lora["lora_target_modules"],
+            task_type="CAUSAL_LM",
+        )
     print(f"vf-sft: {len(dataset)} examples -> {args.output_dir}", flush=True)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
+    )
     trainer.train()
     final = Path(args.output_dir) / "final"
     model = trainer.model
@@ -130,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = validate(apply_overrides(load(path), overrides), "vf-sft")
         if "--dry-run" in flags:
             args, lora = sft_args(cfg, path)
-            print(f"vf-sft: {cfg['model']} on {cfg.get('dataset')} (lora={lora['use_lora']}) -> {args.output_dir}/final")
+            print(
+                f"vf-sft: {cfg['model']} on {cfg.get('dataset')} (lora={lora['use_lora']}) -> {args.output_dir}/final"
+            )
             return 0
         run_sft(cfg, path)
         return 0

@@ -16,13 +16,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 class ConfigError(ValueError):
@@ -37,10 +33,21 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "sft": {"config": str},
     "tiny": {"hidden": int, "layers": int, "seed": int, "head_dim": int},
     "eval": {"before": bool, "after": bool, "num_examples": int, "rollouts_per_example": int},
-    "dataset": {"env": str, "path": str, "name": str, "split": str, "completion_field": str,
-                "completion_template": str, "num_examples": int},  # vf-sft  # fmt: skip
+    "dataset": {
+        "env": str,
+        "path": str,
+        "name": str,
+        "split": str,
+        "completion_field": str,
+        "completion_template": str,
+        "num_examples": int,
+    },  # vf-sft
 }
-REQUIRED = {"vf-rl": [("", "model"), ("env", "id")], "vf-train": [("", "model"), ("env", "id")], "vf-sft": [("", "model")]}
+REQUIRED = {
+    "vf-rl": [("", "model"), ("env", "id")],
+    "vf-train": [("", "model"), ("env", "id")],
+    "vf-sft": [("", "model")],
+}
 ENGINES = ("auto", "cpu", "vllm")
 
 
@@ -127,7 +134,10 @@ def _check_key(section: str, key: str, value: Any) -> None:
     allowed = SCHEMA[section]
     if key not in allowed:
         names = ", ".join(sorted(allowed))
-        raise ConfigError(f"unknown key {_key(section, key)!r}{_suggest(key, allowed)}; allowed in [{section or 'top level'}]: {names}")
+        raise ConfigError(
+            f"unknown key {_key(section, key)!r}{_suggest(key, allowed)}; "
+            f"allowed in [{section or 'top level'}]: {names}"
+        )
     want = allowed[key]
     if want is float:
         want = (int, float)

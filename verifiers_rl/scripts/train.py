@@ -28,12 +28,17 @@ def main(argv: list[str] | None = None) -> int:
         model = model or resolve_model(cfg)
         inf = cfg.get("inference", {})
         args = rl_config(
-            cfg, server_mode="connect", vllm_server_host=inf.get("host", "127.0.0.1"),
-            vllm_server_port=inf.get("port", 8000), server_engine=inf.get("engine", "auto"),
-        )  # fmt: skip
+            cfg,
+            server_mode="connect",
+            vllm_server_host=inf.get("host", "127.0.0.1"),
+            vllm_server_port=inf.get("port", 8000),
+            server_engine=inf.get("engine", "auto"),
+        )
         if "--dry-run" in flags:
-            print(f"vf-train: would train {model} on {cfg['env']['id']} against "
-                  f"http://{args.vllm_server_host}:{args.vllm_server_port} -> {args.output_dir}")  # fmt: skip
+            print(
+                f"vf-train: would train {model} on {cfg['env']['id']} against "
+                f"http://{args.vllm_server_host}:{args.vllm_server_port} -> {args.output_dir}"
+            )
             return 0
         trainer = RLTrainer(model=model, env=load_env(cfg), args=args)
         try:

@@ -134,8 +134,13 @@ class VLLMClient:
     # ------------------------------------------------------------------ weight transfer
 
     def init_weight_transfer(
-        self, *, backend: str = "gloo", host: str = "127.0.0.1", port: int | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0,
+        self,
+        *,
+        backend: str = "gloo",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 300.0,
     ) -> None:
         """Create the trainer-side group (rank 0, store owner) while the server joins it.
 
@@ -163,7 +168,10 @@ class VLLMClient:
         result.join()
 
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None,
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int | None = None,
         lora_scaling: float | None = None,
     ) -> SyncStats:
         """One sync: one update_weights request describing every tensor, then bucketed broadcasts."""
@@ -218,7 +226,7 @@ class VLLMClient:
         self._http.close()
 
     @staticmethod
-    def _in_thread(fn) -> "_Result":
+    def _in_thread(fn) -> _Result:
         res = _Result(fn)
         res.start()
         return res

@@ -67,7 +67,5 @@ class ControlGuard:
 
 async def _deny(send, status: int, message: str) -> None:
     body = json.dumps({"object": "error", "message": message, "type": "Unauthorized", "param": None, "code": status})
-    await send(
-        {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
-    )
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body.encode()})

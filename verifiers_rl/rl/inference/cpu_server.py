@@ -14,7 +14,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Body, FastAPI, HTTPException, Query, Request
+from fastapi import Body, FastAPI, HTTPException, Query
 from fastapi.responses import JSONResponse
 
 from verifiers_rl.rl.inference import protocol
@@ -24,6 +24,7 @@ from verifiers_rl.rl.inference.transfer import gloo
 from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES, metas_from_update_info, plan_buckets
 
 logger = logging.getLogger("verifiers_rl.server")
+
 
 class WeightReceiver:
     """Server side of the gloo weight transfer (same init_info/update_info as our vLLM plugin)."""
@@ -156,7 +157,9 @@ def create_app(
             return JSONResponse(protocol.error_body(str(e), 500, "InternalServerError"), 500)
         # JSONResponse directly: FastAPI's jsonable_encoder walk over every logprob entry costs more than the dump
         return JSONResponse(
-            protocol.chat_response(engine.tokenizer, req.model or served_model_name, req, params, prompt_ids, completions)
+            protocol.chat_response(
+                engine.tokenizer, req.model or served_model_name, req, params, prompt_ids, completions
+            )
         )
 
     @app.post("/v1/completions")
@@ -173,14 +176,16 @@ def create_app(
         for p, comps in zip(prompts, results):
             choices += protocol.completion_choices(engine.tokenizer, req, params, p, comps, len(choices))
         all_comps = [c for comps in results for c in comps]
-        return JSONResponse({
-            "id": f"cmpl-{secrets.token_hex(12)}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": req.model or served_model_name,
-            "choices": choices,
-            "usage": protocol._usage([t for p in prompts for t in p], all_comps),
-        })
+        return JSONResponse(
+            {
+                "id": f"cmpl-{secrets.token_hex(12)}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": req.model or served_model_name,
+                "choices": choices,
+                "usage": protocol._usage([t for p in prompts for t in p], all_comps),
+            }
+        )
 
     # ---------------------------------------------------------------- vLLM RL routes (same payloads)
 

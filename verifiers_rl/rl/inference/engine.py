@@ -111,7 +111,7 @@ class CPUEngine:
         self.manager.start()
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, **kwargs) -> "CPUEngine":
+    def from_pretrained(cls, name_or_path: str, **kwargs) -> CPUEngine:
         from verifiers_rl.rl.trainer.utils import get_model, get_tokenizer
 
         tokenizer = get_tokenizer(name_or_path)

@@ -77,10 +77,19 @@ class InferenceServer:
 
     def command(self) -> list[str]:
         return [
-            self.python, "-m", "verifiers_rl.rl.inference.server",
-            "--engine", self.engine, "--model", self.model,
-            "--host", self.host, "--port", str(self.port), *self.extra_args,
-        ]  # fmt: skip
+            self.python,
+            "-m",
+            "verifiers_rl.rl.inference.server",
+            "--engine",
+            self.engine,
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *self.extra_args,
+        ]
 
     def environment(self) -> dict[str, str]:
         env = {**os.environ, **self.extra_env, TOKEN_ENV: self.token, PARENT_ENV: str(os.getpid())}

@@ -106,8 +106,11 @@ class CompletionRequest(_SamplingFields):
 def render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
     # GRPO sends each prompt once per rollout of its group: render it once (the template is a pure function of
     # these inputs). The cache lives on the tokenizer, so a new model/tokenizer starts empty.
-    key = json.dumps([req.messages, req.tools, req.add_generation_prompt, req.continue_final_message,
-                      req.chat_template_kwargs], sort_keys=True, default=str)  # fmt: skip
+    key = json.dumps(
+        [req.messages, req.tools, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs],
+        sort_keys=True,
+        default=str,
+    )
     cache = tokenizer.__dict__.setdefault("_vf_rendered_prompts", OrderedDict())
     if key in cache:
         cache.move_to_end(key)

@@ -31,17 +31,28 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Unknown flags are passed through to vLLM (e.g. --tensor-parallel-size 2 --gpu-memory-utilization 0.8).",
     )
     p.add_argument("--model", required=True, help="hub id or local directory")
-    p.add_argument("--engine", choices=["auto", "cpu", "vllm"], default="auto", help="default: vllm if CUDA+vLLM, else cpu")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; control routes stay loopback-only)")
+    p.add_argument(
+        "--engine", choices=["auto", "cpu", "vllm"], default="auto", help="default: vllm if CUDA+vLLM, else cpu"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="bind address (default loopback; control routes stay loopback-only)"
+    )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: --model)")
     p.add_argument("--max-model-len", type=int, default=4096, help="prompt + completion token limit")
     p.add_argument("--max-num-seqs", type=int, default=64, help="CPU engine: sequences per batch")
     p.add_argument("--api-key", default=None, help="require this key on /v1 routes")
-    p.add_argument("--weight-transfer-backend", choices=["nccl", "gloo"], default=None,
-                   help="vLLM weight-sync backend (default nccl; gloo for CPU builds of vLLM)")
-    p.add_argument("--allow-remote-control", action="store_true",
-                   help="let non-loopback clients call the weight/control routes (still token-protected)")
+    p.add_argument(
+        "--weight-transfer-backend",
+        choices=["nccl", "gloo"],
+        default=None,
+        help="vLLM weight-sync backend (default nccl; gloo for CPU builds of vLLM)",
+    )
+    p.add_argument(
+        "--allow-remote-control",
+        action="store_true",
+        help="let non-loopback clients call the weight/control routes (still token-protected)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 

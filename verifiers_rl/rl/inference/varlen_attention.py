@@ -96,7 +96,9 @@ def paged_varlen_attention(module, query, key, value, attention_mask, dropout=0.
         or len(kwargs["cu_seq_lens_k"]) != 1
         or dropout
     ):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, cache=cache, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout, scaling, cache=cache, **kwargs
+        )
     key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
     layout = _layouts.get(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"])
     if layout["padded_cost"] > layout["dense_cost"]:  # very uneven requests: the dense mask is cheaper

@@ -124,9 +124,7 @@ def check_vllm(min_version: str = MIN_VLLM_VERSION) -> str:
     if _release(version) < _release(min_version):
         raise RuntimeError(f"{dist} {version} is too old (need >= {min_version} for weight transfer): {fix}.")
     if not _has_weight_transfer():
-        raise RuntimeError(
-            f"{dist} {version} lacks vllm.distributed.weight_transfer (the RL weight-sync API): {fix}."
-        )
+        raise RuntimeError(f"{dist} {version} lacks vllm.distributed.weight_transfer (the RL weight-sync API): {fix}.")
     return version
 
 

@@ -76,12 +76,8 @@ def compute_advantages(
     centred = torch.where(valid, r0 - mean[gidx], torch.zeros_like(r0))
     var = _segment_sum(centred**2, gidx, num_groups) / count.clamp(min=1)
     std = var.sqrt()
-    hi = torch.full((num_groups,), -math.inf, dtype=torch.float64).scatter_reduce(
-        0, gidx[valid], r0[valid], "amax"
-    )
-    lo = torch.full((num_groups,), math.inf, dtype=torch.float64).scatter_reduce(
-        0, gidx[valid], r0[valid], "amin"
-    )
+    hi = torch.full((num_groups,), -math.inf, dtype=torch.float64).scatter_reduce(0, gidx[valid], r0[valid], "amax")
+    lo = torch.full((num_groups,), math.inf, dtype=torch.float64).scatter_reduce(0, gidx[valid], r0[valid], "amin")
     has_valid = count > 0
     zero_std = has_valid & ((count == 1) | (hi - lo <= ZERO_STD_ATOL))
 

@@ -74,7 +74,10 @@ class RichProgressCallback(TrainerCallback):
         if self.progress is None or not logs:
             return
         if "reward" in logs:
-            info = f"reward {logs['reward']:.3f}  {logs.get('tokens_per_s', 0):.0f} tok/s  lag {logs.get('async_lag', 0):.0f}"
+            info = (
+                f"reward {logs['reward']:.3f}  {logs.get('tokens_per_s', 0):.0f} tok/s  "
+                f"lag {logs.get('async_lag', 0):.0f}"
+            )
             self.progress.update(self.task, info=info)
             if self.trainer is not None and args.log_completions:
                 self._sample_panel(logs)
@@ -109,5 +112,7 @@ def _log_wandb_table(trainer, rollouts) -> None:
     if wandb.run is None:
         return
     rows = [[trainer.state.global_step, r.prompt_text, r.completion_text, r.reward] for r in rollouts]
-    table = wandb.Table(columns=["step", "prompt", "completion", "reward"], data=rows[: trainer.args.num_completions_to_log])
+    table = wandb.Table(
+        columns=["step", "prompt", "completion", "reward"], data=rows[: trainer.args.num_completions_to_log]
+    )
     wandb.log({"completions": table}, step=trainer.state.global_step)

@@ -33,7 +33,13 @@ def model_inputs(mb: dict) -> dict:
 
 
 def token_logprobs(
-    model, head: torch.nn.Module, mb: dict, temperature: float, *, with_entropy: bool = True, chunk_size: int | None = None
+    model,
+    head: torch.nn.Module,
+    mb: dict,
+    temperature: float,
+    *,
+    with_entropy: bool = True,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T-1] logprobs of `target_ids` (0 where not trained) and the matching entropies (no grad)."""
     out = model(**model_inputs(mb))

@@ -12,7 +12,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-
 POLICY_VERSIONS_KEY = "vf_rl_policy_versions"  # state column our client fills, one entry per response
 
 
@@ -155,7 +154,13 @@ def build_samples(
                 counts["samples_without_trained_tokens"] += 1
                 continue
             samples.append(
-                {"input_ids": ids, "loss_mask": loss_mask, "sampler_logprobs": logps, "advantage": float(adv), "rollout": idx}
+                {
+                    "input_ids": ids,
+                    "loss_mask": loss_mask,
+                    "sampler_logprobs": logps,
+                    "advantage": float(adv),
+                    "rollout": idx,
+                }
             )
     counts["samples"] = len(samples)
     return samples, counts

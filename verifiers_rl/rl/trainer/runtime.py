@@ -32,7 +32,9 @@ def filter_prompts(dataset, tokenizer, max_prompt_len: int | None):
     keep = dataset.filter(lambda row: prompt_length(tokenizer, row["prompt"]) <= max_prompt_len, desc="prompt length")
     dropped = len(dataset) - len(keep)
     if dropped:
-        logger.warning("filtered %d of %d prompts longer than max_prompt_len=%d tokens", dropped, len(dataset), max_prompt_len)
+        logger.warning(
+            "filtered %d of %d prompts longer than max_prompt_len=%d tokens", dropped, len(dataset), max_prompt_len
+        )
     return keep, dropped
 
 
@@ -192,10 +194,16 @@ class InferenceRuntime:
         rows = self.env.get_eval_dataset(n=args.num_eval_examples or -1)
         rows, _ = filter_prompts(rows, tokenizer, args.prompt_limit)
         orch = self.orchestrator or Orchestrator(
-            self.env, rows, base_url=self.client.base_url + "/v1", model_name=self.model_name,
-            sampling_args=args.sampling_args(), rollouts_per_example=args.eval_rollouts_per_example,
-            prompts_per_batch=1, generation_timeout=args.generation_timeout, seed=args.seed,
-        )  # fmt: skip
+            self.env,
+            rows,
+            base_url=self.client.base_url + "/v1",
+            model_name=self.model_name,
+            sampling_args=args.sampling_args(),
+            rollouts_per_example=args.eval_rollouts_per_example,
+            prompts_per_batch=1,
+            generation_timeout=args.generation_timeout,
+            seed=args.seed,
+        )
         try:
             rollouts = orch.evaluate(rows, args.eval_rollouts_per_example, args.sampling_args())
         finally:
@@ -215,7 +223,8 @@ def rollout_metrics(rollouts: list[Rollout], prefix: str) -> dict[str, float]:
         f"{prefix}/rollouts": float(len(rollouts)),
         f"{prefix}/rollouts_errored": float(sum(r.error is not None for r in rollouts)),
         f"{prefix}/truncated_frac": sum(r.is_truncated for r in rollouts) / max(len(rollouts), 1),
-        f"{prefix}/completion_tokens_mean": sum(sum(len(s.completion_ids) for s in r.steps) for r in ok) / max(len(ok), 1),
+        f"{prefix}/completion_tokens_mean": sum(sum(len(s.completion_ids) for s in r.steps) for r in ok)
+        / max(len(ok), 1),
     }
     keys = {k for r in ok for k in r.metrics}
     for k in sorted(keys):

@@ -183,7 +183,9 @@ class RLTrainer(Trainer):
         args: RLConfig = self.args
         mine = shard_samples(prepared.samples, self.accelerator.num_processes, self.accelerator.process_index)
         lengths = [len(s["input_ids"]) for s in mine]
-        plan = plan_microbatches(lengths, args.token_budget, packed=args.pack_sequences, max_samples=args.micro_batch_size)
+        plan = plan_microbatches(
+            lengths, args.token_budget, packed=args.pack_sequences, max_samples=args.micro_batch_size
+        )
         out = []
         for idx in plan:
             group = [mine[i] for i in idx]
@@ -215,16 +217,27 @@ class RLTrainer(Trainer):
                     mb = self._empty_microbatch(prepared)
                 batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
                 logprobs, entropy = token_logprobs(model, head, batch, args.temperature)
-                sampler = torch.where(torch.isnan(batch["sampler_logprobs"]), logprobs.detach(), batch["sampler_logprobs"])
+                sampler = torch.where(
+                    torch.isnan(batch["sampler_logprobs"]), logprobs.detach(), batch["sampler_logprobs"]
+                )
                 ref = reference_logprobs(unwrapped, batch, args.temperature) if args.kl_beta > 0 else None
                 loss, m = policy_loss(
-                    logprobs, sampler, batch["advantages"], batch["loss_mask"],
-                    loss_type=args.loss_type, num_tokens_global=max(prepared.num_tokens, 1),
-                    num_sequences_global=max(prepared.num_sequences, 1), max_tokens=args.max_tokens or args.max_seq_len,
-                    mask_ratio_low=args.mask_ratio_low, mask_ratio_high=args.mask_ratio_high,
-                    clip_eps_low=args.epsilon, clip_eps_high=args.epsilon_high,
-                    ref_logprobs=ref, kl_beta=args.kl_beta, seq_index=batch.get("seq_index"),
-                )  # fmt: skip
+                    logprobs,
+                    sampler,
+                    batch["advantages"],
+                    batch["loss_mask"],
+                    loss_type=args.loss_type,
+                    num_tokens_global=max(prepared.num_tokens, 1),
+                    num_sequences_global=max(prepared.num_sequences, 1),
+                    max_tokens=args.max_tokens or args.max_seq_len,
+                    mask_ratio_low=args.mask_ratio_low,
+                    mask_ratio_high=args.mask_ratio_high,
+                    clip_eps_low=args.epsilon,
+                    clip_eps_high=args.epsilon_high,
+                    ref_logprobs=ref,
+                    kl_beta=args.kl_beta,
+                    seq_index=batch.get("seq_index"),
+                )
                 if mb.get("empty"):
                     loss = loss * 0.0
                 # DDP averages gradients over ranks; the loss is already normalised globally
@@ -285,7 +298,9 @@ class RLTrainer(Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         super()._save_checkpoint(model, trial)
         if self.is_world_process_zero() and self.runtime.orchestrator is not None:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
             torch.save(self.runtime.orchestrator.state_dict(), os.path.join(folder, ORCHESTRATOR_STATE))
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:

@@ -37,9 +37,7 @@ class WeightGroup:
 def create_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> WeightGroup:
     """Rank 0 (the trainer) hosts the store; other ranks connect to it. Blocks until all ranks joined."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
-    )
+    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
     pg = dist.ProcessGroupGloo(dist.PrefixStore(_PREFIX, store), rank, world_size, timeout)
     return WeightGroup(pg, store, rank, world_size)
 
@@ -98,4 +96,12 @@ def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket) -> Non
         on_bucket(unpack(bucket, bufs[i % 2][: bucket.nbytes]))
 
 
-__all__ = ["WeightGroup", "create_group", "broadcast", "broadcast_async", "send_buckets", "receive_buckets", "plan_buckets"]
+__all__ = [
+    "WeightGroup",
+    "create_group",
+    "broadcast",
+    "broadcast_async",
+    "send_buckets",
+    "receive_buckets",
+    "plan_buckets",
+]

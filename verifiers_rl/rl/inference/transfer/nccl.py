@@ -60,7 +60,7 @@ class NCCLSender:
         self._items: list[tuple[str, torch.Tensor]] = []
         self.engine = None
 
-    def init(self) -> "NCCLSender":
+    def init(self) -> NCCLSender:
         try:
             from vllm.distributed.weight_transfer.nccl_engine import (
                 NCCLTrainerInitInfo,
