@@ -101,7 +101,7 @@ def settings(quick: bool) -> dict:
 
 def sft_warm_start(base_dir: str, out_dir: str, rows, steps: int, batch: int, lr: float, seed: int, log) -> str:
     """A plain completion-only supervised loop (full fine-tune) on the env's prompts; saved as a checkpoint."""
-    from verifiers_rl.rl.trainer.utils import get_model, get_tokenizer
+    from verifiers_rl.models import get_model, get_tokenizer
 
     tok = get_tokenizer(base_dir)
     model = get_model(base_dir)
@@ -255,8 +255,8 @@ def run_trl(model_dir: str, train_rows, eval_rows, s: dict, out_dir: str, log) -
     from transformers import set_seed
     from trl import GRPOConfig, GRPOTrainer
 
+    from verifiers_rl.models import get_model, get_tokenizer
     from verifiers_rl.rl.trainer.config import DEFAULT_LORA_TARGETS
-    from verifiers_rl.rl.trainer.utils import get_model, get_tokenizer
 
     score = scorer()
 
@@ -346,7 +346,7 @@ def run_trl(model_dir: str, train_rows, eval_rows, s: dict, out_dir: str, log) -
 
 
 def run_ours(model_dir: str, env, eval_rows, s: dict, k: int, out_dir: str, log, env_vars=None, threads=None) -> dict:
-    from verifiers_rl.rl.trainer.utils import get_tokenizer
+    from verifiers_rl.models import get_tokenizer
 
     tok = get_tokenizer(model_dir)
     args = rl_config(
@@ -399,8 +399,8 @@ def run_ours(model_dir: str, env, eval_rows, s: dict, k: int, out_dir: str, log,
 
 def lora_init_matches(model_dir: str, trl_lora_a: dict) -> bool | None:
     """Does TRL's LoRA A init equal RLTrainer's (same seed, same config)? Checked on a fresh wrap, no server."""
+    from verifiers_rl.models import get_model
     from verifiers_rl.rl.trainer import RLTrainer
-    from verifiers_rl.rl.trainer.utils import get_model
 
     args = rl_config(tempfile.mkdtemp(prefix="bench_e2e_lora_"), lora_rank=8, lora_alpha=32, seed=0)
     ours = RLTrainer._wrap_lora(get_model(model_dir), args)
@@ -442,7 +442,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp:
         model_dir = warm_start_checkpoint(s, train_rows, tmp, log)
-        from verifiers_rl.rl.trainer.utils import get_model, get_tokenizer
+        from verifiers_rl.models import get_model, get_tokenizer
 
         results["eval_init"] = hf_eval(get_model(model_dir), get_tokenizer(model_dir), eval_rows, s["max_tokens"])
         log(

@@ -37,8 +37,12 @@ BANDWIDTH_GOAL = 0.5  # bucketed GB/s vs raw gloo GB/s at ~100M
 # ---------------------------------------------------------------------------------------- syncs
 
 
+def _next_version(client) -> int:
+    return int(client.weight_version()) + 1
+
+
 def bucketed_sync(client, model) -> tuple[float, int]:
-    stats = client.update_weights(model.named_parameters())
+    stats = client.update_weights(model.named_parameters(), version=_next_version(client))
     return stats.seconds, stats.bytes
 
 
@@ -48,29 +52,26 @@ def per_tensor_sync(client, model, pool: ThreadPoolExecutor) -> tuple[float, int
     prefix cache and resume. Tensors are broadcast in place (no packing copy), and the control requests reuse a
     thread pool and keep-alive connection, so this baseline is, if anything, flattered."""
     from verifiers_rl.rl.inference.transfer import gloo
-    from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, metas_to_update_info
+    from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, UpdateInfo
 
-    pg = client._pg
-    if pg is None:
+    if client.sender is None:
         raise RuntimeError("init_weight_transfer() first")
+    group = client.sender.group
     t0 = time.perf_counter()
     sent = 0
-    client.version += 1
-    client.pause("keep")
-    try:
-        client._post("/start_weight_update")
+    version = _next_version(client)
+    with client.paused("keep"):
+        client.post("/start_weight_update")
         for name, p in model.named_parameters():
             t = p.detach().contiguous()
-            info = metas_to_update_info([TensorMeta(name, t.dtype, tuple(t.shape))])
+            info = UpdateInfo.from_metas([TensorMeta(name, t.dtype, tuple(t.shape))]).to_dict()
             # the server plans this one tensor with its bucket size: a tensor travels alone at >= its size
-            fut = pool.submit(client._post, "/update_weights", {"update_info": info})
-            gloo.broadcast(pg, t.reshape(-1).view(torch.uint8))
+            fut = pool.submit(client.post, "/update_weights", {"update_info": info})
+            gloo.broadcast(group, t.reshape(-1).view(torch.uint8))
             fut.result()
             sent += t.numel() * t.element_size()
-        client._post("/finish_weight_update", json={"weight_version": str(client.version)})
+        client.post("/finish_weight_update", {"weight_version": str(version)})
         client.reset_prefix_cache()
-    finally:
-        client.resume()
     return time.perf_counter() - t0, sent
 
 
@@ -115,7 +116,7 @@ def _gloo_peer(host: str, port: int, nbytes: int, reps: int, fresh: bool = False
 def raw_gloo_bandwidth(nbytes: int, repeats: int, fresh: bool = False) -> dict:
     """One flat `nbytes` broadcast between two local processes; the clock covers the broadcast and a 1-byte
     ack from the receiver (so it measures delivery, not only the sender's buffer hand-off)."""
-    from verifiers_rl.rl.inference.client import free_port
+    from verifiers_rl.rl.inference.launcher import free_port
     from verifiers_rl.rl.inference.transfer import gloo
 
     host, port = "127.0.0.1", free_port()
@@ -152,7 +153,7 @@ def raw_gloo_bandwidth(nbytes: int, repeats: int, fresh: bool = False) -> dict:
 def lora_syncs(client, model, repeats: int) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from verifiers_rl.rl.inference.transfer.names import adapter_weights, merged_weights
+    from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights, merged_weights
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     peft = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets))
@@ -162,12 +163,21 @@ def lora_syncs(client, model, repeats: int) -> dict:
             if "lora_B" in n:
                 p.normal_(0, 0.01)  # B starts at zero: give the adapter a real delta
 
+    from verifiers_rl.rl.inference.transfer.adapter import AdapterSender
+
+    # both senders over the one group the client joined: the server reads the mode from each update_info
+    merged_sender = client.sender
+    adapter_sender = AdapterSender(client, bucket_bytes=merged_sender.bucket_bytes)
+    adapter_sender.group = merged_sender.group
+
     def adapter():
-        st = client.update_weights(adapter_weights(peft), lora_scaling=1.0)
+        with client.paused():
+            st = adapter_sender.send(adapter_weights(peft), _next_version(client))
         return st.seconds, st.bytes
 
     def merged():
-        st = client.update_weights(merged_weights(peft))
+        with client.paused():
+            st = merged_sender.send(merged_weights(peft), _next_version(client))
         return st.seconds, st.bytes
 
     # Adapter-only first: the engine records pristine base weights on the first adapter sync.

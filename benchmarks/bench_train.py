@@ -64,7 +64,7 @@ def make_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> l
 
 
 def naive_microbatches(samples: list[dict], micro_batch_size: int, pad_id: int) -> list[dict]:
-    from verifiers_rl.rl.trainer.batching import collate_padded
+    from verifiers_rl.rl.trainer.microbatches import collate_padded
 
     return [collate_padded(samples[i : i + micro_batch_size], pad_id) for i in range(0, len(samples), micro_batch_size)]
 
@@ -74,7 +74,7 @@ def planned_microbatches(
 ):
     """rows=True: packed rows as wide as the micro-batch's longest sample (RLTrainer._packed_row_len under SDPA);
     False: one packed row per micro-batch (the flash-attention layout)."""
-    from verifiers_rl.rl.trainer.batching import collate_packed, collate_padded, plan_microbatches
+    from verifiers_rl.rl.trainer.microbatches import collate_packed, collate_padded, plan_microbatches
 
     plan = plan_microbatches([len(s["input_ids"]) for s in samples], budget, packed=packed, max_samples=max_samples)
     groups = [[samples[i] for i in idx] for idx in plan]
@@ -99,7 +99,7 @@ def step_seconds(model, head, mbs: list[dict]) -> float:
 
 
 def time_variants(model, head, variants: dict[str, list[dict]], real: int, repeats: int, log, tag: str) -> dict:
-    from verifiers_rl.rl.trainer.batching import padding_fraction
+    from verifiers_rl.rl.trainer.microbatches import padding_fraction
 
     for mbs in variants.values():
         step_seconds(model, head, mbs[:1])  # warm-up: one micro-batch of each layout

@@ -1,4 +1,4 @@
-"""Run by tests/test_ddp.py, once plainly and once under `accelerate launch --num_processes 2 --cpu`."""
+"""Run by tests/e2e/test_ddp.py, once plainly and once under `accelerate launch --num_processes 2 --cpu`."""
 
 import sys
 

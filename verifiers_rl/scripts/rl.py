@@ -31,9 +31,13 @@ class Plan:
     engine: str
     gpus: Any
     output_dir: str
+    server: Any  # InferenceServer, not started
     sft: dict[str, Any] | None = None
-    server_cmd: list[str] = field(default_factory=list)
     trainer_cmd: list[str] = field(default_factory=list)
+
+    @property
+    def server_cmd(self) -> list[str]:
+        return self.server.command()
 
 
 def _cuda_count() -> int:
@@ -48,7 +52,7 @@ def _cuda_count() -> int:
 def build_plan(
     cfg: dict[str, Any], config_path: str, overrides: list[str], dry_run: bool, cuda: int | None = None
 ) -> Plan:
-    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.rl.inference.layout import resolve_engine
     from verifiers_rl.scripts.sft import sft_plan
 
     sft = None
@@ -59,26 +63,17 @@ def build_plan(
         model = resolve_model(cfg, dry_run=dry_run)
     real_cuda = _cuda_count()
     cuda = real_cuda if cuda is None else cuda
-    # validates [trainer.args] now, before anything starts (precision checks need the real hardware)
-    args = rl_config(cfg, cuda=cuda > 0 and real_cuda > 0, quiet=cuda > real_cuda)
     gpus = assign_gpus(cfg, cuda)
     inf = cfg.get("inference", {})
-    engine = inf.get("engine", "auto")
-    if engine == "auto":
-        engine = "vllm" if cuda else "cpu"
+    # planning for GPUs this machine does not have (--gpus N): assume the GPU machine has vLLM
+    engine = resolve_engine(inf.get("engine", "auto"), cuda=cuda > 0, vllm=True if cuda > real_cuda else None)
     if engine == "vllm" and not cuda:
         raise ConfigError("inference.engine='vllm' needs CUDA devices; none are visible (use engine = \"cpu\")")
-    server = InferenceServer(
-        model,
-        engine=engine,
-        host=inf.get("host", "127.0.0.1"),
-        port=inf.get("port"),
-        output_dir=args.output_dir,
-        gpus=gpus.inference or None,
-        extra_args=_server_args(cfg, args),
+    # validates [trainer.args] now, before anything starts (precision checks need the real hardware)
+    args = rl_config(cfg, cuda=cuda > 0 and real_cuda > 0, quiet=cuda > real_cuda, server_engine=engine)
+    plan = Plan(
+        cfg, config_path, overrides, model, engine, gpus, args.output_dir, make_server(cfg, args, model, gpus), sft
     )
-    server.port = server.port or "<free port>"
-    plan = Plan(cfg, config_path, overrides, model, engine, gpus, args.output_dir, sft, server.command())
     n_trainer = len(gpus.trainer)
     if n_trainer > 1:
         plan.trainer_cmd = [
@@ -101,11 +96,24 @@ def build_plan(
     return plan
 
 
-def _server_args(cfg: dict[str, Any], args) -> list[str]:
-    extra = flags_from_args(cfg.get("inference", {}).get("args", {}))
-    if "--max-model-len" not in extra:
-        extra += ["--max-model-len", str(args.server_max_model_len or args.max_seq_len)]
-    return extra
+def make_server(cfg: dict[str, Any], args, model: str, gpus):
+    """The inference server of a vf-rl run (one definition for the plan and the run)."""
+    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.rl.trainer.runtime import cpu_thread_split, server_thread_env
+
+    inf = cfg.get("inference", {})
+    return InferenceServer(
+        model,
+        engine=args.server_engine,
+        host=inf.get("host", "127.0.0.1"),
+        port=inf.get("port"),
+        output_dir=args.output_dir,
+        gpus=gpus.inference or None,
+        max_model_len=args.server_max_model_len or args.max_seq_len,
+        extra_args=flags_from_args(inf.get("args", {})),
+        startup_timeout=inf.get("startup_timeout", args.vllm_server_timeout),
+        env=server_thread_env(cpu_thread_split(args)),
+    )
 
 
 def print_plan(plan: Plan) -> None:
@@ -128,29 +136,13 @@ def print_plan(plan: Plan) -> None:
 
 
 def run(plan: Plan) -> int:
-    from verifiers_rl.rl.inference.launcher import InferenceServer
-
     cfg = plan.cfg
     if plan.sft and not plan.sft["done"]:
         from verifiers_rl.scripts.sft import run_sft
 
         run_sft(plan.sft["cfg"], plan.sft["config_path"])
-    from verifiers_rl.rl.trainer.runtime import cpu_thread_split, server_thread_env
-
     env = load_env(cfg)
-    inf = cfg.get("inference", {})
-    args0 = rl_config(cfg)
-    server = InferenceServer(
-        plan.model,
-        engine=plan.engine,
-        host=inf.get("host", "127.0.0.1"),
-        port=inf.get("port"),
-        output_dir=args0.output_dir,
-        gpus=plan.gpus.inference or None,
-        extra_args=_server_args(cfg, args0),
-        startup_timeout=inf.get("startup_timeout", args0.vllm_server_timeout),
-        env=server_thread_env(cpu_thread_split(args0)),
-    )
+    server = plan.server
     print(f"vf-rl: starting the {plan.engine} inference server (log: {server.log_path})", flush=True)
     with server:
         if plan.trainer_cmd:

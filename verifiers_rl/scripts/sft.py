@@ -19,15 +19,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from verifiers_rl.rl.trainer.lora import LORA_ALPHA, LORA_DROPOUT, LORA_RANK, lora_config
 from verifiers_rl.scripts.common import resolve_model, run_cli, split_argv
 from verifiers_rl.scripts.toml_config import ConfigError, _suggest, apply_overrides, load, validate
 
 LORA_KEYS = {
     "use_lora": False,
-    "lora_rank": 16,
-    "lora_alpha": 32,
-    "lora_dropout": 0.0,
-    "lora_target_modules": "all-linear",
+    "lora_rank": LORA_RANK,
+    "lora_alpha": LORA_ALPHA,
+    "lora_dropout": LORA_DROPOUT,
+    "lora_target_modules": None,  # DEFAULT_LORA_TARGETS
 }
 SFT_DEFAULTS = {
     "learning_rate": 2e-4,
@@ -114,21 +115,15 @@ def sft_dataset(cfg: dict[str, Any]):
 def run_sft(cfg: dict[str, Any], config_path: str) -> str:
     from trl import SFTTrainer
 
-    from verifiers_rl.rl.trainer.utils import get_model_and_tokenizer
+    from verifiers_rl.models import get_model_and_tokenizer
 
     args, lora = sft_args(cfg, config_path)
     dataset = sft_dataset(cfg)
     model, tokenizer = get_model_and_tokenizer(resolve_model(cfg))
     peft_config = None
     if lora["use_lora"]:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(
-            r=lora["lora_rank"],
-            lora_alpha=lora["lora_alpha"],
-            lora_dropout=lora["lora_dropout"],
-            target_modules=lora["lora_target_modules"],
-            task_type="CAUSAL_LM",
+        peft_config = lora_config(
+            lora["lora_rank"], lora["lora_alpha"], lora["lora_dropout"], lora["lora_target_modules"]
         )
     print(f"vf-sft: {len(dataset)} examples -> {args.output_dir}", flush=True)
     trainer = SFTTrainer(

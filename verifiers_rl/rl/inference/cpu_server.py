@@ -8,7 +8,6 @@ receives, waiting for the batching loop to pause) runs in worker threads so gene
 from __future__ import annotations
 
 import asyncio
-import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -21,9 +20,7 @@ from verifiers_rl.rl.inference import protocol
 from verifiers_rl.rl.inference.control_auth import ControlGuard
 from verifiers_rl.rl.inference.engine import CPUEngine, EngineError
 from verifiers_rl.rl.inference.transfer import gloo
-from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES, metas_from_update_info, plan_buckets
-
-logger = logging.getLogger("verifiers_rl.server")
+from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES, UpdateInfo, plan_buckets
 
 
 class WeightReceiver:
@@ -36,14 +33,9 @@ class WeightReceiver:
         self.paused_by_update = False
 
     def init(self, info: dict[str, Any]) -> None:
-        try:
-            host, port = info["master_address"], int(info["master_port"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"init_info needs master_address and master_port: {e}") from e
-        world = int(info.get("world_size", 2))
-        rank = int(info.get("rank_offset", 1))
-        self.bucket_bytes = int(info.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
-        self.pg = gloo.create_group(host, port, rank, world, timeout_s=float(info.get("timeout_s", 300)))
+        init = gloo.GlooInitInfo.parse(info)
+        self.bucket_bytes = init.bucket_bytes
+        self.pg = gloo.connect_group(init, rank=init.rank_offset)
 
     def start(self) -> None:
         if not self.engine.is_paused:
@@ -53,8 +45,8 @@ class WeightReceiver:
     def update(self, info: dict[str, Any]) -> int:
         if self.pg is None:
             raise ValueError("call /init_weight_transfer_engine before /update_weights")
-        metas = metas_from_update_info(info)
-        scaling = info.get("lora_scaling")
+        update = UpdateInfo.parse(info)
+        metas, scaling = update.metas(), update.lora_scaling
         if not self.engine.is_paused:  # vLLM allows updates without /start_weight_update; stay consistent
             self.start()
         loaded, error = 0, None
@@ -194,7 +186,7 @@ def create_app(
         return {"world_size": 1}
 
     @app.post("/pause")
-    async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True)):
+    async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True)):  # noqa: ARG001 - vLLM's signature
         if mode not in ("abort", "wait", "keep"):
             return bad_request(ValueError(f"mode={mode!r}; allowed: abort, wait, keep"))
         if mode == "abort":

@@ -12,24 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
-from verifiers_rl.rl.inference.sampling import SamplingParams, process_logits, request_generator, sample
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
-    stop_reason: str | int | None = None
-    policy_version: int = 0
+from verifiers_rl.rl.inference.sampling import (
+    Completion,
+    SamplingParams,
+    process_logits,
+    request_generator,
+    sample,
+)
 
 
 @dataclass
@@ -112,7 +106,7 @@ class CPUEngine:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, **kwargs) -> CPUEngine:
-        from verifiers_rl.rl.trainer.utils import get_model, get_tokenizer
+        from verifiers_rl.models import get_model, get_tokenizer
 
         tokenizer = get_tokenizer(name_or_path)
         model = get_model(name_or_path, device="cpu")

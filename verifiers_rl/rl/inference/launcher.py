@@ -17,20 +17,24 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
-from verifiers_rl.rl.inference.client import ServerError, VLLMClient, free_port
+from verifiers_rl.rl.inference.client import ServerError, VLLMClient
 from verifiers_rl.rl.inference.control_auth import TOKEN_ENV
+from verifiers_rl.rl.inference.layout import ServerSpec, resolve_engine
 
 PARENT_ENV = "VF_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the server's parent watchdog still covers it
+# ---------------------------------------------------------------------- process helpers
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -43,8 +47,27 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def log_tail(path: str | os.PathLike | None, lines: int = 20) -> str:
+    if not path or not Path(path).exists():
+        return ""
+    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the server's parent watchdog still covers it
+
+
+# ---------------------------------------------------------------------- the server
+
+
 class InferenceServer:
-    """`with InferenceServer(model, output_dir=...) as client:` — a healthy server and a client for it."""
+    """`with InferenceServer(model, output_dir=...) as client:` — a healthy server and a client for it.
+
+    `engine="auto"` is resolved here, once (`layout.resolve_engine`): `self.engine` is what was started, and
+    the trainer derives its sync backend from it."""
 
     def __init__(
         self,
@@ -55,17 +78,23 @@ class InferenceServer:
         port: int | None = None,
         output_dir: str | os.PathLike = "outputs",
         gpus: list[int] | None = None,
+        max_model_len: int | None = None,
+        data_parallel_size: int = 1,
         extra_args: list[str] | tuple[str, ...] = (),
         startup_timeout: float = 600.0,
         env: dict[str, str] | None = None,
         python: str = sys.executable,
     ):
-        if engine not in ("auto", "cpu", "vllm"):
-            raise ValueError(f"engine={engine!r}; allowed: auto, cpu, vllm")
-        self.model, self.engine, self.host = model, engine, host
-        self.port = port
-        self.gpus = gpus
-        self.extra_args = list(extra_args)
+        self.spec = ServerSpec(
+            model,
+            resolve_engine(engine),
+            host=host,
+            port=port,
+            gpus=gpus,
+            max_model_len=max_model_len,
+            data_parallel_size=data_parallel_size,
+            extra_args=list(extra_args),
+        )
         self.startup_timeout = startup_timeout
         self.log_path = Path(output_dir) / "logs" / "inference.log"
         self.token = secrets.token_urlsafe(24)
@@ -75,38 +104,41 @@ class InferenceServer:
         self.client: VLLMClient | None = None
         self._lock = threading.Lock()
 
+    @property
+    def engine(self) -> str:
+        return self.spec.engine
+
+    @property
+    def host(self) -> str:
+        return self.spec.host
+
+    @property
+    def port(self) -> int | None:
+        return self.spec.port
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.port}"
+
     def command(self) -> list[str]:
-        return [
-            self.python,
-            "-m",
-            "verifiers_rl.rl.inference.server",
-            "--engine",
-            self.engine,
-            "--model",
-            self.model,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            *self.extra_args,
-        ]
+        return self.spec.argv(self.python)
 
     def environment(self) -> dict[str, str]:
         env = {**os.environ, **self.extra_env, TOKEN_ENV: self.token, PARENT_ENV: str(os.getpid())}
         env.setdefault("PYTHONUNBUFFERED", "1")
-        if self.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
+        if self.spec.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.spec.gpus)
         return env
 
     def start(self) -> VLLMClient:
-        from verifiers_rl.rl.trainer.utils import resolve_model_path
+        from verifiers_rl.models import resolve_model_path
 
-        resolve_model_path(self.model)  # a missing local path fails here, in one line, not in a log
-        if self.port is None:
-            self.port = free_port(self.host)
-        elif port_in_use(self.host, self.port):
+        resolve_model_path(self.spec.model)  # a missing local path fails here, in one line, not in a log
+        if self.spec.port is None:
+            self.spec.port = free_port(self.spec.host)
+        elif port_in_use(self.spec.host, self.spec.port):
             raise ServerError(
-                f"port {self.port} on {self.host} is already in use; pick another port "
+                f"port {self.spec.port} on {self.spec.host} is already in use; pick another port "
                 "(vllm_server_port / --port) or leave it unset to use a free one"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,17 +154,30 @@ class InferenceServer:
         )
         log.close()
         atexit.register(self.stop)
-        self.client = VLLMClient(self.host, self.port, control_token=self.token)
+        self.client = VLLMClient(self.spec.host, self.spec.port, control_token=self.token)
         try:
-            self.client.wait_for_health(self.startup_timeout, process=self.process, log_path=self.log_path)
+            self._wait_healthy()
         except BaseException:
             self.stop()
             raise
         return self.client
 
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+    def _wait_healthy(self) -> None:
+        """Poll /health; fail fast when the child exits, with the log's tail in the error."""
+        deadline = time.monotonic() + self.startup_timeout
+        while not self.client.health():
+            code = self.process.poll()
+            if code is not None:
+                raise ServerError(f"inference server exited with code {code} before becoming healthy{self._tail()}")
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"inference server at {self.base_url} not healthy after {self.startup_timeout:.0f}s{self._tail()}"
+                )
+            time.sleep(0.25)
+
+    def _tail(self) -> str:
+        tail = log_tail(self.log_path)
+        return f"; last log lines ({self.log_path}):\n{tail}" if tail else ""
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._lock:

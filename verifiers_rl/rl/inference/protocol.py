@@ -15,8 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from verifiers_rl.rl.inference.engine import Completion
-from verifiers_rl.rl.inference.sampling import SamplingParams
+from verifiers_rl.rl.inference.sampling import Completion, SamplingParams
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 

@@ -19,6 +19,17 @@ _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 
 
 @dataclass
+class Completion:
+    """One finished choice of a request: what the engine sampled and under which policy version."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    stop_reason: str | int | None = None
+    policy_version: int = 0
+
+
+@dataclass
 class SamplingParams:
     max_tokens: int | None = None
     temperature: float = 1.0

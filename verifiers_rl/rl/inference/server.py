@@ -10,7 +10,6 @@ parser does not know are passed to vLLM untouched (the CPU engine warns that it 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ import threading
 import time
 
 from verifiers_rl.rl.inference.launcher import PARENT_ENV
+from verifiers_rl.rl.inference.layout import ENGINES, resolve_engine
 
 logger = logging.getLogger("verifiers_rl.server")
 
@@ -31,15 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Unknown flags are passed through to vLLM (e.g. --tensor-parallel-size 2 --gpu-memory-utilization 0.8).",
     )
     p.add_argument("--model", required=True, help="hub id or local directory")
-    p.add_argument(
-        "--engine", choices=["auto", "cpu", "vllm"], default="auto", help="default: vllm if CUDA+vLLM, else cpu"
-    )
+    p.add_argument("--engine", choices=ENGINES, default="auto", help="default: vllm if CUDA+vLLM, else cpu")
     p.add_argument(
         "--host", default="127.0.0.1", help="bind address (default loopback; control routes stay loopback-only)"
     )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: --model)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="prompt + completion token limit")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="prompt + completion token limit (CPU engine default: 4096)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=64, help="CPU engine: sequences per batch")
     p.add_argument("--api-key", default=None, help="require this key on /v1 routes")
     p.add_argument(
@@ -55,15 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
-
-
-def choose_engine(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    import torch
-
-    has_vllm = importlib.util.find_spec("vllm") is not None
-    return "vllm" if has_vllm and torch.cuda.is_available() else "cpu"
 
 
 def _watch_parent(expected_ppid: int, stop) -> None:
@@ -91,7 +82,8 @@ def run_vllm(args, passthrough: list[str]) -> int:
         print(f"vf-vllm: {e}", file=sys.stderr)
         return 2
     extra = list(passthrough) + ["--middleware", "verifiers_rl.rl.inference.control_auth.ControlGuard"]
-    extra += ["--max-model-len", str(args.max_model_len)] if "--max-model-len" not in passthrough else []
+    if args.max_model_len:  # vf-vllm parses this flag itself (the CPU engine needs it too), so hand it on
+        extra += ["--max-model-len", str(args.max_model_len)]
     if args.served_model_name:
         extra += ["--served-model-name", args.served_model_name]
     if args.api_key:
@@ -132,7 +124,7 @@ def run_cpu(args, passthrough: list[str]) -> int:
             args.host,
             args.port,
             served_model_name=args.served_model_name,
-            max_model_len=args.max_model_len,
+            max_model_len=args.max_model_len or 4096,
             max_num_seqs=args.max_num_seqs,
             control_token=os.environ.get(TOKEN_ENV) or None,
             api_key=args.api_key,
@@ -148,7 +140,7 @@ def run_cpu(args, passthrough: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args, passthrough = build_parser().parse_known_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = choose_engine(args.engine)
+    engine = resolve_engine(args.engine)
     if engine == "vllm":
         return run_vllm(args, passthrough)
     return run_cpu(args, passthrough)

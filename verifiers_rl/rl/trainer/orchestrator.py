@@ -15,10 +15,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -28,9 +26,8 @@ import numpy as np
 import verifiers as vf
 from openai import AsyncOpenAI
 
+from verifiers_rl.rl.trainer.policy_version import PolicyVersion
 from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY, Rollout, rollouts_from_outputs
-
-logger = logging.getLogger(__name__)
 
 ROLLOUT_KEY = "vf_rl_rollout"  # added to each input row; our client derives the sampling seed from it
 
@@ -75,8 +72,19 @@ def _input_value(state, key):
 class RolloutBatch:
     index: int
     rollouts: list[Rollout]
-    submitted_version: int
+    policy_version: int  # the version served when the batch started
     generation_seconds: float
+
+
+def expand_groups(rows: list[dict], group_size: int, tag: str) -> tuple[list[dict], list[int]]:
+    """Each row repeated `group_size` times (one group per row), each copy keyed `<tag>:<row>:<copy>` for its
+    sampling seed; returns (inputs, group index of each input)."""
+    inputs, groups = [], []
+    for j, row in enumerate(rows):
+        for r in range(group_size):
+            inputs.append({**row, ROLLOUT_KEY: f"{tag}:{j}:{r}"})
+            groups.append(j)
+    return inputs, groups
 
 
 @functools.lru_cache(maxsize=4)
@@ -110,7 +118,7 @@ class Orchestrator:
         seed: int | None = 0,
         shuffle: bool = True,
         api_key: str = "EMPTY",
-        version_fn: Callable[[], int] = lambda: 0,
+        policy_version: PolicyVersion | None = None,
     ):
         if len(dataset) == 0:
             raise ValueError("the training dataset is empty (after filtering over-long prompts)")
@@ -120,7 +128,7 @@ class Orchestrator:
         self.group_size, self.prompts_per_batch = rollouts_per_example, prompts_per_batch
         self.max_concurrent, self.timeout = max_concurrent, generation_timeout
         self.seed, self.shuffle = seed if seed is not None else 0, shuffle
-        self.version_fn = version_fn
+        self.policy_version = policy_version or PolicyVersion()
         self._futures: dict[int, Future] = {}
         self._ready: dict[int, RolloutBatch] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -163,20 +171,13 @@ class Orchestrator:
 
     def inputs_for(self, index: int) -> tuple[list[dict], list[int]]:
         rows = batch_rows(index, self.prompts_per_batch, len(self.dataset), self.seed, self.shuffle)
-        inputs, groups = [], []
-        for j, row in enumerate(rows):
-            base = dict(self.dataset[row])
-            base.setdefault("example_id", row)
-            for r in range(self.group_size):
-                inputs.append({**base, ROLLOUT_KEY: f"{index}:{j}:{r}"})
-                groups.append(j)
-        return inputs, groups
+        return expand_groups([_row(self.dataset, i) for i in rows], self.group_size, str(index))
 
     def submit(self, index: int) -> None:
         if index in self._futures or index in self._ready:
             return
         self.start()
-        version = self.version_fn()
+        version = self.policy_version.value
         coro = self._generate(index, version)
         self._futures[index] = asyncio.run_coroutine_threadsafe(coro, self._loop)
 
@@ -240,17 +241,18 @@ class Orchestrator:
 
     def evaluate(self, dataset, rollouts_per_example: int, sampling_args: dict) -> list[Rollout]:
         self.start()
-        inputs, groups = [], []
-        for j in range(len(dataset)):
-            base = dict(dataset[j])
-            base.setdefault("example_id", j)
-            for r in range(rollouts_per_example):
-                inputs.append({**base, ROLLOUT_KEY: f"eval:{j}:{r}"})
-                groups.append(j)
-        version = self.version_fn()
+        rows = [_row(dataset, j) for j in range(len(dataset))]
+        inputs, groups = expand_groups(rows, rollouts_per_example, "eval")
+        version = self.policy_version.value
         fut = asyncio.run_coroutine_threadsafe(self._run(inputs, sampling_args), self._loop)
         try:
             out = fut.result(timeout=self.timeout)
         except Exception as e:  # noqa: BLE001
             raise GenerationError(f"evaluation rollouts failed: {type(e).__name__}: {e}") from e
         return rollouts_from_outputs(out["outputs"], groups, version)
+
+
+def _row(dataset, i: int) -> dict:
+    row = dict(dataset[i])
+    row.setdefault("example_id", i)
+    return row

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 import torch
@@ -11,8 +10,11 @@ import torch
 from verifiers_rl.rl.inference.client import VLLMClient
 from verifiers_rl.rl.inference.control_auth import TOKEN_ENV
 from verifiers_rl.rl.inference.launcher import InferenceServer
-from verifiers_rl.rl.inference.transfer.names import adapter_weights, merged_weights
+from verifiers_rl.rl.inference.layout import engine_of_models, resolve_engine, resolve_sync_backend
+from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights, merged_weights
+from verifiers_rl.rl.trainer.metrics import rollout_metrics
 from verifiers_rl.rl.trainer.orchestrator import Orchestrator, RolloutBatch
+from verifiers_rl.rl.trainer.policy_version import PolicyVersion
 from verifiers_rl.rl.trainer.rollouts import Rollout
 
 logger = logging.getLogger(__name__)
@@ -50,7 +52,8 @@ def cpu_thread_split(args, cores: int | None = None) -> tuple[int, int] | None:
         return None
     cores = cores or os.cpu_count() or 1
     local = args.vllm_server_host in ("127.0.0.1", "localhost", "::1")
-    if cores < 2 or args.max_async_level < 1 or args.server_engine == "vllm" or not local or torch.cuda.is_available():
+    engine = resolve_engine(args.server_engine)
+    if cores < 2 or args.max_async_level < 1 or engine == "vllm" or not local or torch.cuda.is_available():
         return None
     server = cores // 2
     return server, cores - server
@@ -62,21 +65,25 @@ def server_thread_env(split: tuple[int, int] | None) -> dict[str, str] | None:
 
 
 class InferenceRuntime:
+    """What the trainer's rank 0 holds: the server (spawned or connected), its client and weight sender, the
+    orchestrator, and the policy version the server serves."""
+
     def __init__(self, args, model_path: str | None, env):
         self.args, self.model_path, self.env = args, model_path, env
         self.server: InferenceServer | None = None
         self.client: VLLMClient | None = None
         self.orchestrator: Orchestrator | None = None
         self.model_name: str | None = None
+        self.engine: str | None = None  # what the server runs: "cpu" | "vllm"
+        self.policy = PolicyVersion()
         self.synced_version: int | None = None
         self.last_rollouts: list[Rollout] = []
-        self.last_sync = None
         self._threads_before: int | None = None
 
     # ------------------------------------------------------------------ server
 
     def _served_path(self, model, tokenizer) -> str:
-        from verifiers_rl.rl.trainer.utils import resolve_model_path
+        from verifiers_rl.models import resolve_model_path
 
         if self.model_path:
             try:
@@ -96,7 +103,6 @@ class InferenceRuntime:
         args = self.args
         split = cpu_thread_split(args)
         if args.server_mode == "spawn":
-            extra = ["--max-model-len", str(args.server_max_model_len or args.max_seq_len), *(args.server_args or [])]
             self.server = InferenceServer(
                 self._served_path(model, tokenizer),
                 engine=args.server_engine,
@@ -104,21 +110,25 @@ class InferenceRuntime:
                 port=args.vllm_server_port,
                 output_dir=args.output_dir,
                 gpus=args.server_gpus,
-                extra_args=extra,
+                max_model_len=args.server_max_model_len or args.max_seq_len,
+                extra_args=args.server_args or [],
                 startup_timeout=args.vllm_server_timeout,
                 env=server_thread_env(split),
             )
             client = self.server.start()
+            self.engine = self.server.engine
         else:
             token = args.server_control_token or os.environ.get(TOKEN_ENV)
             client = VLLMClient(args.vllm_server_host, args.vllm_server_port or 8000, control_token=token)
             client.wait_for_health(args.vllm_server_timeout)
-        models = client._http.get("/v1/models").json()["data"]
+        models = client.models()
         self.model_name = models[0]["id"]
-        backend = args.sync_backend
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() and args.server_engine != "cpu" else "gloo"
-        client.init_weight_transfer(backend=backend, bucket_bytes=args.sync_bucket_mb << 20)
+        if self.engine is None:  # connected: the server says what it runs
+            self.engine = engine_of_models(models)
+        backend = resolve_sync_backend(args.sync_backend, self.engine)
+        if args.lora_sync == "adapter":
+            backend = "adapter"
+        client.init_weight_transfer(backend, bucket_bytes=args.sync_bucket_mb << 20)
         if split and self._threads_before is None:
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(split[1])
@@ -128,7 +138,7 @@ class InferenceRuntime:
 
     # ------------------------------------------------------------------ training
 
-    def start(self, model, tokenizer, rows, global_step: int, orchestrator_state: dict | None = None) -> None:
+    def start(self, model, tokenizer, rows, orchestrator_state: dict | None = None) -> None:
         client = self.ensure_server(model, tokenizer)
         if self.orchestrator is None:
             args = self.args
@@ -144,7 +154,7 @@ class InferenceRuntime:
                 generation_timeout=args.generation_timeout,
                 seed=args.seed,
                 shuffle=args.shuffle_dataset,
-                version_fn=lambda: client.version,
+                policy_version=self.policy,
             )
         if orchestrator_state:
             self.orchestrator.load_state_dict(orchestrator_state)
@@ -155,18 +165,16 @@ class InferenceRuntime:
             self.orchestrator.submit(b)
 
     def next_batch(self, global_step: int) -> RolloutBatch:
-        return self.orchestrator.get(global_step)
+        batch = self.orchestrator.get(global_step)
+        self.last_rollouts = batch.rollouts[: max(self.args.num_completions_to_log, 1)]
+        return batch
 
     def sync(self, model, version: int) -> float:
-        if self.args.lora_sync == "adapter":
-            stats = self.client.update_weights(adapter_weights(model), version=version, lora_scaling=1.0)
-        else:
-            stats = self.client.update_weights(merged_weights(model), version=version)
-        self.synced_version, self.last_sync = version, stats
+        tensors = adapter_weights(model) if self.args.lora_sync == "adapter" else merged_weights(model)
+        stats = self.client.update_weights(tensors, version=version)
+        self.synced_version = version
+        self.policy.advance(version)
         return stats.seconds
-
-    def remember_samples(self, rollouts: list[Rollout], prepared) -> None:
-        self.last_rollouts = rollouts[: max(self.args.num_completions_to_log, 1)]
 
     def stop_rollouts(self) -> None:
         if self.orchestrator is not None:
@@ -180,6 +188,7 @@ class InferenceRuntime:
         elif self.client is not None:
             self.client.close()
         self.server = self.client = None
+        self.engine = None
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
@@ -203,6 +212,7 @@ class InferenceRuntime:
             prompts_per_batch=1,
             generation_timeout=args.generation_timeout,
             seed=args.seed,
+            policy_version=self.policy,
         )
         try:
             rollouts = orch.evaluate(rows, args.eval_rollouts_per_example, args.sampling_args())
@@ -210,25 +220,3 @@ class InferenceRuntime:
             if orch is not self.orchestrator:
                 orch.close()
         return rollout_metrics(rollouts, prefix)
-
-
-def rollout_metrics(rollouts: list[Rollout], prefix: str) -> dict[str, float]:
-    ok = [r for r in rollouts if r.error is None and math.isfinite(r.reward)]
-    rewards = [r.reward for r in ok]
-    mean = sum(rewards) / len(rewards) if rewards else float("nan")
-    std = (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5 if rewards else float("nan")
-    out = {
-        f"{prefix}/reward": mean,
-        f"{prefix}/reward_std": std,
-        f"{prefix}/rollouts": float(len(rollouts)),
-        f"{prefix}/rollouts_errored": float(sum(r.error is not None for r in rollouts)),
-        f"{prefix}/truncated_frac": sum(r.is_truncated for r in rollouts) / max(len(rollouts), 1),
-        f"{prefix}/completion_tokens_mean": sum(sum(len(s.completion_ids) for s in r.steps) for r in ok)
-        / max(len(ok), 1),
-    }
-    keys = {k for r in ok for k in r.metrics}
-    for k in sorted(keys):
-        vals = [r.metrics[k] for r in ok if k in r.metrics and math.isfinite(r.metrics[k])]
-        if vals:
-            out[f"{prefix}/rewards/{k}"] = sum(vals) / len(vals)
-    return out

@@ -9,7 +9,6 @@ After each step the new weights go to the server and the next rollout batch is s
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from collections import defaultdict
@@ -21,16 +20,15 @@ from transformers import Trainer
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from verifiers_rl.rl.trainer.batch import PreparedBatch, prepare_batch, shard_samples
-from verifiers_rl.rl.trainer.batching import collate_packed, collate_padded, plan_microbatches
-from verifiers_rl.rl.trainer.callbacks import MetricsFileCallback, RichProgressCallback, StepHooks
+from verifiers_rl.rl.trainer.callbacks import MetricsFileCallback, RichProgressCallback
 from verifiers_rl.rl.trainer.config import RLConfig
 from verifiers_rl.rl.trainer.forward import output_head, reference_logprobs, token_logprobs
+from verifiers_rl.rl.trainer.hooks import ORCHESTRATOR_STATE, StartInference, SubmitRollouts, SyncWeights
 from verifiers_rl.rl.trainer.losses import policy_loss
+from verifiers_rl.rl.trainer.microbatches import collate_packed, collate_padded, plan_microbatches
 from verifiers_rl.rl.trainer.runtime import InferenceRuntime, filter_prompts
+from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch, shard_samples
 
-logger = logging.getLogger(__name__)
-ORCHESTRATOR_STATE = "orchestrator.pt"
 _ADDITIVE = ("ratio_mean", "masked_frac", "mismatch_kl", "kl")
 
 
@@ -53,7 +51,7 @@ def _collate(items):
 
 class RLTrainer(Trainer):
     def __init__(self, model, env, args: RLConfig | None = None, processing_class=None, callbacks=None, **kwargs):
-        from verifiers_rl.rl.trainer.utils import ensure_pad_token, get_model, get_tokenizer
+        from verifiers_rl.models import ensure_pad_token, get_model, get_tokenizer
 
         args = args if args is not None else RLConfig()
         if not isinstance(args, RLConfig):
@@ -71,9 +69,11 @@ class RLTrainer(Trainer):
         self.model_path = model_path
         self.train_rows, self.prompts_filtered = filter_prompts(env.get_dataset(), processing_class, args.prompt_limit)
         self.runtime = InferenceRuntime(args, model_path, env)
-        self.hooks = StepHooks(self)
+        self.resume_from: str | None = None
+        self.step_metrics: dict[str, float] = {}
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        callbacks = [self.hooks, MetricsFileCallback(), *(callbacks or [])]
+        hooks = [StartInference(self), SyncWeights(self), SubmitRollouts(self)]
+        callbacks = [*hooks, MetricsFileCallback(), *(callbacks or [])]
         super().__init__(
             model=model,
             args=args,
@@ -86,25 +86,24 @@ class RLTrainer(Trainer):
         )
         self.remove_callback(ProgressCallback)
         self.add_callback(RichProgressCallback(self))
-        self._step_metrics: dict[str, float] = {}
-        self._resume_from: str | None = None
 
     @staticmethod
     def _wrap_lora(model, args: RLConfig):
         if not args.use_lora or hasattr(model, "peft_config"):
             return model
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
         from transformers import set_seed
 
+        from verifiers_rl.rl.trainer.lora import lora_config
+
         set_seed(args.seed)  # LoRA A is random-initialised: seed it so runs (and ranks) start identically
-        config = LoraConfig(
-            r=args.lora_rank,
-            lora_alpha=args.lora_alpha,
-            lora_dropout=args.lora_dropout,
-            target_modules=args.lora_target_modules,
-            modules_to_save=args.lora_modules_to_save,
-            use_rslora=args.lora_use_rslora,
-            task_type="CAUSAL_LM",
+        config = lora_config(
+            args.lora_rank,
+            args.lora_alpha,
+            args.lora_dropout,
+            args.lora_target_modules,
+            args.lora_modules_to_save,
+            args.lora_use_rslora,
         )
         model = get_peft_model(model, config)
         if args.gradient_checkpointing:
@@ -118,7 +117,7 @@ class RLTrainer(Trainer):
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"resume_from_checkpoint=True but no checkpoint in {self.args.output_dir}")
-        self._resume_from = resume_from_checkpoint
+        self.resume_from = resume_from_checkpoint
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
@@ -127,26 +126,6 @@ class RLTrainer(Trainer):
     def close(self) -> None:
         """Stop rollouts and the inference server this trainer spawned."""
         self.runtime.close()
-
-    def on_train_begin(self) -> None:
-        state = None
-        if self._resume_from and self.is_world_process_zero():
-            path = os.path.join(self._resume_from, ORCHESTRATOR_STATE)
-            if os.path.exists(path):
-                state = torch.load(path, weights_only=False)
-        if self.is_world_process_zero():
-            model = self.accelerator.unwrap_model(self.model)
-            self.runtime.start(model, self.processing_class, self.train_rows, self.state.global_step, state)
-            self.sync_weights()
-            self.runtime.submit_ahead(self.state.global_step)
-
-    def on_step_end(self) -> None:
-        if self.is_world_process_zero():
-            sync_s = self.sync_weights()
-            self.runtime.submit_ahead(self.state.global_step)
-            self._step_metrics["timing/sync_s"] = sync_s
-            step_s = self._step_metrics.get("timing/step_s", 0.0) + sync_s
-            self._step_metrics["timing/sync_frac"] = sync_s / step_s if step_s else 0.0
 
     def sync_weights(self) -> float:
         return self.runtime.sync(self.accelerator.unwrap_model(self.model), version=self.state.global_step)
@@ -162,7 +141,6 @@ class RLTrainer(Trainer):
             prepared = prepare_batch(batch.rollouts, args, current_version=self.state.global_step)
             prepared.metrics["timing/generation_s"] = batch.generation_seconds
             prepared.metrics["timing/wait_s"] = time.perf_counter() - t0
-            self.runtime.remember_samples(batch.rollouts, prepared)
             payload = [prepared]
         if self.accelerator.num_processes > 1:
             broadcast_object_list(payload, from_process=0)
@@ -175,7 +153,7 @@ class RLTrainer(Trainer):
         metrics["timing/step_s"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(metrics["timing/step_s"], 1e-9)
         metrics["prompts_filtered"] = float(self.prompts_filtered)
-        self._step_metrics = metrics
+        self.step_metrics = metrics
         # each rank holds a partial sum of a globally normalised loss; Trainer logs the mean over ranks
         return loss.detach() * self.accelerator.num_processes
 
@@ -290,9 +268,9 @@ class RLTrainer(Trainer):
     # ------------------------------------------------------------------ logging, checkpoints, eval
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs and self._step_metrics:
-            logs = {**logs, **self._step_metrics}
-            self._step_metrics = {}
+        if "loss" in logs and self.step_metrics:
+            logs = {**logs, **self.step_metrics}
+            self.step_metrics = {}
         super().log(logs, start_time)
 
     def _save_checkpoint(self, model, trial) -> None:

@@ -88,19 +88,54 @@ def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def metas_to_update_info(metas: list[TensorMeta]) -> dict:
-    """The per-sync description in vLLM's own update_info format (names, dtype_names, shapes)."""
-    return {
-        "names": [m.name for m in metas],
-        "dtype_names": [dtype_name(m.dtype) for m in metas],
-        "shapes": [list(m.shape) for m in metas],
-    }
+@dataclass
+class UpdateInfo:
+    """Body of `/update_weights`' `update_info`: the whole sync described up front, in vLLM's own format (so
+    the same payload serves vLLM's NCCL engine, our gloo plugin for vLLM and our CPU engine).
 
+    `lora_scaling` is ours: set for adapter-only sync (LoRA A/B pairs applied on pristine base weights)."""
 
-def metas_from_update_info(info: dict) -> list[TensorMeta]:
-    names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
-    if not (len(names) == len(dtypes) == len(shapes)):
-        raise ValueError(
-            f"update_info lists differ in length: names={len(names)} dtype_names={len(dtypes)} shapes={len(shapes)}"
-        )
-    return [TensorMeta(n, dtype_from_name(d), tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    lora_scaling: float | None = None
+
+    def __post_init__(self):
+        n = len(self.names)
+        if len(self.dtype_names) != n or len(self.shapes) != n:
+            raise ValueError(
+                f"update_info lists differ in length: names={n} dtype_names={len(self.dtype_names)} "
+                f"shapes={len(self.shapes)}"
+            )
+
+    @classmethod
+    def from_metas(cls, metas: list[TensorMeta], lora_scaling: float | None = None) -> UpdateInfo:
+        names = [m.name for m in metas]
+        return cls(names, [dtype_name(m.dtype) for m in metas], [list(m.shape) for m in metas], lora_scaling)
+
+    @classmethod
+    def parse(cls, info: dict) -> UpdateInfo:
+        """From a request body; a missing or unknown key is a ValueError (the server answers 400)."""
+        if not isinstance(info, dict):
+            raise ValueError(f"update_info must be an object, got {type(info).__name__}")
+        fields = {"names", "dtype_names", "shapes", "lora_scaling"}
+        unknown = set(info) - fields
+        missing = {"names", "dtype_names", "shapes"} - set(info)
+        if unknown or missing:
+            raise ValueError(f"update_info: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+        return cls(**info)
+
+    def to_dict(self) -> dict:
+        body = {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
+        if self.lora_scaling is not None:
+            body["lora_scaling"] = self.lora_scaling
+        return body
+
+    def metas(self) -> list[TensorMeta]:
+        try:
+            return [
+                TensorMeta(n, dtype_from_name(d), tuple(int(x) for x in s))
+                for n, d, s in zip(self.names, self.dtype_names, self.shapes)
+            ]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"update_info: {e}") from None

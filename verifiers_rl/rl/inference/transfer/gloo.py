@@ -1,21 +1,80 @@
-"""A two-party gloo group for weight sync that never touches torch.distributed's default group.
+"""Weight sync over a gloo group that never touches torch.distributed's default group.
 
-The trainer owns the rendezvous (TCPStore master) so a restarted server can always rejoin it, and so the
+The trainer owns the rendezvous (TCPStore master, rank 0) so a restarted server can always rejoin it, and so the
 trainer's own DDP group (if any) stays untouched. Methods are called on the ProcessGroup object itself:
 `dist.broadcast(group=pg)` rejects a group that was not created through init_process_group.
+
+One init schema (`GlooInitInfo`) serves every receiver: our CPU engine and our vLLM plugin's workers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from verifiers_rl.rl.inference.transfer.buckets import Bucket, pack, plan_buckets, unpack
+from verifiers_rl.rl.inference.transfer.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    TensorMeta,
+    UpdateInfo,
+    pack,
+    plan_buckets,
+    unpack,
+)
+from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
 
 _PREFIX = "verifiers_rl_weights"
+
+
+@dataclass
+class GlooInitInfo:
+    """Body of `/init_weight_transfer_engine`'s `init_info`: where the trainer's TCPStore listens."""
+
+    master_address: str
+    master_port: int
+    # Receivers' ranks start after the trainer's rank 0, as in vLLM's NCCL backend.
+    rank_offset: int = 1
+    world_size: int = 2
+    # Must equal the trainer's bucket size: both sides derive the bucket plan from it.
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = 300.0
+
+    def __post_init__(self):
+        try:
+            self.master_port, self.rank_offset, self.world_size = (
+                int(self.master_port),
+                int(self.rank_offset),
+                int(self.world_size),
+            )
+            self.bucket_bytes, self.timeout_s = int(self.bucket_bytes), float(self.timeout_s)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"init_info has a non-numeric port, rank, size or timeout: {e}") from None
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"init_info.master_port={self.master_port} is not a TCP port")
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"init_info.bucket_bytes={self.bucket_bytes} must be > 0")
+        if self.world_size < 2 or not (0 < self.rank_offset < self.world_size):
+            raise ValueError(f"init_info.rank_offset={self.rank_offset} does not fit world_size={self.world_size}")
+
+    @classmethod
+    def parse(cls, info: dict) -> GlooInitInfo:
+        """From a request body; a missing or unknown key is a ValueError (the server answers 400)."""
+        if not isinstance(info, dict):
+            raise ValueError(f"init_info must be an object, got {type(info).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(info) - names)
+        if unknown:
+            raise ValueError(f"init_info has unknown keys {unknown}; allowed: {sorted(names)}")
+        try:
+            return cls(**info)
+        except TypeError as e:
+            raise ValueError(f"init_info needs master_address and master_port: {e}") from None
 
 
 @dataclass
@@ -34,12 +93,35 @@ class WeightGroup:
         return self.buffers
 
 
-def create_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> WeightGroup:
-    """Rank 0 (the trainer) hosts the store; other ranks connect to it. Blocks until all ranks joined."""
+def open_store(host: str, port: int = 0, world_size: int = 2, timeout_s: float = 300.0):
+    """The trainer's rendezvous store; port 0 lets the OS pick a free one (read it back from `store.port`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
+def join_group(store, rank: int, world_size: int, timeout_s: float = 300.0) -> WeightGroup:
+    """Blocks until every rank has joined."""
+    timeout = datetime.timedelta(seconds=timeout_s)
     pg = dist.ProcessGroupGloo(dist.PrefixStore(_PREFIX, store), rank, world_size, timeout)
     return WeightGroup(pg, store, rank, world_size)
+
+
+def connect_group(info: GlooInitInfo, rank: int) -> WeightGroup:
+    """Receiver side: connect to the trainer's store and join as `rank`."""
+    timeout = datetime.timedelta(seconds=info.timeout_s)
+    store = dist.TCPStore(info.master_address, info.master_port, info.world_size, is_master=False, timeout=timeout)
+    return join_group(store, rank, info.world_size, info.timeout_s)
+
+
+def create_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> WeightGroup:
+    """Rank 0 hosts the store at (host, port); other ranks connect to it. Blocks until all ranks joined."""
+    if rank == 0:
+        return join_group(open_store(host, port, world_size, timeout_s), 0, world_size, timeout_s)
+    return connect_group(GlooInitInfo(host, port, rank, world_size, timeout_s=timeout_s), rank)
+
+
+def broadcast(group: WeightGroup, tensor: torch.Tensor, root: int = 0) -> None:
+    broadcast_async(group, tensor, root).wait()
 
 
 def broadcast_async(group: WeightGroup, tensor: torch.Tensor, root: int = 0):
@@ -47,10 +129,6 @@ def broadcast_async(group: WeightGroup, tensor: torch.Tensor, root: int = 0):
     opts.rootRank = root
     opts.rootTensor = 0
     return group.pg.broadcast([tensor], opts)
-
-
-def broadcast(group: WeightGroup, tensor: torch.Tensor, root: int = 0) -> None:
-    broadcast_async(group, tensor, root).wait()
 
 
 def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors_by_name: dict[str, torch.Tensor]) -> int:
@@ -96,12 +174,75 @@ def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket) -> Non
         on_bucket(unpack(bucket, bufs[i % 2][: bucket.nbytes]))
 
 
-__all__ = [
-    "WeightGroup",
-    "create_group",
-    "broadcast",
-    "broadcast_async",
-    "send_buckets",
-    "receive_buckets",
-    "plan_buckets",
-]
+class GlooSender:
+    """Merged weights: one `/update_weights` request describes the whole sync, the bytes follow in buckets."""
+
+    backend = "gloo"
+
+    def __init__(self, client, *, host: str = "127.0.0.1", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 timeout_s: float = 300.0):  # fmt: skip
+        self.client, self.host = client, host
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self.group: WeightGroup | None = None
+
+    def init(self) -> None:
+        world = 1 + self.client.get_world_size()
+        store = open_store(self.host, 0, world, self.timeout_s)
+        info = GlooInitInfo(self.host, store.port, 1, world, self.bucket_bytes, self.timeout_s)
+        # the server's workers join while this thread waits in the rendezvous
+        body = {"init_info": dataclasses.asdict(info)}
+        joined = run_in_thread(lambda: self.client.post("/init_weight_transfer_engine", body))
+        self.group = join_group(store, 0, world, self.timeout_s)
+        joined.join()
+
+    def update_info(self, metas: list[TensorMeta]) -> UpdateInfo:
+        return UpdateInfo.from_metas(metas)
+
+    def send(self, named_tensors: NamedTensors, version: int) -> SyncStats:
+        if self.group is None:
+            raise RuntimeError("call init() before send()")
+        t0 = time.perf_counter()
+        tensors = dict(named_tensors)
+        metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+        buckets = plan_buckets(metas, self.bucket_bytes)
+        info = self.update_info(metas).to_dict()
+        self.client.post("/start_weight_update")
+        pending = run_in_thread(lambda: self.client.post("/update_weights", {"update_info": info}))
+        sent = send_buckets(self.group, buckets, tensors)
+        pending.join()
+        self.client.post("/finish_weight_update", {"weight_version": str(version)})
+        self.client.reset_prefix_cache()
+        return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group = None
+            try:
+                self.client.post("/shutdown_weight_transfer_engine")
+            except Exception:  # noqa: BLE001 - the server may already be gone
+                pass
+
+
+def run_in_thread(fn) -> _Result:
+    """A control request that must run while this thread broadcasts; join() re-raises its error."""
+    res = _Result(fn)
+    res.start()
+    return res
+
+
+class _Result(threading.Thread):
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.error, self.value = fn, None, None
+
+    def run(self):
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in join()
+            self.error = e
+
+    def join(self, timeout=None):
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.value

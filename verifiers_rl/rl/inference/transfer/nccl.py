@@ -8,11 +8,13 @@ only where vLLM and CUDA are present.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable
 
 import torch
 
 from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES
+from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
 
 
 class SyncControl:
@@ -24,18 +26,18 @@ class SyncControl:
         self.next_version: int | None = None
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.client._post("/init_weight_transfer_engine", json={"init_info": init_info})
+        self.client.post("/init_weight_transfer_engine", {"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self.client._post("/start_weight_update")
+        self.client.post("/start_weight_update")
 
     def update_weights(self, update_info) -> None:
-        self.client._post("/update_weights", json={"update_info": update_info})
+        self.client.post("/update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if weight_version is None and self.next_version is not None:
             weight_version = str(self.next_version)
-        self.client._post("/finish_weight_update", json={"weight_version": weight_version})
+        self.client.post("/finish_weight_update", {"weight_version": weight_version})
 
 
 def _named_tensor_source(items: Callable[[], list[tuple[str, torch.Tensor]]]):
@@ -53,14 +55,20 @@ def _named_tensor_source(items: Callable[[], list[tuple[str, torch.Tensor]]]):
 
 
 class NCCLSender:
-    def __init__(self, client, *, host: str, port: int, world_size: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """vLLM's packed NCCL broadcast. The TCP rendezvous port is picked here (NCCL's own store needs one
+    before the server is told where it is)."""
+
+    backend = "nccl"
+
+    def __init__(self, client, *, host: str = "127.0.0.1", bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.client = client
         self.control = SyncControl(client)
-        self.host, self.port, self.world_size = host, port, world_size
+        self.host = host
         self.bucket_bytes = bucket_bytes
         self._items: list[tuple[str, torch.Tensor]] = []
         self.engine = None
 
-    def init(self) -> NCCLSender:
+    def init(self) -> None:
         try:
             from vllm.distributed.weight_transfer.nccl_engine import (
                 NCCLTrainerInitInfo,
@@ -73,30 +81,32 @@ class NCCLSender:
             ) from e
         if not torch.cuda.is_available():
             raise RuntimeError("NCCL weight sync needs a CUDA device in the trainer process; use gloo on CPU")
+        from verifiers_rl.rl.inference.launcher import free_port
+
         info = NCCLTrainerInitInfo(
             master_address=self.host,
-            master_port=self.port,
-            world_size=self.world_size,
+            master_port=free_port(self.host),
+            world_size=1 + self.client.get_world_size(),
             packed=True,
             packed_buffer_size_bytes=self.bucket_bytes,
         )
         source = _named_tensor_source(lambda: self._items)
         self.engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=self.control, source=source)
-        return self
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> tuple[int, int]:
-        """Broadcast one sync; returns (tensors, bytes). The caller pauses/resumes around it."""
+    def send(self, named_tensors: NamedTensors, version: int) -> SyncStats:
+        t0 = time.perf_counter()
         device = torch.device("cuda", torch.cuda.current_device())
         self._items = [(n, t.to(device, non_blocking=True)) for n, t in named_tensors]
         self.control.next_version = version
         try:
             self.engine.send_weights()  # start -> update_weights ‖ packed broadcast -> finish
+            self.client.reset_prefix_cache()
         finally:
             n, nbytes = len(self._items), sum(t.numel() * t.element_size() for _, t in self._items)
             self._items = []
-        return n, nbytes
+        return SyncStats(time.perf_counter() - t0, nbytes, n, 0, version)
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

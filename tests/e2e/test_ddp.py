@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ddp_train.py"
 
 
 def _rewards_losses(out):

@@ -36,7 +36,7 @@ def test_nccl_backend_without_vllm_is_a_clear_error(client):
 
 
 def test_unknown_backend(client):
-    with pytest.raises(ValueError, match="allowed: gloo, nccl"):
+    with pytest.raises(ValueError, match="allowed: gloo, adapter, nccl"):
         client.init_weight_transfer(backend="tcp")
 
 
@@ -50,4 +50,4 @@ def test_sender_reports_missing_cuda_before_touching_vllm_groups(client, monkeyp
     fake.NCCLTrainerWeightTransferEngine = object
     monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.nccl_engine", fake)
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        NCCLSender(client, host="127.0.0.1", port=1, world_size=2).init()
+        NCCLSender(client, host="127.0.0.1").init()

@@ -114,10 +114,10 @@ def test_check_vllm_compares_numerically(monkeypatch, version):
 def test_plugin_module_imports_without_vllm():
     from verifiers_rl.rl.inference import vllm_plugin
 
-    info = vllm_plugin.GlooUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[2, 3]])
+    info = vllm_plugin.UpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[2, 3]])
     assert info.shapes == [[2, 3]]
     with pytest.raises(ValueError, match="differ in length"):
-        vllm_plugin.GlooUpdateInfo(names=["a", "b"], dtype_names=["float32"], shapes=[[1]])
+        vllm_plugin.UpdateInfo(names=["a", "b"], dtype_names=["float32"], shapes=[[1]])
     init = vllm_plugin.GlooInitInfo(master_address="127.0.0.1", master_port=1234)
     assert (init.rank_offset, init.world_size) == (1, 2)
     with pytest.raises(ValueError):

@@ -5,7 +5,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "tutorials" / "tiny-reverse-text.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "tutorials" / "tiny-reverse-text.ipynb"
 
 
 def test_tutorial_notebook_executes(tmp_path):

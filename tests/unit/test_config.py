@@ -16,7 +16,7 @@ from transformers import TrainingArguments
 
 from verifiers_rl.rl.trainer.config import DEFAULT_LORA_TARGETS, RLConfig
 
-LIB = Path(__file__).resolve().parents[1] / "verifiers_rl"
+LIB = Path(__file__).resolve().parents[2] / "verifiers_rl"
 OURS = [
     f.name
     for f in dataclasses.fields(RLConfig)

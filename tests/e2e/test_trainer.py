@@ -157,8 +157,8 @@ def test_trainer_and_engine_logprobs_agree_at_temperature(tiny_model_dir, tmp_pa
     from transformers import AutoModelForCausalLM
 
     from verifiers_rl.rl.inference.launcher import InferenceServer
-    from verifiers_rl.rl.trainer.batching import collate_packed
     from verifiers_rl.rl.trainer.forward import output_head, token_logprobs
+    from verifiers_rl.rl.trainer.microbatches import collate_packed
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     samples = []

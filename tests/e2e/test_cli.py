@@ -3,43 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-
-
-def _run(cmd: str, *args, cwd=None, env=None, timeout=300):
-    proc = subprocess.Popen(
-        [str(BIN / cmd), *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-    )
-    out, err = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), proc.pid
-
-
-def _servers_started_by(parent_pid: int) -> list[str]:
-    """Inference servers the launcher started for `parent_pid` (it sets VF_PARENT_PID) that are still alive."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if f"VF_PARENT_PID={parent_pid}".encode() in environ and "verifiers_rl.rl.inference.server" in cmd:
-            out.append(cmd)
-    return out
+from procs import ROOT, run_command, survivors
 
 
 def _write(tmp_path, text: str, name="cfg.toml") -> Path:
@@ -93,32 +61,32 @@ num_examples = 4
 )
 def test_broken_config_is_one_clear_line(tmp_path, tiny_model_dir, body, message):
     cfg = _write(tmp_path, f'model = "{tiny_model_dir}"\n[env]\nid = "reverse-text"\n' + body)
-    r, pid = _run("vf-rl", "@", cfg)
+    r, pid = run_command("vf-rl", "@", cfg)
     assert r.returncode == 2
     lines = [x for x in r.stderr.splitlines() if x.strip() and "Warning" not in x and "warnings.warn" not in x]
     assert lines == [f"vf-rl: error: {lines[0].split('error: ', 1)[1]}"] and message in lines[0], r.stderr
     assert "Traceback" not in r.stderr
-    assert not _servers_started_by(pid)
+    assert not survivors(pid)
 
 
 def test_missing_env_and_missing_file(tmp_path, tiny_model_dir):
-    r, pid = _run("vf-rl", "@", tmp_path / "nope.toml")
+    r, pid = run_command("vf-rl", "@", tmp_path / "nope.toml")
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
     cfg = _write(tmp_path, f'model = "{tiny_model_dir}"\n')
-    r, pid = _run("vf-rl", "@", cfg)
+    r, pid = run_command("vf-rl", "@", cfg)
     assert r.returncode == 2 and "missing required key [env] id" in r.stderr
     cfg = _write(
         tmp_path, TINY_RL.format(model=tiny_model_dir, out=tmp_path / "o").replace('"reverse-text"', '"no-such-env"')
     )
-    r, pid = _run("vf-rl", "@", cfg)
+    r, pid = run_command("vf-rl", "@", cfg)
     assert r.returncode == 2 and "environment 'no-such-env' is not installed" in r.stderr
     assert "Traceback" not in r.stderr
-    assert not _servers_started_by(pid)
+    assert not survivors(pid)
 
 
 def test_overrides_and_dry_run(tmp_path, tiny_model_dir):
     cfg = _write(tmp_path, TINY_RL.format(model=tiny_model_dir, out=tmp_path / "o"))
-    r, pid = _run("vf-rl", "@", cfg, "--dry-run", "--trainer.args.learning_rate", "3e-4", "--env.args.max_len=5")
+    r, pid = run_command("vf-rl", "@", cfg, "--dry-run", "--trainer.args.learning_rate", "3e-4", "--env.args.max_len=5")
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout.split("# devices")[0].split("# resolved config", 1)[1])
     assert plan["trainer"]["args"]["learning_rate"] == 3e-4 and plan["env"]["args"]["max_len"] == 5
@@ -129,7 +97,7 @@ def test_overrides_and_dry_run(tmp_path, tiny_model_dir):
 def test_vf_rl_runs_end_to_end(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     cfg = _write(tmp_path, TINY_RL.format(model=tiny_model_dir, out=out))
-    r, pid = _run("vf-rl", "@", cfg, timeout=400)
+    r, pid = run_command("vf-rl", "@", cfg, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_reward_before"] is not None and summary["eval_reward_after"] is not None
@@ -137,7 +105,7 @@ def test_vf_rl_runs_end_to_end(tmp_path, tiny_model_dir):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward" in r] == [1]
     assert "vf-rl: done." in r.stdout
-    assert not _servers_started_by(pid)
+    assert not survivors(pid)
 
 
 def test_vf_sft_writes_a_checkpoint_rl_can_use(tmp_path, tiny_model_dir):
@@ -161,7 +129,7 @@ def test_vf_sft_writes_a_checkpoint_rl_can_use(tmp_path, tiny_model_dir):
         """,
         "sft.toml",
     )
-    r, pid = _run("vf-sft", "@", cfg)
+    r, pid = run_command("vf-sft", "@", cfg)
     assert r.returncode == 0, r.stderr[-3000:]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -176,7 +144,7 @@ def test_vf_sft_writes_a_checkpoint_rl_can_use(tmp_path, tiny_model_dir):
         f'model = "{tiny_model_dir}"\n[dataset]\nenv = "reverse-text"\n[trainer.args]\nnum_epochs = 1\n',
         "bad.toml",
     )
-    r, pid = _run("vf-sft", "@", bad)
+    r, pid = run_command("vf-sft", "@", bad)
     assert r.returncode == 2 and "unknown key 'trainer.args.num_epochs'" in r.stderr and "num_train_epochs" in r.stderr
 
 
@@ -187,7 +155,9 @@ def test_vf_train_against_a_running_server(tmp_path, tiny_model_dir):
     cfg = _write(tmp_path, TINY_RL.format(model=tiny_model_dir, out=out))
     server = InferenceServer(tiny_model_dir, engine="cpu", output_dir=tmp_path / "srv")
     with server as client:
-        r, pid = _run("vf-train", "@", cfg, "--inference.port", server.port, env={"VF_CONTROL_TOKEN": server.token})
+        r, pid = run_command(
+            "vf-train", "@", cfg, "--inference.port", server.port, env={"VF_CONTROL_TOKEN": server.token}
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         assert client.weight_version() == "1"
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if "reward" in x] == [1]
@@ -195,7 +165,7 @@ def test_vf_train_against_a_running_server(tmp_path, tiny_model_dir):
 
 def test_setup_lays_out_workspace_idempotently(tmp_path):
     ws = tmp_path / "ws"
-    r, pid = _run("vf-rl", "setup", ws)
+    r, pid = run_command("vf-rl", "setup", ws)
     assert r.returncode == 0 and r.stdout.count("✓ created") == 9
     for rel in (
         "configs/endpoints.py",
@@ -205,13 +175,13 @@ def test_setup_lays_out_workspace_idempotently(tmp_path):
         "environments/AGENTS.md",
     ):
         assert (ws / rel).exists(), rel
-    r, pid = _run("vf-rl", "setup", ws)
+    r, pid = run_command("vf-rl", "setup", ws)
     assert r.stdout.count("✓ up to date") == 9
     edited = ws / "configs/vf-rl/gsm8k.toml"
     edited.write_text(edited.read_text() + "\n# mine\n")
-    r, pid = _run("vf-rl", "setup", ws)
+    r, pid = run_command("vf-rl", "setup", ws)
     assert "kept (edited; --force to replace)" in r.stdout and edited.read_text().endswith("# mine\n")
-    r, pid = _run("vf-rl", "setup", ws, "--force")
+    r, pid = run_command("vf-rl", "setup", ws, "--force")
     assert "✓ overwritten" in r.stdout and not edited.read_text().endswith("# mine\n")
     from verifiers_rl.scripts.setup import setup_workspace
 
@@ -228,7 +198,9 @@ def test_repo_configs_are_the_scaffold_templates():
 
 @pytest.mark.parametrize("name", ["alphabet-sort", "gsm8k", "math-python", "reverse-text", "wiki-search", "wordle"])
 def test_gpu_configs_validate_and_plan(name):
-    r, pid = _run("vf-rl", "@", ROOT / "configs" / "vf-rl" / f"{name}.toml", "--dry-run", "--gpus", "2", cwd=ROOT)
+    r, pid = run_command(
+        "vf-rl", "@", ROOT / "configs" / "vf-rl" / f"{name}.toml", "--dry-run", "--gpus", "2", cwd=ROOT
+    )
     assert r.returncode == 0, r.stderr
     assert "2 CUDA devices: inference on [0], trainer on [1]" in r.stdout
     assert "CUDA_VISIBLE_DEVICES=0" in r.stdout and "--engine vllm" in r.stdout

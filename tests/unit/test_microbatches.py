@@ -8,14 +8,14 @@ import random
 import pytest
 import torch
 
-from verifiers_rl.rl.trainer.batching import (
+from verifiers_rl.rl.trainer.losses import LOSS_TYPES, policy_loss
+from verifiers_rl.rl.trainer.microbatches import (
     collate_packed,
     collate_padded,
     padding_fraction,
     plan_microbatches,
     plan_rows,
 )
-from verifiers_rl.rl.trainer.losses import LOSS_TYPES, policy_loss
 
 
 def _cost(lengths, mb, packed=False):

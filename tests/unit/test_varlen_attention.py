@@ -66,9 +66,9 @@ def test_layout_costs_and_padding():
 
 
 def test_engine_outputs_do_not_depend_on_the_attention_path(tiny_model_dir):
+    from verifiers_rl.models import get_model, get_tokenizer
     from verifiers_rl.rl.inference.engine import CPUEngine
     from verifiers_rl.rl.inference.sampling import SamplingParams
-    from verifiers_rl.rl.trainer.utils import get_model, get_tokenizer
 
     tok = get_tokenizer(tiny_model_dir)
     prompts = [tok(f"{'abcdefgh'[: 1 + i % 8]} prompt {i}")["input_ids"] for i in range(12)]

@@ -14,8 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
-from tests.test_cli import ROOT, _run, _servers_started_by
+from procs import ROOT, run_command, survivors
 
 DEMO = ROOT / "configs" / "vf-rl" / "tiny-reverse-text.toml"
 DEMO_SFT = ROOT / "configs" / "vf-sft" / "tiny-reverse-text.toml"
@@ -38,7 +37,7 @@ def test_demo_configs_agree_and_plan_sft_first(tmp_path):
     assert rl["sft"]["config"] == str(DEMO_SFT.relative_to(ROOT))
     assert rl["eval"]["before"] and rl["eval"]["after"] and rl["eval"]["num_examples"] >= 100
     ws = _workspace(tmp_path, DEMO, DEMO_SFT)
-    r, pid = _run("vf-rl", "@", "configs/vf-rl/tiny-reverse-text.toml", "--dry-run", cwd=ws)
+    r, pid = run_command("vf-rl", "@", "configs/vf-rl/tiny-reverse-text.toml", "--dry-run", cwd=ws)
     assert r.returncode == 0, r.stderr
     assert "# SFT warm-start (runs first)" in r.stdout and "outputs/sft-tiny-reverse-text/final" in r.stdout
     assert "no CUDA devices: CPU engine" in r.stdout
@@ -47,7 +46,7 @@ def test_demo_configs_agree_and_plan_sft_first(tmp_path):
 
 def test_tiny_alphabet_sort_runs_end_to_end(tmp_path):
     ws = _workspace(tmp_path, ALPHABET)
-    r, pid = _run(
+    r, pid = run_command(
         "vf-rl",
         "@",
         "configs/vf-rl/tiny-alphabet-sort.toml",
@@ -67,7 +66,7 @@ def test_tiny_alphabet_sort_runs_end_to_end(tmp_path):
     assert all(row["samples"] == 2 * (row["rollouts"] - row["rollouts_errored"]) for row in steps)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_reward_before"] is not None and summary["eval_reward_after"] is not None
-    assert not _servers_started_by(pid)
+    assert not survivors(pid)
 
 
 @pytest.mark.slow
@@ -75,7 +74,7 @@ def test_demo_learns(tmp_path):
     """The README's main job, from nothing: eval reward after RL >= before + 0.10."""
     ws = _workspace(tmp_path, DEMO, DEMO_SFT)
     t0 = time.perf_counter()
-    r, pid = _run("vf-rl", "@", "configs/vf-rl/tiny-reverse-text.toml", cwd=ws, timeout=1200)
+    r, pid = run_command("vf-rl", "@", "configs/vf-rl/tiny-reverse-text.toml", cwd=ws, timeout=1200)
     elapsed = time.perf_counter() - t0
     (tmp_path / "vf-rl.log").write_text(f"rc={r.returncode}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
     tail = f"rc={r.returncode} (full output: {tmp_path / 'vf-rl.log'})\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}"
@@ -92,4 +91,4 @@ def test_demo_learns(tmp_path):
     max_steps = tomllib.loads(DEMO.read_text())["trainer"]["args"]["max_steps"]
     assert steps[:max_steps] == list(range(1, max_steps + 1))
     assert "eval reward: before RL" in r.stdout and "vf-rl: done." in r.stdout
-    assert not _servers_started_by(pid)
+    assert not survivors(pid)

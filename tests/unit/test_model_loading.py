@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from verifiers_rl.models import ensure_pad_token, get_tokenizer, resolve_model_path
 from verifiers_rl.rl.trainer import get_model, get_model_and_tokenizer
-from verifiers_rl.rl.trainer.utils import ensure_pad_token, get_tokenizer, resolve_model_path
 from verifiers_rl.tiny import build_tiny_model
 
 

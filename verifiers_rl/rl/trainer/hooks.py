@@ -1,0 +1,67 @@
+"""The trainer's lifecycle hooks, one callback each, in the order the HF loop must run them.
+
+Each hook checks the rank itself: only the main process owns the server, the orchestrator and the sync.
+`on_train_begin` runs after `Trainer` restored a checkpoint, so the server gets the restored weights.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import TrainerCallback
+
+ORCHESTRATOR_STATE = "orchestrator.pt"
+
+
+class StartInference(TrainerCallback):
+    """Start (or reuse) the server and the orchestrator; restore in-flight batches from a checkpoint."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        t = self.trainer
+        saved = None
+        if t.resume_from:
+            path = os.path.join(t.resume_from, ORCHESTRATOR_STATE)
+            if os.path.exists(path):
+                saved = torch.load(path, weights_only=False)
+        t.runtime.start(t.accelerator.unwrap_model(t.model), t.processing_class, t.train_rows, saved)
+
+
+class SyncWeights(TrainerCallback):
+    """Send the policy to the server at the start and after every optimizer step (version = global step)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.trainer.sync_weights()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        metrics = self.trainer.step_metrics
+        sync_s = self.trainer.sync_weights()
+        step_s = metrics.get("timing/step_s", 0.0) + sync_s
+        metrics["timing/sync_s"] = sync_s
+        metrics["timing/sync_frac"] = sync_s / step_s if step_s else 0.0
+
+
+class SubmitRollouts(TrainerCallback):
+    """Keep `max_async_level` + 1 rollout batches submitted ahead of the step being trained."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.trainer.runtime.submit_ahead(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.trainer.runtime.submit_ahead(state.global_step)

@@ -1,0 +1,32 @@
+"""One LoRA configuration builder and one set of defaults, shared by RLConfig, vf-sft and the old
+`lora_defaults()` helper."""
+
+from __future__ import annotations
+
+# all attention and MLP projections of Llama/Qwen-style decoders (what peft's "all-linear" picks there)
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_RANK = 8
+LORA_ALPHA = 32
+LORA_DROPOUT = 0.0
+
+
+def lora_config(
+    rank: int = LORA_RANK,
+    alpha: float = LORA_ALPHA,
+    dropout: float = LORA_DROPOUT,
+    target_modules: list[str] | str | None = None,
+    modules_to_save: list[str] | None = None,
+    use_rslora: bool = False,
+):
+    """A peft LoraConfig for a causal LM; `target_modules` None means DEFAULT_LORA_TARGETS."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(DEFAULT_LORA_TARGETS) if target_modules is None else target_modules,
+        modules_to_save=modules_to_save,
+        use_rslora=use_rslora,
+        task_type="CAUSAL_LM",
+    )

@@ -1,0 +1,143 @@
+"""Rollouts -> training samples (pure functions): advantages per group, one sample per turn, shards per rank.
+
+Every turn is one training sample: its prompt (earlier turns and environment responses included) is context,
+its completion is trained, scored against the sampler's logprobs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from verifiers_rl.rl.trainer.advantages import compute_advantages
+from verifiers_rl.rl.trainer.metrics import rollout_metrics
+from verifiers_rl.rl.trainer.rollouts import Rollout
+
+
+@dataclass
+class PreparedBatch:
+    samples: list[dict]
+    num_tokens: int  # trained tokens in the whole step (all ranks): the loss normaliser
+    num_sequences: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def effective_rewards(rollouts: list[Rollout], zero_truncated: bool) -> list[float]:
+    """Rewards used for advantages: errored rollouts are NaN (dropped), truncated ones 0 when asked."""
+    out = []
+    for r in rollouts:
+        if r.error is not None:
+            out.append(float("nan"))
+        elif zero_truncated and r.is_truncated:
+            out.append(0.0)
+        else:
+            out.append(r.reward)
+    return out
+
+
+def build_samples(
+    rollouts: list[Rollout],
+    advantages: list[float],
+    valid: list[bool],
+    *,
+    max_seq_len: int,
+    overlong_policy: str = "truncate",
+    mask_env_responses: bool = True,
+    mask_truncated_completions: bool = False,
+) -> tuple[list[dict], Counter]:
+    """One sample per turn: {input_ids, loss_mask, sampler_logprobs, advantage, rollout}.
+
+    `sampler_logprobs` is NaN where no sampler logprob exists (environment tokens trained when
+    mask_env_responses=False); the loss then treats those tokens as on-policy (ratio 1).
+    """
+    samples, counts = [], Counter()
+    for idx, (r, adv, ok) in enumerate(zip(rollouts, advantages, valid)):
+        if r.error is not None:
+            counts["rollouts_errored"] += 1
+            continue
+        if not ok:
+            counts["rollouts_nonfinite_reward"] += 1
+            continue
+        if mask_truncated_completions and r.is_truncated:
+            counts["rollouts_masked_truncated"] += 1
+            continue
+        prev_end = 0
+        for k, turn in enumerate(r.turns):
+            p, c = turn.prompt_ids, turn.completion_ids
+            loss_mask = [False] * len(p) + [bool(m) for m in turn.completion_mask]
+            logps = [0.0] * len(p) + [float(x) for x in turn.completion_logprobs]
+            if not mask_env_responses and k > 0 and prev_end < len(p):
+                # tokens the environment added since the previous turn's completion
+                for t in range(prev_end, len(p)):
+                    loss_mask[t], logps[t] = True, math.nan
+            prev_end = len(p) + len(c)
+            ids = p + c
+            if len(ids) > max_seq_len:
+                if overlong_policy == "drop" or len(p) >= max_seq_len:
+                    counts["samples_overlong_dropped"] += 1
+                    continue
+                ids, loss_mask, logps = ids[:max_seq_len], loss_mask[:max_seq_len], logps[:max_seq_len]
+                counts["samples_overlong_truncated"] += 1
+            if not any(loss_mask):
+                counts["samples_without_trained_tokens"] += 1
+                continue
+            samples.append(
+                {
+                    "input_ids": ids,
+                    "loss_mask": loss_mask,
+                    "sampler_logprobs": logps,
+                    "advantage": float(adv),
+                    "rollout": idx,
+                }
+            )
+    counts["samples"] = len(samples)
+    return samples, counts
+
+
+def prepare_batch(rollouts: list[Rollout], args, current_version: int) -> PreparedBatch:
+    """Advantages from rewards grouped by prompt, samples with masks, and the step's rollout metrics."""
+    rewards = effective_rewards(rollouts, args.zero_truncated_completions)
+    adv = compute_advantages(rewards, [r.group for r in rollouts], scale=args.scale_rewards)
+    samples, counts = build_samples(
+        rollouts,
+        adv.advantages.tolist(),
+        adv.valid.tolist(),
+        max_seq_len=args.max_seq_len,
+        overlong_policy=args.overlong_policy,
+        mask_env_responses=args.mask_env_responses,
+        mask_truncated_completions=args.mask_truncated_completions,
+    )
+    metrics = rollout_metrics(rollouts)
+    metrics.update(
+        {
+            # over the rewards that enter the advantages (zero_truncated_completions applied)
+            "reward": adv.stats["reward_mean"],
+            "reward_std": adv.stats["reward_std"],
+            "advantage_abs_mean": adv.stats["advantage_abs_mean"],
+            "frac_reward_zero_std": adv.stats["frac_reward_zero_std"],
+            "rollouts_nonfinite_reward": float(counts["rollouts_nonfinite_reward"]),
+            "samples": float(len(samples)),
+            "samples_overlong_truncated": float(counts["samples_overlong_truncated"]),
+            "samples_overlong_dropped": float(counts["samples_overlong_dropped"]),
+            "async_lag": float(current_version - min((r.policy_version for r in rollouts), default=current_version)),
+        }
+    )
+    num_tokens = sum(sum(s["loss_mask"]) for s in samples)
+    return PreparedBatch(samples, num_tokens, len(samples), metrics)
+
+
+def shard_samples(samples: list[dict], world_size: int, rank: int) -> list[dict]:
+    """Split samples across ranks with balanced token counts (longest first onto the lightest rank).
+
+    Deterministic, so every rank computes the same assignment from the same list."""
+    if world_size == 1:
+        return list(samples)
+    loads = [0] * world_size
+    owner = [0] * len(samples)
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]["input_ids"]))
+    for i in order:
+        r = min(range(world_size), key=lambda k: (loads[k], k))
+        owner[i] = r
+        loads[r] += len(samples[i]["input_ids"])
+    return [s for s, o in zip(samples, owner) if o == rank]
