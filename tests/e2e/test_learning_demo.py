@@ -34,7 +34,7 @@ def test_demo_configs_agree_and_plan_sft_first(tmp_path):
     rl, sft = tomllib.loads(DEMO.read_text()), tomllib.loads(DEMO_SFT.read_text())
     # RL must start from the prompts SFT trained on, or the warm-start is wasted.
     assert rl["env"]["args"] == sft["env"]["args"] and rl["tiny"] == sft["tiny"]
-    assert rl["sft"]["config"] == str(DEMO_SFT.relative_to(ROOT))
+    assert (DEMO.parent / rl["sft"]["config"]).resolve() == DEMO_SFT.resolve()  # relative to the config file
     assert rl["eval"]["before"] and rl["eval"]["after"] and rl["eval"]["num_examples"] >= 100
     ws = _workspace(tmp_path, DEMO, DEMO_SFT)
     r, pid = run_command("vf-rl", "@", "configs/vf-rl/tiny-reverse-text.toml", "--dry-run", cwd=ws)

@@ -233,7 +233,7 @@ def test_verifiers_shim_exposes_our_classes():
 def test_long_prompts_are_filtered_once_and_counted():
     from datasets import Dataset
 
-    from verifiers_rl.rl.trainer.runtime import filter_prompts
+    from verifiers_rl.rl.trainer.prompts import filter_prompts
     from verifiers_rl.tiny import build_tokenizer
 
     tok = build_tokenizer()

@@ -64,7 +64,7 @@ def test_sampling_fields_reach_the_request():
         frequency_penalty=0.2,
         max_tokens=33,
     )
-    sa = cfg.sampling_args()
+    sa = cfg.sampling_args
     assert sa["temperature"] == 0.7 and sa["top_p"] == 0.9 and sa["max_tokens"] == 33
     assert sa["presence_penalty"] == 0.3 and sa["frequency_penalty"] == 0.2
     assert sa["extra_body"] == {"return_token_ids": True, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
@@ -72,7 +72,7 @@ def test_sampling_fields_reach_the_request():
 
 
 def test_sampling_defaults_send_nothing_extra():
-    sa = _cfg().sampling_args()
+    sa = _cfg().sampling_args
     assert sa["extra_body"] == {"return_token_ids": True}
     assert "max_tokens" not in sa and "presence_penalty" not in sa
 

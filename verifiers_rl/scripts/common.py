@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from verifiers_rl.scripts.toml_config import ConfigError
+from verifiers_rl.scripts.toml_config import ConfigError, resolve_path
 
 TINY_CACHE = Path("outputs") / "tiny-models"
 
@@ -34,10 +34,13 @@ def split_argv(argv: list[str], prog: str) -> tuple[str, list[str], set[str]]:
     return argv[1], rest, flags
 
 
-def resolve_model(cfg: dict[str, Any], dry_run: bool = False) -> str:
-    """The model to load: "tiny" builds the offline tiny model once (deterministic) and returns its folder."""
+def resolve_model(cfg: dict[str, Any], config_path: str | Path | None = None, dry_run: bool = False) -> str:
+    """The model to load: "tiny" builds the offline tiny model once (deterministic) and returns its folder; a
+    relative local path ("./x", "../x") is relative to the config file; a hub id is returned as is."""
     model = cfg["model"]
     if model != "tiny":
+        if config_path is not None and model.startswith(("./", "../", "~")):
+            return resolve_path(model, config_path)
         return model
     spec = {"hidden": 64, "layers": 2, "seed": 0, "head_dim": 32, **cfg.get("tiny", {})}
     path = TINY_CACHE / f"h{spec['hidden']}-l{spec['layers']}-d{spec['head_dim']}-s{spec['seed']}"
@@ -52,22 +55,39 @@ def resolve_model(cfg: dict[str, Any], dry_run: bool = False) -> str:
 
 
 def load_env(cfg: dict[str, Any]):
-    import verifiers as vf
+    from verifiers_rl.scripts.environments import load_environment
 
-    env_id = cfg["env"]["id"]
-    args = cfg["env"].get("args", {})
+    return load_environment(cfg["env"]["id"], cfg["env"].get("args", {}))
+
+
+def train_and_evaluate(model: str, env, args, cfg: dict[str, Any]) -> int:
+    """RLTrainer with the config's [eval] before/after (every process runs it: evaluate() talks to the server on
+    the main process only and hands the metrics to the others), resuming from the last checkpoint of output_dir
+    unless trainer.args.resume_from_checkpoint = false; the main process writes the report."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from verifiers_rl.rl.trainer import RLTrainer
+    from verifiers_rl.scripts.report import write_report
+
+    ev = cfg.get("eval", {})
+    if ev.get("num_examples"):
+        args.num_eval_examples = ev["num_examples"]
+    if ev.get("rollouts_per_example"):
+        args.eval_rollouts_per_example = ev["rollouts_per_example"]
+    resume = None
+    if cfg.get("trainer", {}).get("args", {}).get("resume_from_checkpoint") is not False:
+        if Path(args.output_dir).is_dir() and get_last_checkpoint(args.output_dir):
+            resume = True
+    trainer = RLTrainer(model=model, env=env, args=args)
     try:
-        return vf.load_environment(env_id, **args)
-    except (ImportError, ModuleNotFoundError, ValueError) as e:
-        text = str(e).lower()
-        if isinstance(e, ImportError) or "not found" in text or "could not import" in text:
-            raise ConfigError(
-                f"environment {env_id!r} is not installed ({e}); install it first, e.g. "
-                f"`pip install -e environments/{env_id.replace('-', '_')}` or `vf-install {env_id}`"
-            ) from None
-        raise
-    except TypeError as e:
-        raise ConfigError(f"[env.args] do not fit load_environment of {env_id!r}: {e}") from None
+        before = trainer.evaluate(metric_key_prefix="eval_before") if ev.get("before", False) else None
+        trainer.train(resume_from_checkpoint=resume)
+        after = trainer.evaluate(metric_key_prefix="eval_after") if ev.get("after", False) else None
+    finally:
+        trainer.close()
+    if trainer.is_world_process_zero():
+        write_report(args.output_dir, before, after)
+    return 0
 
 
 def flags_from_args(args: dict[str, Any]) -> list[str]:
@@ -93,6 +113,7 @@ def flags_from_args(args: dict[str, Any]) -> list[str]:
 
 def run_cli(prog: str, body: Callable[[], int]) -> int:
     """Run a command body; known failures become one line on stderr and a non-zero exit, no traceback."""
+    from verifiers_rl.errors import TrainingError
     from verifiers_rl.rl.inference.client import ServerError
     from verifiers_rl.rl.trainer.orchestrator import GenerationError
 
@@ -101,7 +122,7 @@ def run_cli(prog: str, body: Callable[[], int]) -> int:
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    except (ServerError, GenerationError, FileNotFoundError, NotADirectoryError, OSError) as e:
+    except (ServerError, GenerationError, TrainingError, FileNotFoundError, NotADirectoryError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -16,10 +16,25 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from verifiers_rl.scripts.common import flags_from_args, load_env, resolve_model, run_cli, split_argv
-from verifiers_rl.scripts.toml_config import ConfigError, apply_overrides, assign_gpus, load, rl_config, validate
+from verifiers_rl.scripts.common import (
+    flags_from_args,
+    load_env,
+    resolve_model,
+    run_cli,
+    split_argv,
+    train_and_evaluate,
+)
+from verifiers_rl.scripts.devices import assign_gpus
+from verifiers_rl.scripts.toml_config import (
+    ConfigError,
+    apply_overrides,
+    load,
+    resolve_path,
+    rl_config,
+    validate,
+)
 
 
 @dataclass
@@ -57,10 +72,10 @@ def build_plan(
 
     sft = None
     if "sft" in cfg:
-        sft = sft_plan(cfg["sft"]["config"], dry_run=dry_run)
+        sft = sft_plan(resolve_path(cfg["sft"]["config"], config_path), dry_run=dry_run)
         model = sft["final_dir"]
     else:
-        model = resolve_model(cfg, dry_run=dry_run)
+        model = resolve_model(cfg, config_path, dry_run=dry_run)
     real_cuda = _cuda_count()
     cuda = real_cuda if cuda is None else cuda
     gpus = assign_gpus(cfg, cuda)
@@ -71,6 +86,12 @@ def build_plan(
         raise ConfigError("inference.engine='vllm' needs CUDA devices; none are visible (use engine = \"cpu\")")
     # validates [trainer.args] now, before anything starts (precision checks need the real hardware)
     args = rl_config(cfg, cuda=cuda > 0 and real_cuda > 0, quiet=cuda > real_cuda, server_engine=engine)
+    procs = gpus.trainer_processes
+    if args.batch_size % (args.micro_batch_size * procs):
+        raise ConfigError(
+            f"trainer.args.batch_size={args.batch_size} must be divisible by micro_batch_size * trainer processes "
+            f"= {args.micro_batch_size} * {procs} (trainer.gpus)"
+        )
     plan = Plan(
         cfg, config_path, overrides, model, engine, gpus, args.output_dir, make_server(cfg, args, model, gpus), sft
     )
@@ -86,7 +107,7 @@ def build_plan(
             "-m",
             "verifiers_rl.scripts.train",
             "@",
-            config_path,
+            str(Path(config_path).resolve()),
             *overrides,
             "--inference.host",
             inf.get("host", "127.0.0.1"),
@@ -109,7 +130,8 @@ def make_server(cfg: dict[str, Any], args, model: str, gpus):
         port=inf.get("port"),
         output_dir=args.output_dir,
         gpus=gpus.inference or None,
-        max_model_len=args.server_max_model_len or args.max_seq_len,
+        max_model_len=args.server_max_len,
+        data_parallel_size=gpus.data_parallel,
         extra_args=flags_from_args(inf.get("args", {})),
         startup_timeout=inf.get("startup_timeout", args.vllm_server_timeout),
         env=server_thread_env(cpu_thread_split(args)),
@@ -155,35 +177,7 @@ def run(plan: Plan) -> int:
             server_control_token=server.token,
             server_engine=plan.engine,
         )
-        return _train_here(plan, env, args)
-
-
-def _train_here(plan: Plan, env, args) -> int:
-    from verifiers_rl.rl.trainer import RLTrainer
-    from verifiers_rl.scripts.report import write_report
-
-    ev = plan.cfg.get("eval", {})
-    if ev.get("num_examples"):
-        args.num_eval_examples = ev["num_examples"]
-    if ev.get("rollouts_per_example"):
-        args.eval_rollouts_per_example = ev["rollouts_per_example"]
-    trainer = RLTrainer(model=plan.model, env=env, args=args)
-    try:
-        before = trainer.evaluate(metric_key_prefix="eval_before") if ev.get("before", False) else None
-        trainer.train(resume_from_checkpoint=_resume(args.output_dir, plan.cfg))
-        after = trainer.evaluate(metric_key_prefix="eval_after") if ev.get("after", False) else None
-    finally:
-        trainer.close()
-    write_report(args.output_dir, before, after)
-    return 0
-
-
-def _resume(output_dir: str, cfg) -> bool | None:
-    from transformers.trainer_utils import get_last_checkpoint
-
-    if cfg.get("trainer", {}).get("args", {}).get("resume_from_checkpoint") is False:
-        return None
-    return True if os.path.isdir(output_dir) and get_last_checkpoint(output_dir) else None
+        return train_and_evaluate(plan.model, env, args, cfg)
 
 
 def _run_accelerate(plan: Plan, server) -> int:
@@ -197,12 +191,18 @@ def _run_accelerate(plan: Plan, server) -> int:
     return subprocess.call(cmd, env=env)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Console-script entry point. It raises SystemExit(code) itself: verifiers' own `vf-*` scripts call `main()`
+    and drop its return value, and whichever package was installed last owns the script name."""
+    raise SystemExit(run_command(argv))
+
+
+def run_command(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["setup"]:
-        from verifiers_rl.scripts.setup import main as setup_main
+        from verifiers_rl.scripts.setup import run_setup
 
-        return setup_main(argv[1:])
+        return run_setup(argv[1:])
 
     def body() -> int:
         path, overrides, flags = split_argv(argv, "vf-rl")
@@ -227,4 +227,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -5,9 +5,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from importlib import resources
 from pathlib import Path
+from typing import NoReturn
 
 FILES = [
     "configs/endpoints.py",
@@ -51,7 +51,13 @@ def setup_workspace(path: str | Path = ".", force: bool = False) -> list[tuple[s
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Console-script entry point. It raises SystemExit(code) itself: verifiers' own `vf-*` scripts call `main()`
+    and drop its return value, and whichever package was installed last owns the script name."""
+    raise SystemExit(run_setup(argv))
+
+
+def run_setup(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vf-rl setup", description="Lay out a verifiers-rl workspace (offline).")
     p.add_argument("dir", nargs="?", default=".", help="workspace folder (default: current)")
     p.add_argument("--force", action="store_true", help="overwrite files you have edited")
@@ -72,4 +78,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from verifiers_rl.rl.trainer.lora import LORA_ALPHA, LORA_DROPOUT, LORA_RANK, lora_config
 from verifiers_rl.scripts.common import resolve_model, run_cli, split_argv
-from verifiers_rl.scripts.toml_config import ConfigError, _suggest, apply_overrides, load, validate
+from verifiers_rl.scripts.toml_config import ConfigError, _suggest, apply_overrides, load, resolve_path, validate
 
 LORA_KEYS = {
     "use_lora": False,
@@ -77,7 +77,7 @@ def sft_args(cfg: dict[str, Any], config_path: str):
         raise ConfigError(f"[trainer.args] {e}") from None
 
 
-def sft_dataset(cfg: dict[str, Any]):
+def sft_dataset(cfg: dict[str, Any], config_path: str):
     """Rows of {"prompt": messages, "completion": [assistant message]} (or the dataset as given)."""
     from datasets import load_dataset
 
@@ -99,7 +99,7 @@ def sft_dataset(cfg: dict[str, Any]):
 
         ds = rows.map(to_pair, remove_columns=rows.column_names)
     elif "path" in ds_cfg:
-        path = ds_cfg["path"]
+        path = resolve_path(ds_cfg["path"], config_path)
         if not Path(path).exists():
             raise ConfigError(f"dataset.path {path!r} does not exist")
         kind = "json" if path.endswith((".json", ".jsonl")) else Path(path).suffix.lstrip(".")
@@ -118,8 +118,8 @@ def run_sft(cfg: dict[str, Any], config_path: str) -> str:
     from verifiers_rl.models import get_model_and_tokenizer
 
     args, lora = sft_args(cfg, config_path)
-    dataset = sft_dataset(cfg)
-    model, tokenizer = get_model_and_tokenizer(resolve_model(cfg))
+    dataset = sft_dataset(cfg, config_path)
+    model, tokenizer = get_model_and_tokenizer(resolve_model(cfg, config_path))
     peft_config = None
     if lora["use_lora"]:
         peft_config = lora_config(
@@ -140,7 +140,13 @@ def run_sft(cfg: dict[str, Any], config_path: str) -> str:
     return str(final)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Console-script entry point. It raises SystemExit(code) itself: verifiers' own `vf-*` scripts call `main()`
+    and drop its return value, and whichever package was installed last owns the script name."""
+    raise SystemExit(run_command(argv))
+
+
+def run_command(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
@@ -159,4 +165,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

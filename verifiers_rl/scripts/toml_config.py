@@ -20,6 +20,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from verifiers_rl.rl.inference.layout import ENGINES
+
 
 class ConfigError(ValueError):
     """A config problem the user can fix; the message is the whole story (no traceback is shown)."""
@@ -48,7 +50,6 @@ REQUIRED = {
     "vf-train": [("", "model"), ("env", "id")],
     "vf-sft": [("", "model")],
 }
-ENGINES = ("auto", "cpu", "vllm")
 
 
 def _suggest(word: str, options) -> str:
@@ -68,6 +69,18 @@ def load(path: str | Path) -> dict[str, Any]:
         return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def resolve_path(value: str, config_path: str | Path) -> str:
+    """A path written in a config, relative to that config's folder (so `vf-rl @ /abs/cfg.toml` works from any
+    directory). A relative path that exists only from the current directory still works, as it did before."""
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return str(p)
+    beside = Path(config_path).parent / p  # the folder the config was named from (symlinks are not resolved)
+    if beside.exists() or not p.exists():
+        return str(beside)
+    return str(p)
 
 
 def parse_value(text: str) -> Any:
@@ -99,7 +112,37 @@ def apply_overrides(cfg: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return cfg
 
 
+def foreign_format(cfg: dict[str, Any]) -> str | None:
+    """Name the format of a TOML file that is not ours (people copy configs between these tools)."""
+    prime_rl = ("orchestrator", "inference_gpu_ids", "trainer_gpu_ids", "ckpt")
+    if any(k in cfg for k in prime_rl) or isinstance(cfg.get("model"), dict) or "optim" in cfg.get("trainer", {}):
+        return (
+            "this is a prime-rl config ([orchestrator], [model], inference_gpu_ids, ...): run it with prime-rl "
+            "(`uv run prime-rl @ FILE`); vf-rl takes model, [env], [inference], [trainer] "
+            "(docs/coming-from-verifiers.md)"
+        )
+    hosted = (
+        "sampling",
+        "buffer",
+        "val",
+        "wandb",
+        "max_steps",
+        "batch_size",
+        "rollouts_per_example",
+        "max_async_level",
+    )
+    if isinstance(cfg.get("env"), list) or any(k in cfg for k in hosted):
+        return (
+            "this is a Prime Hosted Training config ([[env]], [sampling], top-level max_steps, ...): run it with "
+            "`prime rl run FILE`; vf-rl takes model, [env], [inference], [trainer.args] (docs/coming-from-verifiers.md)"
+        )
+    return None
+
+
 def validate(cfg: dict[str, Any], command: str = "vf-rl") -> dict[str, Any]:
+    other = foreign_format(cfg)
+    if other:
+        raise ConfigError(other)
     for top, value in cfg.items():
         if isinstance(value, dict):
             if top not in SCHEMA:
@@ -184,29 +227,3 @@ def rl_config(cfg: dict[str, Any], cuda: bool | None = None, quiet: bool = False
         return RLConfig(**args)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"[trainer.args] {e}") from None
-
-
-@dataclasses.dataclass
-class GpuPlan:
-    cuda: int
-    inference: list[int]
-    trainer: list[int]
-
-    def describe(self) -> str:
-        if not self.cuda:
-            return "no CUDA devices: CPU engine for inference, trainer on CPU"
-        return f"{self.cuda} CUDA devices: inference on {self.inference or 'none'}, trainer on {self.trainer or 'none'}"
-
-
-def assign_gpus(cfg: dict[str, Any], available: int) -> GpuPlan:
-    """Inference first, then the trainer; with no CUDA everything runs on the CPU."""
-    if available == 0:
-        return GpuPlan(0, [], [])
-    n_inf = cfg.get("inference", {}).get("gpus", 1)
-    n_tr = cfg.get("trainer", {}).get("gpus", 1)
-    if n_inf + n_tr > available:
-        raise ConfigError(
-            f"inference.gpus={n_inf} + trainer.gpus={n_tr} exceeds the {available} visible CUDA devices "
-            "(NCCL weight sync needs separate GPUs for the server and the trainer)"
-        )
-    return GpuPlan(available, list(range(n_inf)), list(range(n_inf, n_inf + n_tr)))

@@ -6,26 +6,30 @@ $VF_CONTROL_TOKEN. Also the per-process entry point when `vf-rl` runs the traine
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
-from verifiers_rl.scripts.common import load_env, resolve_model, run_cli, split_argv
-from verifiers_rl.scripts.toml_config import apply_overrides, load, rl_config, validate
+from verifiers_rl.scripts.common import load_env, resolve_model, run_cli, split_argv, train_and_evaluate
+from verifiers_rl.scripts.toml_config import apply_overrides, load, resolve_path, rl_config, validate
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Console-script entry point. It raises SystemExit(code) itself: verifiers' own `vf-*` scripts call `main()`
+    and drop its return value, and whichever package was installed last owns the script name."""
+    raise SystemExit(run_command(argv))
+
+
+def run_command(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
-        from verifiers_rl.rl.trainer import RLTrainer
-        from verifiers_rl.scripts.report import write_report
-
         path, overrides, flags = split_argv(argv, "vf-train")
         cfg = validate(apply_overrides(load(path), overrides), "vf-train")
         model = None
         if "sft" in cfg:
             from verifiers_rl.scripts.sft import sft_plan
 
-            model = sft_plan(cfg["sft"]["config"], dry_run=True)["final_dir"]
-        model = model or resolve_model(cfg)
+            model = sft_plan(resolve_path(cfg["sft"]["config"], path), dry_run=True)["final_dir"]
+        model = model or resolve_model(cfg, path)
         inf = cfg.get("inference", {})
         args = rl_config(
             cfg,
@@ -40,17 +44,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"http://{args.vllm_server_host}:{args.vllm_server_port} -> {args.output_dir}"
             )
             return 0
-        trainer = RLTrainer(model=model, env=load_env(cfg), args=args)
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
-        if trainer.is_world_process_zero():
-            write_report(args.output_dir, None, None)
-        return 0
+        return train_and_evaluate(model, load_env(cfg), args, cfg)
 
     return run_cli("vf-train", body)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

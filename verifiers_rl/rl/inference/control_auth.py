@@ -12,6 +12,7 @@ import ipaddress
 import json
 import os
 import secrets
+from pathlib import Path
 
 CONTROL_ROUTES = frozenset(
     {
@@ -35,6 +36,29 @@ CONTROL_ROUTES = frozenset(
 )
 TOKEN_ENV = "VF_CONTROL_TOKEN"
 REMOTE_ENV = "VF_ALLOW_REMOTE_CONTROL"
+
+
+def token_file(port: int) -> Path:
+    """Where a user-started `vf-vllm` leaves its generated control token for trainers of the same user on this
+    machine (mode 0600 in a 0700 folder), so the two-shell flow needs no copy-paste."""
+    root = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "verifiers-rl" / f"control-{int(port)}.token"
+
+
+def read_token_file(port: int) -> str | None:
+    try:
+        return token_file(port).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def write_token_file(port: int, token: str) -> Path:
+    path = token_file(port)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return path
 
 
 def is_loopback(host: str | None) -> bool:

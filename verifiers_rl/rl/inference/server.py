@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import NoReturn
 
 from verifiers_rl.rl.inference.launcher import PARENT_ENV
 from verifiers_rl.rl.inference.layout import ENGINES, resolve_engine
@@ -137,7 +138,13 @@ def run_cpu(args, passthrough: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Console-script entry point. It raises SystemExit(code) itself: verifiers' own `vf-*` scripts call `main()`
+    and drop its return value, and whichever package was installed last owns the script name."""
+    raise SystemExit(serve_command(argv))
+
+
+def serve_command(argv: list[str] | None = None) -> int:
     args, passthrough = build_parser().parse_known_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = resolve_engine(args.engine)
@@ -147,4 +154,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,21 +1,22 @@
 """RLConfig: `TrainingArguments` plus everything an RL run needs. Every field does what its name says;
-`tests/test_config.py` walks them and docs/configuration.md is generated from this file."""
+`tests/unit/test_config.py` walks them and docs/configuration.md is generated from this file. The rules that
+fields must satisfy live in `config_checks.py`; names from older trainers are translated in `legacy.py`."""
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainingArguments
 
-from verifiers_rl.rl.inference.layout import ENGINES, SYNC_BACKENDS
+from verifiers_rl.rl.trainer.config_checks import check_config, effective_sampling_args
+from verifiers_rl.rl.trainer.legacy import translate_legacy_kwargs
 from verifiers_rl.rl.trainer.lora import DEFAULT_LORA_TARGETS, LORA_ALPHA, LORA_DROPOUT, LORA_RANK
-from verifiers_rl.rl.trainer.losses import LOSS_TYPES
 
-SCALE_REWARDS = ("group", "batch", "none")
-LORA_SYNC = ("merged", "adapter")
-SERVER_MODES = ("spawn", "connect")
+DEFAULT_SERVER_PORT = 8000  # where vf-vllm listens by default, and where server_mode="auto" looks first
 
 
 def _help(text: str) -> dict[str, Any]:
@@ -26,6 +27,10 @@ def _help(text: str) -> dict[str, Any]:
 class RLConfig(TrainingArguments):
     # ---------------------------------------------------------------- LoRA
     use_lora: bool = field(default=True, metadata=_help("Train a LoRA adapter (peft) instead of all weights."))
+    lora_config: Any = field(
+        default=None,
+        metadata=_help("A peft LoraConfig used as is (wins over the lora_* fields, like RLTrainer(peft_config=...))."),
+    )
     lora_rank: int = field(default=LORA_RANK, metadata=_help("LoRA rank r."))
     lora_alpha: int = field(
         default=LORA_ALPHA, metadata=_help("LoRA alpha; the update is scaled by alpha/r (alpha/sqrt(r) with rsLoRA).")
@@ -147,14 +152,24 @@ class RLConfig(TrainingArguments):
     frequency_penalty: float = field(
         default=0.0, metadata=_help("Subtracted per occurrence from logits of generated tokens.")
     )
+    sampling_args: dict | None = field(
+        default=None,
+        metadata=_help(
+            "Extra request fields, merged over the ones built from the fields above (temperature, top_p, max_tokens, "
+            "penalties and extra_body keys set the matching fields); after init, the effective request fields."
+        ),
+    )
     generation_timeout: float = field(
         default=600.0, metadata=_help("Seconds one rollout batch may take before training stops with an error.")
     )
 
     # ---------------------------------------------------------------- inference server
     server_mode: str = field(
-        default="spawn",
-        metadata=_help("'spawn' a server the trainer owns, or 'connect' to one at vllm_server_host:port."),
+        default="auto",
+        metadata=_help(
+            "'auto': use the server that answers at vllm_server_host:port (8000 when unset) if it speaks the RL "
+            "protocol, else spawn one; 'spawn': always start a server the trainer owns; 'connect': only connect."
+        ),
     )
     server_engine: str = field(
         default="auto", metadata=_help("Engine of a spawned server: 'auto' (vLLM if CUDA, else CPU), 'cpu', 'vllm'.")
@@ -172,7 +187,12 @@ class RLConfig(TrainingArguments):
         default="127.0.0.1", metadata=_help("Server host (spawn: bind address; connect: where it runs).")
     )
     vllm_server_port: int | None = field(
-        default=None, metadata=_help("Server port; None: a free port (spawn) / 8000 (connect).")
+        default=None,
+        metadata=_help("Server port; None: 8000 (connect, and where auto looks first) / a free port (spawn)."),
+    )
+    server_api_key: str | None = field(
+        default=None,
+        metadata=_help("API key of the server's /v1 routes (vLLM's --api-key); default: $VLLM_API_KEY."),
     )
     vllm_server_timeout: float = field(
         default=300.0, metadata=_help("Seconds to wait for the server to become healthy.")
@@ -189,6 +209,17 @@ class RLConfig(TrainingArguments):
     lora_sync: str = field(
         default="merged",
         metadata=_help("'merged' (send base+delta) or 'adapter' (send only LoRA A/B; CPU engine only)."),
+    )
+
+    max_empty_steps: int = field(
+        default=3,
+        metadata=_help(
+            "Stop with the cause after this many consecutive steps with nothing to train (every rollout rejected, "
+            "errored or without reward spread is not counted here: only steps with no trainable sample)."
+        ),
+    )
+    use_liger: bool = field(
+        default=False, metadata=_help("Load a model given by name with Liger kernels (needs liger-kernel).")
     )
 
     # ---------------------------------------------------------------- logging / eval
@@ -214,60 +245,10 @@ class RLConfig(TrainingArguments):
     def __post_init__(self):
         if self.output_dir is None:
             self.output_dir = os.path.join("outputs", self.run_name or "vf-rl")
-        errors: list[str] = []
-
-        def check(ok: bool, name: str, rule: str):
-            if not ok:
-                errors.append(f"{name}={getattr(self, name)!r}: {rule}")
-
-        check(self.loss_type in LOSS_TYPES, "loss_type", f"allowed: {', '.join(LOSS_TYPES)}")
-        check(self.scale_rewards in SCALE_REWARDS, "scale_rewards", f"allowed: {', '.join(SCALE_REWARDS)}")
-        check(self.lora_sync in LORA_SYNC, "lora_sync", f"allowed: {', '.join(LORA_SYNC)}")
-        check(self.server_mode in SERVER_MODES, "server_mode", f"allowed: {', '.join(SERVER_MODES)}")
-        check(self.server_engine in ENGINES, "server_engine", f"allowed: {', '.join(ENGINES)}")
-        check(self.sync_backend in SYNC_BACKENDS, "sync_backend", f"allowed: {', '.join(SYNC_BACKENDS)}")
-        check(self.overlong_policy in ("truncate", "drop"), "overlong_policy", "allowed: truncate, drop")
-        check(
-            self.rollouts_per_example >= 2,
-            "rollouts_per_example",
-            "must be >= 2 (advantages are relative to the group)",
-        )
-        check(
-            self.batch_size >= 1 and self.batch_size % max(self.rollouts_per_example, 1) == 0,
-            "batch_size",
-            f"must be a positive multiple of rollouts_per_example={self.rollouts_per_example}",
-        )
-        check(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
-        check(self.temperature > 0, "temperature", "must be > 0 (the trainer divides logits by it)")
-        check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        check(self.top_k is None or self.top_k == -1 or self.top_k > 0, "top_k", "must be None, -1 or > 0")
-        check(self.min_p is None or 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        check(self.max_steps >= 1, "max_steps", "must be >= 1")
-        check(self.max_seq_len >= 2, "max_seq_len", "must be >= 2")
-        check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be None or >= 1")
-        check(
-            self.max_prompt_len is None or self.max_prompt_len < self.max_seq_len,
-            "max_prompt_len",
-            f"must be None or < max_seq_len={self.max_seq_len}",
-        )
-        check(self.max_async_level >= 0, "max_async_level", "must be >= 0")
-        check(self.max_concurrent >= 1, "max_concurrent", "must be >= 1")
-        check(
-            0 < self.mask_ratio_low < 1 < self.mask_ratio_high,
-            "mask_ratio_low",
-            f"need 0 < mask_ratio_low < 1 < mask_ratio_high (mask_ratio_high={self.mask_ratio_high})",
-        )
-        check(self.kl_beta >= 0, "kl_beta", "must be >= 0")
-        check(
-            self.kl_beta == 0 or self.use_lora,
-            "kl_beta",
-            "needs use_lora=True (the reference policy is the model with its adapter disabled)",
-        )
-        check(self.lora_sync == "merged" or self.use_lora, "lora_sync", "'adapter' needs use_lora=True")
-        check(self.lora_rank >= 1, "lora_rank", "must be >= 1")
-        check(self.sync_bucket_mb >= 1, "sync_bucket_mb", "must be >= 1")
-        check(self.generation_timeout > 0, "generation_timeout", "must be > 0")
-        check(self.eval_rollouts_per_example >= 1, "eval_rollouts_per_example", "must be >= 1")
+        if self.server_api_key is None:
+            self.server_api_key = os.environ.get("VLLM_API_KEY") or None
+        self.sampling_args = effective_sampling_args(self, self.sampling_args)
+        errors = check_config(self)
         if errors:
             raise ValueError("invalid RLConfig: " + "; ".join(errors))
         if self.epsilon_high is None:
@@ -290,32 +271,46 @@ class RLConfig(TrainingArguments):
         return self.batch_size // self.rollouts_per_example
 
     @property
+    def server_max_len(self) -> int:
+        """The context limit of the server: prompt + completion tokens of one request."""
+        return self.server_max_model_len or self.max_seq_len
+
+    @property
     def prompt_limit(self) -> int:
-        return self.max_prompt_len if self.max_prompt_len is not None else self.max_seq_len - 1
+        """Longest prompt (chat template and tool schemas included) kept in the dataset: one that leaves room for
+        max_tokens within the server's context, unless max_prompt_len says otherwise."""
+        if self.max_prompt_len is not None:
+            return self.max_prompt_len
+        return self.server_max_len - (self.max_tokens or 1)
 
     @property
     def token_budget(self) -> int:
         return self.micro_batch_tokens or self.micro_batch_size * self.max_seq_len
 
-    def sampling_args(self) -> dict[str, Any]:
-        """What the orchestrator sends with every request (verifiers 0.1.14 sampling_args)."""
-        args: dict[str, Any] = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "logprobs": True,
-            "extra_body": {"return_token_ids": True},
-        }
-        if self.max_tokens is not None:
-            args["max_tokens"] = self.max_tokens
-        extra = args["extra_body"]
-        if self.top_k not in (None, -1):
-            extra["top_k"] = self.top_k
-        if self.min_p:
-            extra["min_p"] = self.min_p
-        if self.repetition_penalty != 1.0:
-            extra["repetition_penalty"] = self.repetition_penalty
-        if self.presence_penalty:
-            args["presence_penalty"] = self.presence_penalty
-        if self.frequency_penalty:
-            args["frequency_penalty"] = self.frequency_penalty
-        return args
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if self.lora_config is not None:  # a LoraConfig holds sets, which JSON loggers cannot write
+            d["lora_config"] = repr(self.lora_config)
+        return d
+
+
+def _accept_legacy_names(init):
+    """RLConfig(**kwargs) with names from older trainers: renamed ones translated, removed ones refused, and the
+    HF batch fields that RLConfig replaces flagged instead of silently overwritten."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        owner = type(self).__name__
+        kwargs = translate_legacy_kwargs(kwargs, owner)
+        for name, instead in (
+            ("per_device_train_batch_size", "micro_batch_size (samples per forward/backward pass)"),
+            ("gradient_accumulation_steps", "batch_size (rollouts per optimizer step)"),
+        ):
+            if kwargs.pop(name, 1) != 1:
+                warnings.warn(f"{owner}({name}=...) is ignored: set {instead}", UserWarning, stacklevel=2)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+RLConfig.__init__ = _accept_legacy_names(RLConfig.__init__)

@@ -196,7 +196,7 @@ class Orchestrator:
             self.model_name,
             sampling_args=sampling_args,
             max_concurrent=self.max_concurrent,
-            state_columns=["trajectory", POLICY_VERSIONS_KEY],
+            state_columns=["trajectory", POLICY_VERSIONS_KEY, "prompt_too_long"],
             on_start=quiet,
             on_progress=quiet,
         )

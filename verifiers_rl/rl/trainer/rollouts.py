@@ -34,6 +34,30 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_text: str = ""
     completion_text: str = ""
+    # "rejected": the server refused a request (HTTP 400, e.g. a prompt longer than its context);
+    # "errored": anything else failed (the environment, a reward function, the network)
+    error_kind: str | None = None
+    context: list | None = None  # prompt + completion messages of a rejected rollout, to say how long it was
+
+
+PROMPT_TOO_LONG = "the server rejected the prompt as longer than its context (max_model_len)"
+
+
+def classify_error(out: dict) -> tuple[str | None, str | None]:
+    """(kind, text) of a verifiers output's failure; (None, None) when it finished."""
+    if out.get("prompt_too_long"):  # verifiers turns the server's context-length 400 into this flag
+        return "rejected", PROMPT_TOO_LONG
+    err = out.get("error")
+    if err is None:
+        if out.get("trajectory") and not any(t.get("tokens") for t in out["trajectory"]):
+            return "errored", "server responses carried no token ids/logprobs (is return_token_ids supported?)"
+        return None, None
+    if isinstance(err, dict):
+        text = str(err.get("error_chain_str") or err.get("error_chain_repr") or err.get("error"))
+    else:
+        text = str(err)
+    rejected = "BadRequestError" in text or "Error code: 400" in text
+    return ("rejected" if rejected else "errored"), text
 
 
 def _text(messages: Any) -> str:
@@ -68,9 +92,7 @@ def rollouts_from_outputs(outputs: list[dict], groups: list[int], policy_version
                 )
             )
         versions = [int(v) for v in out.get(POLICY_VERSIONS_KEY) or [] if v is not None]
-        error = out.get("error")
-        if error is None and out.get("trajectory") and not turns:
-            error = "server responses carried no token ids/logprobs (is return_token_ids supported?)"
+        kind, error = classify_error(out)
         reward = out.get("reward")
         rollouts.append(
             Rollout(
@@ -78,14 +100,21 @@ def rollouts_from_outputs(outputs: list[dict], groups: list[int], policy_version
                 reward=float("nan") if reward is None else float(reward),
                 turns=turns,
                 is_truncated=bool(out.get("is_truncated")),
-                error=None if error is None else str(error),
+                error=error,
                 policy_version=min(versions) if versions else policy_version,
                 metrics={k: float(v) for k, v in (out.get("metrics") or {}).items() if _is_number(v)},
                 prompt_text=_text(out.get("prompt")),
                 completion_text=_text(out.get("completion")),
+                error_kind=kind,
+                context=_messages(out) if kind == "rejected" else None,
             )
         )
     return rollouts
+
+
+def _messages(out: dict) -> list:
+    prompt, completion = out.get("prompt"), out.get("completion")
+    return [*(prompt if isinstance(prompt, list) else []), *(completion if isinstance(completion, list) else [])]
 
 
 def _is_number(v) -> bool:

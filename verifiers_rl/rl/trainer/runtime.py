@@ -4,40 +4,25 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from pathlib import Path
 
 import torch
 
-from verifiers_rl.rl.inference.client import VLLMClient
-from verifiers_rl.rl.inference.control_auth import TOKEN_ENV
+from verifiers_rl.rl.inference.client import ServerError, VLLMClient
+from verifiers_rl.rl.inference.control_auth import TOKEN_ENV, read_token_file
+from verifiers_rl.rl.inference.discovery import probe_server
 from verifiers_rl.rl.inference.launcher import InferenceServer
 from verifiers_rl.rl.inference.layout import engine_of_models, resolve_engine, resolve_sync_backend
 from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights, merged_weights
+from verifiers_rl.rl.trainer.config import DEFAULT_SERVER_PORT
 from verifiers_rl.rl.trainer.metrics import rollout_metrics
 from verifiers_rl.rl.trainer.orchestrator import Orchestrator, RolloutBatch
 from verifiers_rl.rl.trainer.policy_version import PolicyVersion
+from verifiers_rl.rl.trainer.prompts import filter_prompts
 from verifiers_rl.rl.trainer.rollouts import Rollout
 
 logger = logging.getLogger(__name__)
-
-
-def prompt_length(tokenizer, prompt) -> int:
-    if isinstance(prompt, str):
-        return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-    return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def filter_prompts(dataset, tokenizer, max_prompt_len: int | None):
-    """Drop rows whose rendered prompt exceeds max_prompt_len tokens (once, up front); return (rows, dropped)."""
-    if max_prompt_len is None or dataset is None or "prompt" not in dataset.column_names:
-        return dataset, 0
-    keep = dataset.filter(lambda row: prompt_length(tokenizer, row["prompt"]) <= max_prompt_len, desc="prompt length")
-    dropped = len(dataset) - len(keep)
-    if dropped:
-        logger.warning(
-            "filtered %d of %d prompts longer than max_prompt_len=%d tokens", dropped, len(dataset), max_prompt_len
-        )
-    return keep, dropped
 
 
 def cpu_thread_split(args, cores: int | None = None) -> tuple[int, int] | None:
@@ -101,16 +86,20 @@ class InferenceRuntime:
         if self.client is not None:
             return self.client
         args = self.args
+        mode, port = args.server_mode, args.vllm_server_port
+        token = args.server_control_token or os.environ.get(TOKEN_ENV) or None
+        if mode == "auto":
+            mode, port = self._discover(port, token)
         split = cpu_thread_split(args)
-        if args.server_mode == "spawn":
+        if mode == "spawn":
             self.server = InferenceServer(
                 self._served_path(model, tokenizer),
                 engine=args.server_engine,
                 host=args.vllm_server_host,
-                port=args.vllm_server_port,
+                port=port,
                 output_dir=args.output_dir,
                 gpus=args.server_gpus,
-                max_model_len=args.server_max_model_len or args.max_seq_len,
+                max_model_len=args.server_max_len,
                 extra_args=args.server_args or [],
                 startup_timeout=args.vllm_server_timeout,
                 env=server_thread_env(split),
@@ -118,8 +107,9 @@ class InferenceRuntime:
             client = self.server.start()
             self.engine = self.server.engine
         else:
-            token = args.server_control_token or os.environ.get(TOKEN_ENV)
-            client = VLLMClient(args.vllm_server_host, args.vllm_server_port or 8000, control_token=token)
+            port = port or DEFAULT_SERVER_PORT
+            token = token or read_token_file(port)
+            client = VLLMClient(args.vllm_server_host, port, control_token=token, api_key=args.server_api_key)
             client.wait_for_health(args.vllm_server_timeout)
         models = client.models()
         self.model_name = models[0]["id"]
@@ -136,6 +126,34 @@ class InferenceRuntime:
         self.client = client
         return client
 
+    def _discover(self, port: int | None, token: str | None) -> tuple[str, int | None]:
+        """server_mode="auto": connect to the RL server that answers at host:port (8000 when unset), else spawn.
+
+        Something else listening on a port the user named is an error: spawning elsewhere would hide that the
+        user's server is not the one being trained."""
+        host = self.args.vllm_server_host
+        where = port or DEFAULT_SERVER_PORT
+        probe = probe_server(
+            host, where, api_key=self.args.server_api_key, control_token=token or read_token_file(where)
+        )
+        if probe.state == "server":
+            note = ""
+            if self.model_path and Path(str(probe.model)).name != Path(self.model_path).name:
+                note = f"; it serves {probe.model!r}, the trainer's model is {self.model_path!r}"
+            print(
+                f"verifiers-rl: using the {probe.engine} inference server already running at {probe.detail} "
+                f"(server_mode='auto'; set server_mode='spawn' to start a dedicated one){note}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return "connect", where
+        if probe.state == "foreign" and port is not None:
+            raise ServerError(
+                f"vllm_server_port={port}: {probe.detail}; with server_mode='auto' the trainer trains against the "
+                "server at that port: stop what listens there, or set server_mode='spawn' and another port"
+            )
+        return "spawn", port
+
     # ------------------------------------------------------------------ training
 
     def start(self, model, tokenizer, rows, orchestrator_state: dict | None = None) -> None:
@@ -147,13 +165,14 @@ class InferenceRuntime:
                 rows,
                 base_url=client.base_url + "/v1",
                 model_name=self.model_name,
-                sampling_args=args.sampling_args(),
+                sampling_args=args.sampling_args,
                 rollouts_per_example=args.rollouts_per_example,
                 prompts_per_batch=args.prompts_per_batch,
                 max_concurrent=args.max_concurrent,
                 generation_timeout=args.generation_timeout,
                 seed=args.seed,
                 shuffle=args.shuffle_dataset,
+                api_key=args.server_api_key or "EMPTY",
                 policy_version=self.policy,
             )
         if orchestrator_state:
@@ -201,21 +220,22 @@ class InferenceRuntime:
         if self.synced_version != global_step:
             self.sync(model, global_step)
         rows = self.env.get_eval_dataset(n=args.num_eval_examples or -1)
-        rows, _ = filter_prompts(rows, tokenizer, args.prompt_limit)
+        rows, _ = filter_prompts(rows, tokenizer, args.prompt_limit, self.env)
         orch = self.orchestrator or Orchestrator(
             self.env,
             rows,
             base_url=self.client.base_url + "/v1",
             model_name=self.model_name,
-            sampling_args=args.sampling_args(),
+            sampling_args=args.sampling_args,
             rollouts_per_example=args.eval_rollouts_per_example,
             prompts_per_batch=1,
             generation_timeout=args.generation_timeout,
             seed=args.seed,
+            api_key=args.server_api_key or "EMPTY",
             policy_version=self.policy,
         )
         try:
-            rollouts = orch.evaluate(rows, args.eval_rollouts_per_example, args.sampling_args())
+            rollouts = orch.evaluate(rows, args.eval_rollouts_per_example, args.sampling_args)
         finally:
             if orch is not self.orchestrator:
                 orch.close()

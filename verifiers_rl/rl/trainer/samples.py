@@ -21,6 +21,8 @@ class PreparedBatch:
     num_tokens: int  # trained tokens in the whole step (all ranks): the loss normaliser
     num_sequences: int
     metrics: dict[str, float] = field(default_factory=dict)
+    counts: Counter = field(default_factory=Counter)  # why rollouts and samples were left out
+    problem: str | None = None  # when no sample is left: the cause and the fix, in one line
 
 
 def effective_rewards(rollouts: list[Rollout], zero_truncated: bool) -> list[float]:
@@ -54,7 +56,7 @@ def build_samples(
     samples, counts = [], Counter()
     for idx, (r, adv, ok) in enumerate(zip(rollouts, advantages, valid)):
         if r.error is not None:
-            counts["rollouts_errored"] += 1
+            counts[f"rollouts_{r.error_kind or 'errored'}"] += 1
             continue
         if not ok:
             counts["rollouts_nonfinite_reward"] += 1
@@ -124,7 +126,7 @@ def prepare_batch(rollouts: list[Rollout], args, current_version: int) -> Prepar
         }
     )
     num_tokens = sum(sum(s["loss_mask"]) for s in samples)
-    return PreparedBatch(samples, num_tokens, len(samples), metrics)
+    return PreparedBatch(samples, num_tokens, len(samples), metrics, counts)
 
 
 def shard_samples(samples: list[dict], world_size: int, rank: int) -> list[dict]:

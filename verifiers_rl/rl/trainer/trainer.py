@@ -9,6 +9,7 @@ After each step the new weights go to the server and the next rollout batch is s
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections import defaultdict
@@ -20,16 +21,22 @@ from transformers import Trainer
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from verifiers_rl.errors import TrainingError
 from verifiers_rl.rl.trainer.callbacks import MetricsFileCallback, RichProgressCallback
 from verifiers_rl.rl.trainer.config import RLConfig
+from verifiers_rl.rl.trainer.diagnose import explain_empty_step, first_error
 from verifiers_rl.rl.trainer.forward import output_head, reference_logprobs, token_logprobs
 from verifiers_rl.rl.trainer.hooks import ORCHESTRATOR_STATE, StartInference, SubmitRollouts, SyncWeights
 from verifiers_rl.rl.trainer.losses import policy_loss
 from verifiers_rl.rl.trainer.microbatches import collate_packed, collate_padded, plan_microbatches
-from verifiers_rl.rl.trainer.runtime import InferenceRuntime, filter_prompts
+from verifiers_rl.rl.trainer.prompts import filter_prompts
+from verifiers_rl.rl.trainer.runtime import InferenceRuntime
 from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch, shard_samples
 
 _ADDITIVE = ("ratio_mean", "masked_frac", "mismatch_kl", "kl")
+
+
+logger = logging.getLogger(__name__)
 
 
 class _Steps(Dataset):
@@ -50,15 +57,26 @@ def _collate(items):
 
 
 class RLTrainer(Trainer):
-    def __init__(self, model, env, args: RLConfig | None = None, processing_class=None, callbacks=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        env,
+        args: RLConfig | None = None,
+        processing_class=None,
+        callbacks=None,
+        peft_config=None,
+        **kwargs,
+    ):
         from verifiers_rl.models import ensure_pad_token, get_model, get_tokenizer
 
         args = args if args is not None else RLConfig()
         if not isinstance(args, RLConfig):
             raise TypeError(f"args must be an RLConfig, got {type(args).__name__}")
+        if peft_config is not None:  # verifiers <= 0.1.6's GRPOTrainer(peft_config=...): wins over the lora_* fields
+            args.lora_config, args.use_lora = peft_config, True
         model_path = model if isinstance(model, str) else getattr(model, "name_or_path", None)
         if isinstance(model, str):
-            model = get_model(model)
+            model = get_model(model, use_liger=args.use_liger)
         if processing_class is None:
             if not model_path:
                 raise ValueError("pass processing_class (the tokenizer) when model has no name_or_path")
@@ -67,10 +85,14 @@ class RLTrainer(Trainer):
         model = self._wrap_lora(model, args)
         self.env = env
         self.model_path = model_path
-        self.train_rows, self.prompts_filtered = filter_prompts(env.get_dataset(), processing_class, args.prompt_limit)
+        self.train_rows, self.prompts_filtered = filter_prompts(
+            env.get_dataset(), processing_class, args.prompt_limit, env
+        )
         self.runtime = InferenceRuntime(args, model_path, env)
         self.resume_from: str | None = None
         self.step_metrics: dict[str, float] = {}
+        self._empty_steps = 0
+        self._seen_failures: set[str | None] = set()
         world = int(os.environ.get("WORLD_SIZE", "1"))
         hooks = [StartInference(self), SyncWeights(self), SubmitRollouts(self)]
         callbacks = [*hooks, MetricsFileCallback(), *(callbacks or [])]
@@ -97,7 +119,7 @@ class RLTrainer(Trainer):
         from verifiers_rl.rl.trainer.lora import lora_config
 
         set_seed(args.seed)  # LoRA A is random-initialised: seed it so runs (and ranks) start identically
-        config = lora_config(
+        config = args.lora_config or lora_config(
             args.lora_rank,
             args.lora_alpha,
             args.lora_dropout,
@@ -141,10 +163,12 @@ class RLTrainer(Trainer):
             prepared = prepare_batch(batch.rollouts, args, current_version=self.state.global_step)
             prepared.metrics["timing/generation_s"] = batch.generation_seconds
             prepared.metrics["timing/wait_s"] = time.perf_counter() - t0
+            self._report_failures(batch.rollouts, prepared)
             payload = [prepared]
         if self.accelerator.num_processes > 1:
             broadcast_object_list(payload, from_process=0)
         prepared: PreparedBatch = payload[0]
+        self._stop_when_nothing_trains(prepared)
         t_train = time.perf_counter()
         model.train()
         loss, metrics = self._run_microbatches(model, prepared)
@@ -156,6 +180,32 @@ class RLTrainer(Trainer):
         self.step_metrics = metrics
         # each rank holds a partial sum of a globally normalised loss; Trainer logs the mean over ranks
         return loss.detach() * self.accelerator.num_processes
+
+    def _report_failures(self, rollouts, prepared: PreparedBatch) -> None:
+        """Rank 0: say once per distinct cause that rollouts were rejected or errored; explain an empty step."""
+        for kind in ("rejected", "errored"):
+            n = int(prepared.counts.get(f"rollouts_{kind}", 0))
+            text = first_error(rollouts, kind)
+            if n and text not in self._seen_failures:
+                self._seen_failures.add(text)
+                step = self.state.global_step
+                logger.warning("step %d: %d of %d rollouts %s (first: %s)", step, n, len(rollouts), kind, text)
+        if prepared.num_sequences == 0:
+            prepared.problem = explain_empty_step(rollouts, prepared.counts, self.args, self.processing_class, self.env)
+
+    def _stop_when_nothing_trains(self, prepared: PreparedBatch) -> None:
+        """Every rank: count consecutive steps without a trainable sample; stop with the cause after
+        max_empty_steps of them (a run that trains nothing must not end as a success)."""
+        if prepared.num_sequences:
+            self._empty_steps = 0
+            return
+        self._empty_steps += 1
+        limit = self.args.max_empty_steps
+        if self._empty_steps >= limit:
+            raise TrainingError(f"{self._empty_steps} consecutive steps had nothing to train: {prepared.problem}")
+        if self.is_world_process_zero():
+            step, problem = self.state.global_step, prepared.problem
+            logger.warning("step %d has nothing to train (%d of %d): %s", step, self._empty_steps, limit, problem)
 
     def _microbatches(self, prepared: PreparedBatch) -> list[dict]:
         args: RLConfig = self.args
@@ -282,8 +332,15 @@ class RLTrainer(Trainer):
             torch.save(self.runtime.orchestrator.state_dict(), os.path.join(folder, ORCHESTRATOR_STATE))
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        model = self.accelerator.unwrap_model(self.model)
-        metrics = self.runtime.evaluate(model, self.processing_class, metric_key_prefix, self.state.global_step)
+        """Rollouts on the environment's eval split with the current policy. Only the main process talks to the
+        server (the others would start or re-initialise one); every process gets the same metrics."""
+        payload = [None]
+        if self.is_world_process_zero():
+            model = self.accelerator.unwrap_model(self.model)
+            payload = [self.runtime.evaluate(model, self.processing_class, metric_key_prefix, self.state.global_step)]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(payload, from_process=0)
+        metrics = payload[0]
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics

@@ -1,0 +1,139 @@
+"""The rules RLConfig's fields must satisfy (every violation named, with what is allowed), and the request
+fields (`sampling_args`) that follow from them.
+
+Pure functions over the config object, so `vf-rl --dry-run` and `RLConfig(...)` say the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verifiers_rl.rl.inference.layout import ENGINES, SYNC_BACKENDS
+from verifiers_rl.rl.trainer.losses import LOSS_TYPES
+
+SCALE_REWARDS = ("group", "batch", "none")
+LORA_SYNC = ("merged", "adapter")
+SERVER_MODES = ("auto", "spawn", "connect")
+
+# sampling_args keys that are RLConfig fields: a user's sampling_args sets the field, so the trainer scores
+# with exactly what the server samples with (temperature above all)
+_TOP_LEVEL_FIELDS = ("temperature", "top_p", "max_tokens", "presence_penalty", "frequency_penalty")
+_EXTRA_BODY_FIELDS = ("top_k", "min_p", "repetition_penalty")
+
+
+def effective_sampling_args(cfg, user: dict[str, Any] | None) -> dict[str, Any]:
+    """The request fields the orchestrator sends (verifiers 0.1.14 sampling_args), after `user`'s overrides."""
+    user = dict(user or {})
+    extra_user = dict(user.pop("extra_body", None) or {})
+    for key in _TOP_LEVEL_FIELDS:
+        if key in user:
+            setattr(cfg, key, user.pop(key))
+    for key in _EXTRA_BODY_FIELDS:
+        if key in extra_user:
+            setattr(cfg, key, extra_user.pop(key))
+        elif key in user:
+            setattr(cfg, key, user.pop(key))
+    if user.get("n", 1) != 1:
+        raise ValueError(
+            f"invalid RLConfig: sampling_args n={user['n']}: each request is one rollout; set rollouts_per_example"
+        )
+    if user.get("logprobs", True) is not True:
+        raise ValueError("invalid RLConfig: sampling_args logprobs=False: the trainer needs the sampler's logprobs")
+    user.pop("n", None)
+    user.pop("logprobs", None)
+    args: dict[str, Any] = {"temperature": cfg.temperature, "top_p": cfg.top_p, "logprobs": True}
+    if cfg.max_tokens is not None:
+        args["max_tokens"] = cfg.max_tokens
+    if cfg.presence_penalty:
+        args["presence_penalty"] = cfg.presence_penalty
+    if cfg.frequency_penalty:
+        args["frequency_penalty"] = cfg.frequency_penalty
+    extra: dict[str, Any] = {**extra_user, "return_token_ids": True}
+    if cfg.top_k not in (None, -1):
+        extra["top_k"] = cfg.top_k
+    if cfg.min_p:
+        extra["min_p"] = cfg.min_p
+    if cfg.repetition_penalty != 1.0:
+        extra["repetition_penalty"] = cfg.repetition_penalty
+    args.update(user)  # anything else the user asked for (e.g. stop) goes out as given
+    args["extra_body"] = extra
+    return args
+
+
+def check_config(cfg) -> list[str]:
+    """Every rule a field breaks, as `name=value: rule` lines."""
+    errors: list[str] = []
+
+    def check(ok: bool, name: str, rule: str):
+        if not ok:
+            errors.append(f"{name}={getattr(cfg, name)!r}: {rule}")
+
+    def allowed(name: str, choices) -> None:
+        check(getattr(cfg, name) in choices, name, f"allowed: {', '.join(choices)}")
+
+    allowed("loss_type", LOSS_TYPES)
+    allowed("scale_rewards", SCALE_REWARDS)
+    allowed("lora_sync", LORA_SYNC)
+    allowed("server_mode", SERVER_MODES)
+    allowed("server_engine", ENGINES)
+    allowed("sync_backend", SYNC_BACKENDS)
+    allowed("overlong_policy", ("truncate", "drop"))
+    check(cfg.rollouts_per_example >= 2, "rollouts_per_example", "must be >= 2 (advantages are relative to the group)")
+    check(
+        cfg.batch_size >= 1 and cfg.batch_size % max(cfg.rollouts_per_example, 1) == 0,
+        "batch_size",
+        f"must be a positive multiple of rollouts_per_example={cfg.rollouts_per_example}",
+    )
+    check(cfg.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+    check(cfg.temperature > 0, "temperature", "must be > 0 (the trainer divides logits by it)")
+    check(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
+    check(cfg.top_k is None or cfg.top_k == -1 or cfg.top_k > 0, "top_k", "must be None, -1 or > 0")
+    check(cfg.min_p is None or 0 <= cfg.min_p <= 1, "min_p", "must be in [0, 1]")
+    check(cfg.max_steps >= 1, "max_steps", "must be >= 1")
+    check(cfg.max_seq_len >= 2, "max_seq_len", "must be >= 2")
+    check(cfg.max_tokens is None or cfg.max_tokens >= 1, "max_tokens", "must be None or >= 1")
+    limit = cfg.server_max_model_len or cfg.max_seq_len
+    check(
+        cfg.max_tokens is None or cfg.max_tokens < limit,
+        "max_tokens",
+        f"leaves no room for a prompt in the server's context of {limit} tokens "
+        f"({'server_max_model_len' if cfg.server_max_model_len else 'max_seq_len'}); lower max_tokens or raise it",
+    )
+    check(
+        cfg.max_prompt_len is None or cfg.max_prompt_len < cfg.max_seq_len,
+        "max_prompt_len",
+        f"must be None or < max_seq_len={cfg.max_seq_len}",
+    )
+    check(
+        cfg.max_prompt_len is None or cfg.max_tokens is None or cfg.max_prompt_len + cfg.max_tokens <= limit,
+        "max_prompt_len",
+        f"plus max_tokens={cfg.max_tokens} exceeds the server's context of {limit} tokens: the server would reject "
+        "those requests; lower one of them or raise max_seq_len / server_max_model_len",
+    )
+    check(cfg.max_async_level >= 0, "max_async_level", "must be >= 0")
+    check(cfg.max_concurrent >= 1, "max_concurrent", "must be >= 1")
+    check(cfg.max_empty_steps >= 1, "max_empty_steps", "must be >= 1")
+    check(
+        0 < cfg.mask_ratio_low < 1 < cfg.mask_ratio_high,
+        "mask_ratio_low",
+        f"need 0 < mask_ratio_low < 1 < mask_ratio_high (mask_ratio_high={cfg.mask_ratio_high})",
+    )
+    check(cfg.kl_beta >= 0, "kl_beta", "must be >= 0")
+    check(
+        cfg.kl_beta == 0 or cfg.use_lora,
+        "kl_beta",
+        "needs use_lora=True (the reference policy is the model with its adapter disabled)",
+    )
+    check(cfg.lora_sync == "merged" or cfg.use_lora, "lora_sync", "'adapter' needs use_lora=True")
+    check(cfg.lora_rank >= 1, "lora_rank", "must be >= 1")
+    check(
+        cfg.lora_config is None or type(cfg.lora_config).__name__ == "LoraConfig",
+        "lora_config",
+        "must be a peft.LoraConfig (or None to build one from the lora_* fields)",
+    )
+    check(cfg.sync_bucket_mb >= 1, "sync_bucket_mb", "must be >= 1")
+    check(cfg.generation_timeout > 0, "generation_timeout", "must be > 0")
+    check(cfg.eval_rollouts_per_example >= 1, "eval_rollouts_per_example", "must be >= 1")
+    port = cfg.vllm_server_port
+    check(port is None or 0 < port < 65536, "vllm_server_port", "must be a TCP port in 1..65535")
+    return errors

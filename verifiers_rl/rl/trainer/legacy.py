@@ -1,0 +1,58 @@
+"""Names from older verifiers trainers (`GRPOConfig`, verifiers <= 0.1.6) that users' scripts still pass.
+
+A renamed field is translated, with a DeprecationWarning that names its replacement; a field with no
+equivalent is refused with a line that says what replaced it. Nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+# old name -> new RLConfig field (same meaning)
+RENAMED = {
+    "num_generations": "rollouts_per_example",
+    "max_prompt_length": "max_prompt_len",
+    "max_completion_length": "max_tokens",
+    "async_generation_timeout": "generation_timeout",
+    "num_batches_ahead": "max_async_level",
+    "generation_batch_size": "batch_size",
+    "beta": "kl_beta",
+    "num_completions_to_print": "num_completions_to_log",
+}
+
+# old name -> what to do instead (no RLConfig field means the same thing)
+REMOVED = {
+    "model_init_kwargs": "load the model yourself (vf.get_model(name, model_kwargs=...)) and pass it as `model`",
+    "disable_dropout": "set lora_dropout=0.0 (the default) or the model's dropout in its config",
+    "ds3_gather_for_generation": "not needed: weights reach the server through the weight sync after every step",
+    "steps_per_generation": "one rollout batch per optimizer step; use batch_size for the rollouts per step",
+    "max_data_workers": "not needed: rollouts run on the orchestrator's event loop (max_concurrent bounds them)",
+    "async_max_queue_size": "use max_async_level (batches generated ahead of training)",
+    "vllm_guided_decoding_regex": "pass guided decoding through sampling_args={'extra_body': {...}}",
+    "num_iterations": "one optimizer step per rollout batch (num_iterations=1 is the only behaviour)",
+    "delta": "use loss_type='grpo' with epsilon / epsilon_high for clipping",
+    "sync_ref_model": "the reference policy is the base model with its adapter disabled (kl_beta > 0 needs use_lora)",
+    "ref_model_mixup_alpha": "the reference policy is the base model with its adapter disabled",
+    "ref_model_sync_steps": "the reference policy is the base model with its adapter disabled",
+    "wandb_log_unique_prompts": "num_completions_to_log rows are logged per step (report_to='wandb')",
+}
+
+
+def translate_legacy_kwargs(kwargs: dict, owner: str = "RLConfig") -> dict:
+    """Map renamed keywords (warning once each) and refuse removed ones with a one-line ValueError."""
+    removed = [k for k in kwargs if k in REMOVED]
+    if removed:
+        raise ValueError(f"invalid {owner}: " + "; ".join(f"{k} is no longer supported: {REMOVED[k]}" for k in removed))
+    out = dict(kwargs)
+    for old, new in RENAMED.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise ValueError(f"invalid {owner}: pass {new} only ({old} is its old name)")
+        warnings.warn(f"{owner}({old}=...) is deprecated; use {new}=...", DeprecationWarning, stacklevel=4)
+        out[new] = out.pop(old)
+    if "scale_rewards" in out and isinstance(out["scale_rewards"], bool):
+        # GRPOConfig's scale_rewards was a bool: True = divide by the group std
+        warnings.warn("scale_rewards=True/False is deprecated; use 'group' or 'none'", DeprecationWarning, stacklevel=4)
+        out["scale_rewards"] = "group" if out["scale_rewards"] else "none"
+    return out

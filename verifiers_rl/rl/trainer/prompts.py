@@ -1,0 +1,68 @@
+"""Prompt lengths as the server sees them: chat template applied, the environment's tool schemas included.
+
+A length check that ignores tool schemas lets through prompts the server then rejects (HTTP 400) on every
+request of a step, so the dataset filter and the empty-step diagnosis both measure through here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from verifiers_rl.errors import TrainingError
+
+logger = logging.getLogger(__name__)
+
+
+def openai_tools(tool_defs) -> list[dict] | None:
+    """verifiers tool definitions (vf.Tool objects or dicts) -> the OpenAI `tools` a chat request carries."""
+    out = []
+    for tool in tool_defs or []:
+        if _field(tool, "type") == "function" and _field(tool, "function"):  # already in OpenAI's shape
+            out.append(dict(tool))
+            continue
+        function = {k: _field(tool, k) for k in ("name", "description", "parameters")}
+        out.append({"type": "function", "function": function})
+    return out or None
+
+
+def _field(tool, key: str):
+    return tool.get(key) if isinstance(tool, dict) else getattr(tool, key, None)
+
+
+def tools_for(env, row: dict | None = None) -> list[dict] | None:
+    """The tools a rollout of `row` offers the model: the row's own `info.tool_defs`, else the environment's."""
+    info = (row or {}).get("info")
+    if isinstance(info, dict) and info.get("tool_defs"):
+        return openai_tools(info["tool_defs"])
+    return openai_tools(getattr(env, "tool_defs", None))
+
+
+def prompt_length(tokenizer, prompt, tools: list[dict] | None = None) -> int:
+    if isinstance(prompt, str):
+        return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template(list(prompt), tools=tools, add_generation_prompt=True, tokenize=True)
+    return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def filter_prompts(dataset, tokenizer, max_prompt_len: int | None, env=None):
+    """Drop rows whose rendered prompt (with tool schemas) exceeds max_prompt_len tokens, once, up front;
+    return (rows, dropped). Every row dropped is a TrainingError that says how long the prompts are."""
+    if max_prompt_len is None or dataset is None or "prompt" not in dataset.column_names:
+        return dataset, 0
+    lengths = [prompt_length(tokenizer, row["prompt"], tools_for(env, row)) for row in dataset]
+    keep_idx = [i for i, n in enumerate(lengths) if n <= max_prompt_len]
+    dropped = len(dataset) - len(keep_idx)
+    if dropped and not keep_idx:
+        raise TrainingError(
+            f"every one of the {len(dataset)} prompts is longer than the prompt limit of {max_prompt_len} tokens "
+            f"(the shortest is {min(lengths):,} tokens with the chat template and tool schemas): raise max_seq_len "
+            "(or server_max_model_len), or lower max_tokens / max_prompt_len"
+        )
+    if dropped:
+        logger.warning(
+            "filtered %d of %d prompts longer than %d tokens (chat template and tool schemas counted)",
+            dropped,
+            len(dataset),
+            max_prompt_len,
+        )
+    return (dataset.select(keep_idx) if dropped else dataset), dropped
