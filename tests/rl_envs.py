@@ -41,3 +41,15 @@ class AgainEnv(vf.MultiTurnEnv):
 def again_env() -> AgainEnv:
     ds = Dataset.from_list([{"question": f"Say {w}", "answer": w} for w in WORDS[:6]])
     return AgainEnv(dataset=ds, rubric=vf.Rubric(funcs=[char_match]), max_turns=2)
+
+
+class _SandboxWithoutKey(vf.MultiTurnEnv):
+    """What a sandbox environment does without its API key: every rollout fails after the first turn."""
+
+    async def env_response(self, messages, state, **kwargs):
+        raise vf.SandboxError("PRIME_API_KEY is not set: cannot create a sandbox")
+
+
+def sandbox_env_without_key() -> vf.MultiTurnEnv:
+    ds = Dataset.from_list([{"question": f"Run {w}", "answer": w} for w in WORDS[:6]])
+    return _SandboxWithoutKey(dataset=ds, rubric=vf.Rubric(funcs=[char_match]), max_turns=3)

@@ -26,18 +26,23 @@ def _longest_context(rollouts: list[Rollout], tokenizer, env) -> int | None:
     return max(lengths) if lengths else None
 
 
-def explain_empty_step(rollouts: list[Rollout], counts, args, tokenizer=None, env=None) -> str:
-    """What left this step without a trainable sample, and what to change."""
+def explain_empty_step(
+    rollouts: list[Rollout], counts, args, tokenizer=None, env=None, context_limit: int | None = None
+) -> str:
+    """What left this step without a trainable sample, and what to change. `context_limit`: the server's
+    max_model_len as it reports it (it can be shorter than the config plans for)."""
     n = len(rollouts)
     rejected, errored = counts.get("rollouts_rejected", 0), counts.get("rollouts_errored", 0)
     if n and rejected == n:
         longest = _longest_context(rollouts, tokenizer, env) if tokenizer is not None else None
-        limit = args.server_max_len
+        limit = context_limit or args.server_max_len
         if longest is not None and longest + (args.max_tokens or 1) > limit:
+            fix = "raise max_seq_len"
+            if limit < args.server_max_len:
+                fix = f"start the server with --max-model-len >= {longest + (args.max_tokens or 1)}"
             return (
                 f"all {n} requests were rejected by the server: the prompt plus tools is {longest:,} tokens and "
-                f"max_tokens={args.max_tokens} must fit too, but the context is {limit:,} (max_seq_len / "
-                "server_max_model_len): raise max_seq_len"
+                f"max_tokens={args.max_tokens} must fit too, but the server's context is {limit:,} tokens: {fix}"
             )
         return f"all {n} requests were rejected by the server (first: {first_error(rollouts, 'rejected')})"
     if n and rejected + errored == n:

@@ -60,6 +60,7 @@ class InferenceRuntime:
         self.orchestrator: Orchestrator | None = None
         self.model_name: str | None = None
         self.engine: str | None = None  # what the server runs: "cpu" | "vllm"
+        self.max_model_len: int | None = None  # the server's context limit, as it reports it
         self.policy = PolicyVersion()
         self.synced_version: int | None = None
         self.last_rollouts: list[Rollout] = []
@@ -113,6 +114,14 @@ class InferenceRuntime:
             client.wait_for_health(args.vllm_server_timeout)
         models = client.models()
         self.model_name = models[0]["id"]
+        self.max_model_len = models[0].get("max_model_len") or args.server_max_len
+        if self.max_model_len < args.server_max_len:
+            logger.warning(
+                "the server's context is %d tokens, shorter than the %d the config plans for (max_seq_len / "
+                "server_max_model_len): requests longer than that will be rejected",
+                self.max_model_len,
+                args.server_max_len,
+            )
         if self.engine is None:  # connected: the server says what it runs
             self.engine = engine_of_models(models)
         backend = resolve_sync_backend(args.sync_backend, self.engine)

@@ -191,7 +191,9 @@ class RLTrainer(Trainer):
                 step = self.state.global_step
                 logger.warning("step %d: %d of %d rollouts %s (first: %s)", step, n, len(rollouts), kind, text)
         if prepared.num_sequences == 0:
-            prepared.problem = explain_empty_step(rollouts, prepared.counts, self.args, self.processing_class, self.env)
+            prepared.problem = explain_empty_step(
+                rollouts, prepared.counts, self.args, self.processing_class, self.env, self.runtime.max_model_len
+            )
 
     def _stop_when_nothing_trains(self, prepared: PreparedBatch) -> None:
         """Every rank: count consecutive steps without a trainable sample; stop with the cause after
