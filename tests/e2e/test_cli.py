@@ -32,7 +32,7 @@ rollouts_per_example = 4
 batch_size = 16
 micro_batch_size = 8
 max_tokens = 8
-max_seq_len = 128
+max_seq_len = 256
 learning_rate = 1e-3
 save_strategy = "no"
 log_completions = false
@@ -160,7 +160,10 @@ def test_vf_train_against_a_running_server(tmp_path, tiny_model_dir):
         )
         assert r.returncode == 0, r.stderr[-3000:]
         assert client.weight_version() == "1"
-    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if "reward" in x] == [1]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward" in r] == [1]
+    # vf-train runs the config's [eval] too (it is what vf-rl runs under accelerate for several trainer GPUs)
+    assert any("eval_before/reward" in r for r in rows) and any("eval_after/reward" in r for r in rows)
 
 
 def test_setup_lays_out_workspace_idempotently(tmp_path):

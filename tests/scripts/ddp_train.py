@@ -31,6 +31,9 @@ args = RLConfig(
 trainer = RLTrainer(model=model_dir, env=reverse_env(), args=args)
 try:
     trainer.train()
+    metrics = trainer.evaluate()  # rank 0 talks to the server; every rank gets the same numbers
+    has_server = trainer.runtime.client is not None
+    print("EVAL", trainer.accelerator.process_index, round(metrics["eval/reward"], 6), has_server, flush=True)
 finally:
     trainer.close()
 if trainer.is_world_process_zero():

@@ -111,18 +111,33 @@ def flags_from_args(args: dict[str, Any]) -> list[str]:
     return out
 
 
+def _actionable(e: Exception) -> bool:
+    """Errors whose message is the whole story. Their classes are looked up lazily: importing them up front would
+    import torch before a config typo could be reported."""
+    if isinstance(e, (FileNotFoundError, NotADirectoryError, OSError)):
+        return True
+    from verifiers_rl.errors import TrainingError
+
+    if isinstance(e, TrainingError):
+        return True
+    client, orchestrator = (
+        sys.modules.get(m) for m in ("verifiers_rl.rl.inference.client", "verifiers_rl.rl.trainer.orchestrator")
+    )
+    return (client is not None and isinstance(e, client.ServerError)) or (
+        orchestrator is not None and isinstance(e, orchestrator.GenerationError)
+    )
+
+
 def run_cli(prog: str, body: Callable[[], int]) -> int:
     """Run a command body; known failures become one line on stderr and a non-zero exit, no traceback."""
-    from verifiers_rl.errors import TrainingError
-    from verifiers_rl.rl.inference.client import ServerError
-    from verifiers_rl.rl.trainer.orchestrator import GenerationError
-
     try:
         return body()
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    except (ServerError, GenerationError, TrainingError, FileNotFoundError, NotADirectoryError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - re-raised unless it is one of the errors a user acts on
+        if not _actionable(e):
+            raise
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -13,7 +13,6 @@ Errors name the key and say what is allowed; `ConfigError` carries one line for 
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import sys
 import tomllib
@@ -159,6 +158,9 @@ def validate(cfg: dict[str, Any], command: str = "vf-rl") -> dict[str, Any]:
     engine = cfg.get("inference", {}).get("engine", "auto")
     if engine not in ENGINES:
         raise ConfigError(f"inference.engine={engine!r}; allowed: {', '.join(ENGINES)}")
+    port = cfg.get("inference", {}).get("port")
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(f"inference.port={port}: expected a TCP port in 1..65535")
     for section in ("inference", "trainer"):
         gpus = cfg.get(section, {}).get("gpus")
         if gpus is not None and gpus < 0:
@@ -190,15 +192,28 @@ def _check_key(section: str, key: str, value: Any) -> None:
 
 
 def _check_trainer_args(args: dict) -> None:
-    from verifiers_rl.rl.trainer.config import RLConfig
+    """Keys, types and RLConfig's rules, from the generated schema: no torch or transformers import yet."""
+    import warnings
 
-    fields = {f.name for f in dataclasses.fields(RLConfig)}
+    from verifiers_rl.rl.trainer.legacy import translate_legacy_kwargs
+    from verifiers_rl.scripts.config_schema import load_schema, rule_errors, type_errors
+
+    schema = load_schema()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # RLConfig warns again when it is built
+            args = translate_legacy_kwargs(args, "trainer.args")
+    except ValueError as e:
+        raise ConfigError(str(e).replace("invalid trainer.args: ", "trainer.args.")) from None
     for key in args:
-        if key not in fields:
+        if key not in schema:
             raise ConfigError(
-                f"unknown key 'trainer.args.{key}'{_suggest(key, fields)}; trainer.args takes RLConfig fields "
+                f"unknown key 'trainer.args.{key}'{_suggest(key, schema)}; trainer.args takes RLConfig fields "
                 "(see docs/configuration.md)"
             )
+    errors = type_errors(args, schema) or rule_errors(args, schema)
+    if errors:
+        raise ConfigError("; ".join(errors))
 
 
 def rl_config(cfg: dict[str, Any], cuda: bool | None = None, quiet: bool = False, **overrides):

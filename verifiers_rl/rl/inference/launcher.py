@@ -201,6 +201,15 @@ class InferenceServer:
             except subprocess.TimeoutExpired:
                 continue
 
+    def kill(self) -> None:
+        """SIGKILL the server's process group at once (the caller is about to exit)."""
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def __enter__(self) -> VLLMClient:
         return self.start()
 

@@ -218,6 +218,13 @@ class RLConfig(TrainingArguments):
             "errored or without reward spread is not counted here: only steps with no trainable sample)."
         ),
     )
+    save_on_signal_timeout: float = field(
+        default=60.0,
+        metadata=_help(
+            "On SIGTERM/Ctrl-C the last completed step is checkpointed; rollout batches still generating after this "
+            "many seconds are left out of it (a resume generates them again)."
+        ),
+    )
     use_liger: bool = field(
         default=False, metadata=_help("Load a model given by name with Liger kernels (needs liger-kernel).")
     )

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from verifiers_rl.rl.inference.layout import ENGINES, SYNC_BACKENDS
-from verifiers_rl.rl.trainer.losses import LOSS_TYPES
 
+LOSS_TYPES = ("is", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
 LORA_SYNC = ("merged", "adapter")
 SERVER_MODES = ("auto", "spawn", "connect")

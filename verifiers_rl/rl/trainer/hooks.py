@@ -11,7 +11,7 @@ import os
 import torch
 from transformers import TrainerCallback
 
-ORCHESTRATOR_STATE = "orchestrator.pt"
+from verifiers_rl.rl.trainer.checkpoints import ORCHESTRATOR_STATE
 
 
 class StartInference(TrainerCallback):

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-LOSS_TYPES = ("is", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
+from verifiers_rl.rl.trainer.config_checks import LOSS_TYPES  # one list for the config and the loss
+
 METRIC_REDUCTIONS = {
     "ratio_mean": "sum",  # mean of r_t over the step's trained tokens
     "ratio_min": "min",  # +inf for a micro-batch without trained tokens

@@ -226,10 +226,20 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ checkpoint
 
-    def state_dict(self) -> dict:
-        """Finish in-flight batches and keep them: after a resume they are trained exactly as they would have been."""
+    def state_dict(self, timeout: float | None = None) -> dict:
+        """Finish in-flight batches and keep them: after a resume they are trained exactly as they would have been.
+
+        With `timeout` (a save on a signal), batches still generating after that many seconds are left out; a
+        resumed run generates them again, with the policy it resumes with."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         ready = dict(self._ready)
         for index in sorted(self._futures):
+            fut = self._futures[index]
+            if deadline is not None:
+                try:
+                    fut.result(timeout=max(deadline - time.monotonic(), 0.0))
+                except Exception:  # noqa: BLE001 - unfinished or failed: regenerated after the resume
+                    continue
             ready[index] = self.get(index)
         self._ready = dict(ready)
         return {"ready": ready}

@@ -53,7 +53,8 @@ def classify_error(out: dict) -> tuple[str | None, str | None]:
             return "errored", "server responses carried no token ids/logprobs (is return_token_ids supported?)"
         return None, None
     if isinstance(err, dict):
-        text = str(err.get("error_chain_str") or err.get("error_chain_repr") or err.get("error"))
+        # the repr chain carries the messages ("SandboxError('no key') -> ..."); the str chain only type names
+        text = str(err.get("error_chain_repr") or err.get("error_chain_str") or err.get("error"))
     else:
         text = str(err)
     rejected = "BadRequestError" in text or "Error code: 400" in text
@@ -112,9 +113,11 @@ def rollouts_from_outputs(outputs: list[dict], groups: list[int], policy_version
     return rollouts
 
 
-def _messages(out: dict) -> list:
+def _messages(out: dict) -> list[dict]:
+    """Prompt + completion as plain chat dicts (verifiers may hand back its pydantic message objects)."""
     prompt, completion = out.get("prompt"), out.get("completion")
-    return [*(prompt if isinstance(prompt, list) else []), *(completion if isinstance(completion, list) else [])]
+    msgs = [*(prompt if isinstance(prompt, list) else []), *(completion if isinstance(completion, list) else [])]
+    return [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in msgs]
 
 
 def _is_number(v) -> bool:

@@ -204,6 +204,11 @@ class InferenceRuntime:
         self.policy.advance(version)
         return stats.seconds
 
+    def kill_server(self) -> None:
+        """A second signal: take the spawned server down now, without waiting for it."""
+        if self.server is not None:
+            self.server.kill()
+
     def stop_rollouts(self) -> None:
         if self.orchestrator is not None:
             self.orchestrator.close()

@@ -11,30 +11,35 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import time
-from collections import defaultdict
 
 import torch
 from accelerate.utils import broadcast_object_list
 from torch.utils.data import Dataset
 from transformers import Trainer
 from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from verifiers_rl.errors import TrainingError
 from verifiers_rl.rl.trainer.callbacks import MetricsFileCallback, RichProgressCallback
+from verifiers_rl.rl.trainer.checkpoints import (
+    MANIFEST,
+    ORCHESTRATOR_STATE,
+    STAGING,
+    drop_metrics_after,
+    publish,
+    resume_point,
+    write_manifest,
+)
 from verifiers_rl.rl.trainer.config import RLConfig
 from verifiers_rl.rl.trainer.diagnose import explain_empty_step, first_error
-from verifiers_rl.rl.trainer.forward import output_head, reference_logprobs, token_logprobs
-from verifiers_rl.rl.trainer.hooks import ORCHESTRATOR_STATE, StartInference, SubmitRollouts, SyncWeights
-from verifiers_rl.rl.trainer.losses import policy_loss
-from verifiers_rl.rl.trainer.microbatches import collate_packed, collate_padded, plan_microbatches
+from verifiers_rl.rl.trainer.hooks import StartInference, SubmitRollouts, SyncWeights
+from verifiers_rl.rl.trainer.policy_step import run_microbatches
+from verifiers_rl.rl.trainer.preemption import PreemptionGuard, StepAbandoned, StopOnSignal
 from verifiers_rl.rl.trainer.prompts import filter_prompts
 from verifiers_rl.rl.trainer.runtime import InferenceRuntime
-from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch, shard_samples
-
-_ADDITIVE = ("ratio_mean", "masked_frac", "mismatch_kl", "kl")
-
+from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +99,8 @@ class RLTrainer(Trainer):
         self._empty_steps = 0
         self._seen_failures: set[str | None] = set()
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        hooks = [StartInference(self), SyncWeights(self), SubmitRollouts(self)]
+        self._guard: PreemptionGuard | None = None
+        hooks = [StartInference(self), SyncWeights(self), SubmitRollouts(self), StopOnSignal(lambda: self._guard)]
         callbacks = [*hooks, MetricsFileCallback(), *(callbacks or [])]
         super().__init__(
             model=model,
@@ -135,15 +141,50 @@ class RLTrainer(Trainer):
     # ------------------------------------------------------------------ lifecycle
 
     def train(self, resume_from_checkpoint=None, **kwargs):
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"resume_from_checkpoint=True but no checkpoint in {self.args.output_dir}")
-        self.resume_from = resume_from_checkpoint
+        """`Trainer.train`, plus: a checkpoint is checked before it is resumed from (the newest usable one with
+        `True`), and SIGTERM / Ctrl-C checkpoint the last completed step before the run ends (preemption.py)."""
+        resume = self._resume_point(resume_from_checkpoint)
+        self.resume_from = resume
+        guard = self._guard = PreemptionGuard(on_second_signal=self.runtime.kill_server)
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            with guard:
+                try:
+                    result = super().train(resume_from_checkpoint=resume, **kwargs)
+                except StepAbandoned:
+                    result = None
+                    self._save_after_signal()
+            if guard.signum is not None:
+                logger.warning("stopped by signal %d after step %d", guard.signum, self.state.global_step)
+                self.close()
+                guard.raise_for_signal()
+            return result
         finally:
+            self._guard = None
             self.runtime.stop_rollouts()
+
+    def _resume_point(self, requested):
+        if not requested:
+            return None
+        try:
+            resume, notes = resume_point(
+                self.args.output_dir, requested, use_lora=self.args.use_lora, save_only_model=self.args.save_only_model
+            )
+        except ValueError as e:
+            raise TrainingError(str(e)) from None
+        for note in notes:
+            logger.warning(note)
+        if self.is_world_process_zero():
+            drop_metrics_after(self.args.output_dir, int(resume.rsplit("-", 1)[1]))
+            shutil.rmtree(os.path.join(self.args.output_dir, STAGING), ignore_errors=True)  # a save that was killed
+        return resume
+
+    def _save_after_signal(self) -> None:
+        """The step that was waiting for rollouts is dropped; checkpoint the last completed one (unless a
+        scheduled save just did)."""
+        step = self.state.global_step
+        done = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}", MANIFEST)
+        if step > 0 and not os.path.exists(done):
+            self._save_checkpoint(self.model, trial=None)
 
     def close(self) -> None:
         """Stop rollouts and the inference server this trainer spawned."""
@@ -159,19 +200,23 @@ class RLTrainer(Trainer):
         t0 = time.perf_counter()
         payload = [None]
         if self.is_world_process_zero():
-            batch = self.runtime.next_batch(self.state.global_step)
+            with self._guard.waiting_for_rollouts() if self._guard else contextlib.nullcontext():
+                batch = self.runtime.next_batch(self.state.global_step)
             prepared = prepare_batch(batch.rollouts, args, current_version=self.state.global_step)
             prepared.metrics["timing/generation_s"] = batch.generation_seconds
             prepared.metrics["timing/wait_s"] = time.perf_counter() - t0
             self._report_failures(batch.rollouts, prepared)
             payload = [prepared]
         if self.accelerator.num_processes > 1:
-            broadcast_object_list(payload, from_process=0)
+            with self._guard.waiting_for_rollouts() if self._guard else contextlib.nullcontext():
+                broadcast_object_list(payload, from_process=0)
         prepared: PreparedBatch = payload[0]
         self._stop_when_nothing_trains(prepared)
         t_train = time.perf_counter()
         model.train()
-        loss, metrics = self._run_microbatches(model, prepared)
+        loss, metrics = run_microbatches(
+            self.accelerator, model, prepared, self.args, self.processing_class.pad_token_id
+        )
         metrics.update(prepared.metrics)
         metrics["timing/train_s"] = time.perf_counter() - t_train
         metrics["timing/step_s"] = time.perf_counter() - t0
@@ -209,111 +254,6 @@ class RLTrainer(Trainer):
             step, problem = self.state.global_step, prepared.problem
             logger.warning("step %d has nothing to train (%d of %d): %s", step, self._empty_steps, limit, problem)
 
-    def _microbatches(self, prepared: PreparedBatch) -> list[dict]:
-        args: RLConfig = self.args
-        mine = shard_samples(prepared.samples, self.accelerator.num_processes, self.accelerator.process_index)
-        lengths = [len(s["input_ids"]) for s in mine]
-        plan = plan_microbatches(
-            lengths, args.token_budget, packed=args.pack_sequences, max_samples=args.micro_batch_size
-        )
-        out = []
-        for idx in plan:
-            group = [mine[i] for i in idx]
-            if args.pack_sequences:
-                out.append(collate_packed(group, self._packed_row_len(group), self.processing_class.pad_token_id))
-            else:
-                out.append(collate_padded(group, self.processing_class.pad_token_id))
-        return out
-
-    def _run_microbatches(self, model, prepared: PreparedBatch):
-        args: RLConfig = self.args
-        device = self.accelerator.device
-        mbs = self._microbatches(prepared)
-        # DDP all-reduces on every backward outside no_sync: every rank must run the same number of them.
-        n = len(mbs)
-        if self.accelerator.num_processes > 1:
-            n = int(self.accelerator.gather(torch.tensor([n], device=device)).max())
-        unwrapped = self.accelerator.unwrap_model(model)
-        head = output_head(unwrapped)
-        total = torch.zeros((), device=device)
-        sums: dict[str, float] = defaultdict(float)
-        extremes = {"ratio_min": float("inf"), "ratio_max": float("-inf")}
-        real = padded = 0
-        for i in range(n):
-            mb = mbs[i] if i < len(mbs) else None
-            ctx = self.accelerator.no_sync(model) if i < n - 1 else contextlib.nullcontext()
-            with ctx:
-                if mb is None:  # this rank has fewer micro-batches: a zero-weight pass keeps DDP in step
-                    mb = self._empty_microbatch(prepared)
-                batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
-                logprobs, entropy = token_logprobs(model, head, batch, args.temperature)
-                sampler = torch.where(
-                    torch.isnan(batch["sampler_logprobs"]), logprobs.detach(), batch["sampler_logprobs"]
-                )
-                ref = reference_logprobs(unwrapped, batch, args.temperature) if args.kl_beta > 0 else None
-                loss, m = policy_loss(
-                    logprobs,
-                    sampler,
-                    batch["advantages"],
-                    batch["loss_mask"],
-                    loss_type=args.loss_type,
-                    num_tokens_global=max(prepared.num_tokens, 1),
-                    num_sequences_global=max(prepared.num_sequences, 1),
-                    max_tokens=args.max_tokens or args.max_seq_len,
-                    mask_ratio_low=args.mask_ratio_low,
-                    mask_ratio_high=args.mask_ratio_high,
-                    clip_eps_low=args.epsilon,
-                    clip_eps_high=args.epsilon_high,
-                    ref_logprobs=ref,
-                    kl_beta=args.kl_beta,
-                    seq_index=batch.get("seq_index"),
-                )
-                if mb.get("empty"):
-                    loss = loss * 0.0
-                # DDP averages gradients over ranks; the loss is already normalised globally
-                self.accelerator.backward(loss * self.accelerator.num_processes)
-            total += loss.detach()
-            if not mb.get("empty"):
-                # policy_loss metrics are already weighted by 1/num_tokens_global: they add up to step means
-                for k in _ADDITIVE:
-                    if k in m:
-                        sums[k] += float(m[k])
-                mask = batch["loss_mask"]
-                extremes["ratio_min"] = min(extremes["ratio_min"], float(m["ratio_min"]))
-                extremes["ratio_max"] = max(extremes["ratio_max"], float(m["ratio_max"]))
-                if entropy is not None:
-                    sums["entropy_sum"] += float(entropy[mask].sum())
-                sums["trained_tokens"] += float(mask.sum())
-                real += int(mb.get("num_real_tokens", mask.numel()))
-                padded += int(mb.get("num_padded_tokens", 0))
-        keys = [*_ADDITIVE, "entropy_sum", "trained_tokens"]
-        vec = torch.tensor([sums[k] for k in keys] + [real, padded], dtype=torch.float64, device=device)
-        if self.accelerator.num_processes > 1:
-            vec = self.accelerator.reduce(vec, reduction="sum")
-        red = dict(zip([*keys, "real", "padded"], vec.tolist()))
-        metrics = {k: red[k] for k in _ADDITIVE if k != "kl" or args.kl_beta > 0}
-        metrics["entropy"] = red["entropy_sum"] / max(red["trained_tokens"], 1.0)
-        metrics["trained_tokens"] = red["trained_tokens"]
-        metrics.update({k: v for k, v in extremes.items() if abs(v) != float("inf")})
-        real, padded = red["real"], red["padded"]
-        metrics["tokens"] = float(sum(len(s["input_ids"]) for s in prepared.samples))
-        metrics["padding_frac"] = padded / max(real + padded, 1)
-        metrics["microbatches"] = float(len(mbs))
-        return total, metrics
-
-    def _packed_row_len(self, group: list[dict]) -> int | None:
-        # flash-attention runs a packed row as varlen (cost ~ sum of len^2): one row is best. Any other attention
-        # builds a dense [N, N] block-diagonal mask, so rows are as wide as the micro-batch's longest sample:
-        # the cost of the padded layout, with short samples filling the gaps instead of padding.
-        impl = str(getattr(self.accelerator.unwrap_model(self.model).config, "_attn_implementation", "") or "")
-        return None if "flash" in impl else max(len(s["input_ids"]) for s in group)
-
-    def _empty_microbatch(self, prepared: PreparedBatch) -> dict:
-        sample = {"input_ids": [0, 0], "loss_mask": [False, True], "sampler_logprobs": [0.0, 0.0], "advantage": 0.0}
-        mb = collate_packed([sample]) if self.args.pack_sequences else collate_padded([sample], 0)
-        mb["empty"] = True
-        return mb
-
     def floating_point_ops(self, inputs) -> int:
         return 0  # inputs are step markers; FLOPs are not tracked
 
@@ -326,12 +266,28 @@ class RLTrainer(Trainer):
         super().log(logs, start_time)
 
     def _save_checkpoint(self, model, trial) -> None:
-        super()._save_checkpoint(model, trial)
-        if self.is_world_process_zero() and self.runtime.orchestrator is not None:
-            folder = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
-            torch.save(self.runtime.orchestrator.state_dict(), os.path.join(folder, ORCHESTRATOR_STATE))
+        """Trainer's checkpoint written into a staging folder, completed with the orchestrator's state and a
+        manifest, then renamed into place (checkpoints.py): a kill mid-save leaves no half checkpoint."""
+        final_root = self._get_output_dir(trial=trial)
+        staging_root = os.path.join(final_root, STAGING)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self._get_output_dir = lambda trial=None: staging_root  # where Trainer writes this one checkpoint
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            del self._get_output_dir
+        staged = os.path.join(staging_root, name)
+        if self.is_world_process_zero():
+            if self.runtime.orchestrator is not None:
+                timeout = self.args.save_on_signal_timeout if self._guard and self._guard.signum else None
+                state = self.runtime.orchestrator.state_dict(timeout=timeout)
+                torch.save(state, os.path.join(staged, ORCHESTRATOR_STATE))
+            write_manifest(staged, self.state.global_step)
+        self.accelerator.wait_for_everyone()
+        if self.is_world_process_zero():
+            publish(staged, os.path.join(final_root, name))
+            self._rotate_checkpoints(use_mtime=False, output_dir=final_root)
+        self.accelerator.wait_for_everyone()
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Rollouts on the environment's eval split with the current policy. Only the main process talks to the

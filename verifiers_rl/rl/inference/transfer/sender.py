@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # the client imports this module; it must not pull torch in for a type name
+    import torch
 
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
+NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
 
 
 @dataclass

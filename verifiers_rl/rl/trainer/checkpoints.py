@@ -1,0 +1,136 @@
+"""Checkpoints that are whole or absent, and resumes that say what is wrong with a bad one.
+
+A checkpoint is written into a staging folder and renamed into place once every file is on disk, with a
+manifest (`vf_rl_checkpoint.json`: the step, every file and its size) written last. A kill during a save
+leaves a staging folder, never a `checkpoint-N` that looks complete. Before resuming, a checkpoint is checked
+against its manifest and for what this run needs; when the newest is unusable the previous one is used, with
+one line that says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+MANIFEST = "vf_rl_checkpoint.json"
+ORCHESTRATOR_STATE = "orchestrator.pt"
+STAGING = ".staging"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def write_manifest(folder: str | os.PathLike, step: int) -> None:
+    folder = Path(folder)
+    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
+    os.replace(tmp, folder / MANIFEST)
+
+
+def publish(staged: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Move a fully written checkpoint folder into place (same filesystem: an atomic rename)."""
+    final = Path(final)
+    if final.exists():  # the same step saved again (e.g. a signal right after a scheduled save)
+        shutil.rmtree(final)
+    os.replace(staged, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself survives a crash
+    finally:
+        os.close(fd)
+
+
+def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """checkpoint-N folders of output_dir, newest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def problem(folder: str | os.PathLike, *, use_lora: bool, save_only_model: bool = False) -> str | None:
+    """Why `folder` cannot be resumed from (one phrase naming the file), or None when it can."""
+    folder = Path(folder)
+    manifest = folder / MANIFEST
+    if not manifest.exists():
+        return f"{manifest} is missing: the save was interrupted"
+    try:
+        listed = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{manifest} is corrupt"
+    for name, size in listed.items():
+        path = folder / name
+        if not path.exists():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} is truncated or changed ({path.stat().st_size} of {size} bytes)"
+    state = folder / "trainer_state.json"
+    try:
+        json.loads(state.read_text())
+    except (OSError, ValueError):
+        return f"{state} is missing or not valid JSON"
+    if not save_only_model and not (folder / "optimizer.pt").exists():
+        return f"{folder / 'optimizer.pt'} is missing (a resume needs the optimizer state)"
+    adapter = (folder / "adapter_model.safetensors").exists() or (folder / "adapter_model.bin").exists()
+    full = any(folder.glob("model*.safetensors")) or (folder / "pytorch_model.bin").exists()
+    if use_lora and not adapter:
+        return f"{folder} holds full model weights, not a LoRA adapter, but use_lora=True"
+    if not use_lora and adapter and not full:
+        return f"{folder} holds a LoRA adapter, but use_lora=False (full fine-tuning)"
+    return None
+
+
+def resume_point(
+    output_dir, requested, *, use_lora: bool, save_only_model: bool = False
+) -> tuple[str | None, list[str]]:
+    """(checkpoint to resume from, notes). `requested` is True (the newest usable one) or a path. A broken
+    newest checkpoint falls back to the previous one with a note; an explicit path that is broken is a
+    ValueError whose message names the file and the checkpoint to use instead."""
+    candidates = checkpoints(output_dir)
+    if requested is True:
+        notes = []
+        for folder in candidates:
+            why = problem(folder, use_lora=use_lora, save_only_model=save_only_model)
+            if why is None:
+                return str(folder), notes
+            notes.append(f"not resuming from {folder.name}: {why}")
+        if candidates:
+            raise ValueError("no usable checkpoint in " + f"{output_dir}: " + "; ".join(notes))
+        raise ValueError(f"resume_from_checkpoint=True but there is no checkpoint in {output_dir}")
+    why = problem(requested, use_lora=use_lora, save_only_model=save_only_model)
+    if why is None:
+        return str(requested), []
+    usable = [
+        p
+        for p in candidates
+        if p != Path(requested) and problem(p, use_lora=use_lora, save_only_model=save_only_model) is None
+    ]
+    instead = f"resume from {usable[0]} instead" if usable else "start without resume_from_checkpoint"
+    raise ValueError(f"cannot resume from {requested}: {why}; {instead}")
+
+
+def drop_metrics_after(output_dir: str | os.PathLike, step: int) -> int:
+    """Remove metrics.jsonl rows logged after `step` (by a run that went on past the checkpoint it is resumed
+    from), so that every step appears once. Returns how many rows were dropped."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row_step = json.loads(line).get("step", 0)
+        except ValueError:  # a line cut by a kill mid-write
+            dropped += 1
+            continue
+        if row_step > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped

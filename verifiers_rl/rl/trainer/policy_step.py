@@ -1,0 +1,126 @@
+"""One optimizer step's forward/backward passes: this rank's samples, micro-batched, through the policy loss.
+
+Every rank runs the same number of backwards (DDP all-reduces on each one outside no_sync); the loss of each
+micro-batch is already normalised over the whole step (all micro-batches, all ranks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+
+from verifiers_rl.rl.trainer.forward import output_head, reference_logprobs, token_logprobs
+from verifiers_rl.rl.trainer.losses import policy_loss
+from verifiers_rl.rl.trainer.microbatches import collate_packed, collate_padded, plan_microbatches
+from verifiers_rl.rl.trainer.samples import PreparedBatch, shard_samples
+
+_ADDITIVE = ("ratio_mean", "masked_frac", "mismatch_kl", "kl")
+
+
+def microbatches(accelerator, model, prepared: PreparedBatch, args, pad_token_id: int) -> list[dict]:
+    """This rank's share of the step's samples, planned into token-budget micro-batches and collated."""
+    mine = shard_samples(prepared.samples, accelerator.num_processes, accelerator.process_index)
+    lengths = [len(s["input_ids"]) for s in mine]
+    plan = plan_microbatches(lengths, args.token_budget, packed=args.pack_sequences, max_samples=args.micro_batch_size)
+    out = []
+    for idx in plan:
+        group = [mine[i] for i in idx]
+        if args.pack_sequences:
+            out.append(collate_packed(group, packed_row_len(accelerator.unwrap_model(model), group), pad_token_id))
+        else:
+            out.append(collate_padded(group, pad_token_id))
+    return out
+
+
+def run_microbatches(accelerator, model, prepared: PreparedBatch, args, pad_token_id: int):
+    """Forward/backward of every micro-batch of the step (gradients accumulate; the caller steps the optimizer);
+    returns (loss summed over micro-batches, step metrics reduced over ranks)."""
+    device = accelerator.device
+    mbs = microbatches(accelerator, model, prepared, args, pad_token_id)
+    # DDP all-reduces on every backward outside no_sync: every rank must run the same number of them.
+    n = len(mbs)
+    if accelerator.num_processes > 1:
+        n = int(accelerator.gather(torch.tensor([n], device=device)).max())
+    unwrapped = accelerator.unwrap_model(model)
+    head = output_head(unwrapped)
+    total = torch.zeros((), device=device)
+    sums: dict[str, float] = defaultdict(float)
+    extremes = {"ratio_min": float("inf"), "ratio_max": float("-inf")}
+    real = padded = 0
+    for i in range(n):
+        mb = mbs[i] if i < len(mbs) else None
+        ctx = accelerator.no_sync(model) if i < n - 1 else contextlib.nullcontext()
+        with ctx:
+            if mb is None:  # this rank has fewer micro-batches: a zero-weight pass keeps DDP in step
+                mb = empty_microbatch(args.pack_sequences)
+            batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
+            logprobs, entropy = token_logprobs(model, head, batch, args.temperature)
+            sampler = torch.where(torch.isnan(batch["sampler_logprobs"]), logprobs.detach(), batch["sampler_logprobs"])
+            ref = reference_logprobs(unwrapped, batch, args.temperature) if args.kl_beta > 0 else None
+            loss, m = policy_loss(
+                logprobs,
+                sampler,
+                batch["advantages"],
+                batch["loss_mask"],
+                loss_type=args.loss_type,
+                num_tokens_global=max(prepared.num_tokens, 1),
+                num_sequences_global=max(prepared.num_sequences, 1),
+                max_tokens=args.max_tokens or args.max_seq_len,
+                mask_ratio_low=args.mask_ratio_low,
+                mask_ratio_high=args.mask_ratio_high,
+                clip_eps_low=args.epsilon,
+                clip_eps_high=args.epsilon_high,
+                ref_logprobs=ref,
+                kl_beta=args.kl_beta,
+                seq_index=batch.get("seq_index"),
+            )
+            if mb.get("empty"):
+                loss = loss * 0.0
+            # DDP averages gradients over ranks; the loss is already normalised globally
+            accelerator.backward(loss * accelerator.num_processes)
+        total += loss.detach()
+        if not mb.get("empty"):
+            # policy_loss metrics are already weighted by 1/num_tokens_global: they add up to step means
+            for k in _ADDITIVE:
+                if k in m:
+                    sums[k] += float(m[k])
+            mask = batch["loss_mask"]
+            extremes["ratio_min"] = min(extremes["ratio_min"], float(m["ratio_min"]))
+            extremes["ratio_max"] = max(extremes["ratio_max"], float(m["ratio_max"]))
+            if entropy is not None:
+                sums["entropy_sum"] += float(entropy[mask].sum())
+            sums["trained_tokens"] += float(mask.sum())
+            real += int(mb.get("num_real_tokens", mask.numel()))
+            padded += int(mb.get("num_padded_tokens", 0))
+    keys = [*_ADDITIVE, "entropy_sum", "trained_tokens"]
+    vec = torch.tensor([sums[k] for k in keys] + [real, padded], dtype=torch.float64, device=device)
+    if accelerator.num_processes > 1:
+        vec = accelerator.reduce(vec, reduction="sum")
+    red = dict(zip([*keys, "real", "padded"], vec.tolist()))
+    metrics = {k: red[k] for k in _ADDITIVE if k != "kl" or args.kl_beta > 0}
+    metrics["entropy"] = red["entropy_sum"] / max(red["trained_tokens"], 1.0)
+    metrics["trained_tokens"] = red["trained_tokens"]
+    metrics.update({k: v for k, v in extremes.items() if abs(v) != float("inf")})
+    real, padded = red["real"], red["padded"]
+    metrics["tokens"] = float(sum(len(s["input_ids"]) for s in prepared.samples))
+    metrics["padding_frac"] = padded / max(real + padded, 1)
+    metrics["microbatches"] = float(len(mbs))
+    return total, metrics
+
+
+def packed_row_len(model, group: list[dict]) -> int | None:
+    # flash-attention runs a packed row as varlen (cost ~ sum of len^2): one row is best. Any other attention
+    # builds a dense [N, N] block-diagonal mask, so rows are as wide as the micro-batch's longest sample:
+    # the cost of the padded layout, with short samples filling the gaps instead of padding.
+    impl = str(getattr(model.config, "_attn_implementation", "") or "")
+    return None if "flash" in impl else max(len(s["input_ids"]) for s in group)
+
+
+def empty_microbatch(packed: bool) -> dict:
+    """A zero-weight micro-batch for a rank that has fewer than the others (DDP needs the same backwards)."""
+    sample = {"input_ids": [0, 0], "loss_mask": [False, True], "sampler_logprobs": [0.0, 0.0], "advantage": 0.0}
+    mb = collate_packed([sample]) if packed else collate_padded([sample], 0)
+    mb["empty"] = True
+    return mb
