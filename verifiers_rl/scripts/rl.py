@@ -177,7 +177,7 @@ def run(plan: Plan) -> int:
             server_control_token=server.token,
             server_engine=plan.engine,
         )
-        return train_and_evaluate(plan.model, env, args, cfg)
+        return train_and_evaluate(plan.model, env, args, cfg, server)
 
 
 def _run_accelerate(plan: Plan, server) -> int:

@@ -31,14 +31,18 @@ class VLLMClient:
         control_token: str | None = None,
         api_key: str | None = None,
         connection_timeout: float = 300.0,
-        request_timeout: float = 600.0,
+        request_timeout: float = 30.0,
+        sync_timeout: float = 600.0,
     ):
+        """`request_timeout`: deadline of one control request (a frozen server must not hang the trainer);
+        `sync_timeout`: deadline of the requests and broadcasts of one weight sync."""
         self.host, self.port = host, port
         self.base_url = (base_url or f"http://{host}:{port}").rstrip("/")
         self.connection_timeout = connection_timeout
         self.api_key = api_key or "EMPTY"
         self.control_token = control_token
         self._http = httpx.Client(base_url=self.base_url, timeout=request_timeout)
+        self.sync_timeout = sync_timeout
         self.sender: WeightSender | None = None
 
     # ------------------------------------------------------------------ HTTP
@@ -57,8 +61,12 @@ class VLLMClient:
         kwargs = {"timeout": timeout} if timeout is not None else {}
         return self._check("GET", path, self._http.get(path, headers=self._headers(path), **kwargs))
 
-    def post(self, path: str, json: dict | None = None, *, params: dict | None = None) -> dict:
-        return self._check("POST", path, self._http.post(path, json=json, params=params, headers=self._headers(path)))
+    def post(
+        self, path: str, json: dict | None = None, *, params: dict | None = None, timeout: float | None = None
+    ) -> dict:
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        r = self._http.post(path, json=json, params=params, headers=self._headers(path), **kwargs)
+        return self._check("POST", path, r)
 
     def models(self) -> list[dict]:
         return self.get("/v1/models")["data"]
@@ -114,11 +122,12 @@ class VLLMClient:
         *,
         host: str = "127.0.0.1",
         bucket_bytes: int | None = None,
-        timeout_s: float = 300.0,
+        timeout_s: float | None = None,
         lora_scaling: float | None = None,
     ) -> WeightSender:
         """Join the server's workers in a weight-transfer group (`transfer.sender.create_sender` backends)."""
         self.close_weight_transfer()
+        timeout_s = self.sync_timeout if timeout_s is None else timeout_s
         sender = create_sender(
             backend, self, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s, lora_scaling=lora_scaling
         )
@@ -137,11 +146,12 @@ class VLLMClient:
         with self.paused("keep"):
             return self.sender.send(named_tensors, version)
 
-    def close_weight_transfer(self) -> None:
+    def close_weight_transfer(self, polite: bool = True) -> None:
         sender, self.sender = self.sender, None
         if sender is not None:
-            sender.close()
+            sender.close(polite=polite)
 
-    def close(self) -> None:
-        self.close_weight_transfer()
+    def close(self, polite: bool = True) -> None:
+        """`polite=False`: the server is known to be dead or stuck; tell it nothing."""
+        self.close_weight_transfer(polite)
         self._http.close()

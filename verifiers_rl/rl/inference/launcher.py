@@ -102,6 +102,7 @@ class InferenceServer:
         self.python = python  # another interpreter, e.g. a venv that holds vLLM
         self.process: subprocess.Popen | None = None
         self.client: VLLMClient | None = None
+        self.client_kwargs: dict = {}  # e.g. the control / sync timeouts of the trainer's client
         self._lock = threading.Lock()
 
     @property
@@ -154,7 +155,7 @@ class InferenceServer:
         )
         log.close()
         atexit.register(self.stop)
-        self.client = VLLMClient(self.spec.host, self.spec.port, control_token=self.token)
+        self.client = VLLMClient(self.spec.host, self.spec.port, control_token=self.token, **self.client_kwargs)
         try:
             self._wait_healthy()
         except BaseException:
@@ -182,15 +183,18 @@ class InferenceServer:
     def stop(self, timeout: float = 10.0) -> None:
         with self._lock:
             proc, self.process = self.process, None
-            if self.client is not None:
-                try:
-                    self.client.close()
-                except Exception:  # noqa: BLE001 - the server may already be gone
-                    pass
-                self.client = None
+            client, self.client = self.client, None
+        stopped = proc is not None and proc.poll() is None and self._is_stopped(proc.pid)
+        if client is not None:  # a stopped server would let the goodbye requests time out
+            try:
+                client.close(polite=not stopped)
+            except Exception:  # noqa: BLE001 - the server may already be gone
+                pass
         if proc is None or proc.poll() is not None:
             return
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        # a SIGSTOPped process only acts on SIGTERM once continued: go straight to SIGKILL for it
+        steps = ((signal.SIGKILL, 5.0),) if stopped else ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0))
+        for sig, wait in steps:
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
@@ -200,6 +204,30 @@ class InferenceServer:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+    @staticmethod
+    def _is_stopped(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        except (OSError, IndexError):
+            return False
+
+    def status(self) -> str | None:
+        """What is wrong with the server process, in words (None: it runs)."""
+        proc = self.process
+        if proc is None:
+            return None
+        code = proc.poll()
+        if code is not None:
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            return f"inference server (pid {proc.pid}) {how}"
+        if self._is_stopped(proc.pid):
+            return f"inference server (pid {proc.pid}) is stopped (SIGSTOP or a debugger) and serves nothing"
+        return None
+
+    def describe_failure(self, what: str) -> str:
+        """One line naming the server, what failed and where its log is, then the log's last lines."""
+        return f"{self.status() or what}; server {self.base_url}, log {self.log_path}{self._tail()}"
 
     def kill(self) -> None:
         """SIGKILL the server's process group at once (the caller is about to exit)."""

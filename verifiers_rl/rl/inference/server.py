@@ -19,6 +19,7 @@ import threading
 import time
 from typing import NoReturn
 
+from verifiers_rl.rl.inference.control_auth import is_loopback
 from verifiers_rl.rl.inference.launcher import PARENT_ENV
 from verifiers_rl.rl.inference.layout import ENGINES, resolve_engine
 
@@ -54,8 +55,53 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let non-loopback clients call the weight/control routes (still token-protected)",
     )
+    p.add_argument(
+        "--insecure-control",
+        action="store_true",
+        help="no control token: any local process may pause the server or replace its weights",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def control_token(args) -> str | None:
+    """The control routes' token: the launcher's ($VF_CONTROL_TOKEN), else one made here and left in a file
+    only this user can read, where a trainer of the same user finds it (the two-shell flow needs no copy-paste)."""
+    import atexit
+    import secrets
+
+    from verifiers_rl.rl.inference.control_auth import TOKEN_ENV, token_file, write_token_file
+
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    if args.insecure_control:
+        print("vf-vllm: --insecure-control: any local process can pause this server or replace its weights", flush=True)
+        return None
+    token = secrets.token_urlsafe(24)
+    os.environ[TOKEN_ENV] = token  # read by our app, and by the ControlGuard middleware inside vLLM
+    path = write_token_file(args.port, token)
+    atexit.register(lambda: token_file(args.port).unlink(missing_ok=True))
+    print(
+        f"vf-vllm: control token {token} (in {path} for trainers of this user on this machine; "
+        f"elsewhere set VF_CONTROL_TOKEN)",
+        flush=True,
+    )
+    return token
+
+
+def exposure(host: str, port: int, engine: str, api_key: str | None, allow_remote: bool, token: str | None) -> str:
+    """What a server bound to a non-loopback address exposes, in words, for its log."""
+    routes = "/v1/* (generation), /health" + (
+        ", and vLLM's /tokenize, /detokenize, /metrics, /version" if engine == "vllm" else ""
+    )
+    gen = "protected by the API key" if api_key else "with NO API key: anyone who reaches this address can generate"
+    if not allow_remote:
+        control = "control routes (pause, weights) answer loopback clients only"
+    elif token:
+        control = "control routes (pause, weights) answer any client with the control token (--allow-remote-control)"
+    else:
+        control = "control routes (pause, weights) answer ANY client (--allow-remote-control, --insecure-control)"
+    return f"vf-vllm: listening on {host}:{port}, reachable from other machines: {routes}, {gen}; {control}"
 
 
 def _watch_parent(expected_ppid: int, stop) -> None:
@@ -148,8 +194,14 @@ def serve_command(argv: list[str] | None = None) -> int:
     args, passthrough = build_parser().parse_known_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = resolve_engine(args.engine)
+    token = control_token(args)
+    if not is_loopback(args.host):
+        print(exposure(args.host, args.port, engine, args.api_key, args.allow_remote_control, token), flush=True)
     if engine == "vllm":
         return run_vllm(args, passthrough)
+    # uvicorn re-raises the SIGTERM it caught once it has shut down; with the default handler that would end
+    # the process before atexit runs (the token file would stay behind)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     return run_cpu(args, passthrough)
 
 

@@ -13,10 +13,13 @@ trains; a failure comes back to the trainer as an exception from `get()`, never 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
+import os
 import threading
 import time
+import traceback
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ import verifiers as vf
 from openai import AsyncOpenAI
 
 from verifiers_rl.rl.trainer.policy_version import PolicyVersion
+from verifiers_rl.rl.trainer.reward_checks import REWARD_ERRORS_KEY
 from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY, Rollout, rollouts_from_outputs
 
 ROLLOUT_KEY = "vf_rl_rollout"  # added to each input row; our client derives the sampling seed from it
@@ -34,6 +38,19 @@ ROLLOUT_KEY = "vf_rl_rollout"  # added to each input row; our client derives the
 
 class GenerationError(RuntimeError):
     """Rollout generation failed; the message carries the environment's or server's error."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+def _where(error: BaseException) -> str:
+    """`in <function> (<file>:<line>)` of the innermost frame that raised: the environment's own code."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" in {last.name} ({os.path.basename(last.filename)}:{last.lineno})"
 
 
 def rollout_seed(base_seed: int, key: str, turn: int) -> int:
@@ -144,6 +161,7 @@ class Orchestrator:
 
         def run():
             self._loop = asyncio.new_event_loop()
+            self._loop.set_exception_handler(_quiet_unretrieved)
             asyncio.set_event_loop(self._loop)
             self._client = RolloutClient(
                 AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=self.timeout),
@@ -162,7 +180,9 @@ class Orchestrator:
         self._futures.clear()
         if self._loop is not None and self._thread is not None:
             if self._client is not None:
-                asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(5)
+                # bounded: requests to a frozen server must not keep a closing trainer alive
+                with contextlib.suppress(Exception):
+                    asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(5)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
         self._thread = self._loop = self._client = None
@@ -196,7 +216,7 @@ class Orchestrator:
             self.model_name,
             sampling_args=sampling_args,
             max_concurrent=self.max_concurrent,
-            state_columns=["trajectory", POLICY_VERSIONS_KEY, "prompt_too_long"],
+            state_columns=["trajectory", POLICY_VERSIONS_KEY, "prompt_too_long", REWARD_ERRORS_KEY],
             on_start=quiet,
             on_progress=quiet,
         )
@@ -212,10 +232,13 @@ class Orchestrator:
         except FutureTimeout:
             raise GenerationError(
                 f"rollout batch {index} did not finish within generation_timeout={self.timeout:.0f}s; "
-                "check the inference server log, or raise generation_timeout / lower batch_size"
+                "check the inference server log, or raise generation_timeout / lower batch_size",
+                timed_out=True,
             ) from None
         except Exception as e:  # noqa: BLE001 - re-raised with context for the training loop
-            raise GenerationError(f"rollout batch {index} failed: {type(e).__name__}: {e}") from e
+            raise GenerationError(
+                f"rollout batch {index} failed: the environment raised {type(e).__name__}: {e}{_where(e)}"
+            ) from e
         finally:
             if fut.done():
                 self._futures.pop(index, None)
@@ -266,3 +289,11 @@ def _row(dataset, i: int) -> dict:
     row = dict(dataset[i])
     row.setdefault("example_id", i)
     return row
+
+
+def _quiet_unretrieved(loop, context) -> None:
+    # When one rollout raises, env.generate's gather fails and its sibling tasks' exceptions are never
+    # retrieved; asyncio would print each as a traceback. The first failure is what GenerationError reports.
+    if "exception was never retrieved" in str(context.get("message", "")):
+        return
+    loop.default_exception_handler(context)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 POLICY_VERSIONS_KEY = "vf_rl_policy_versions"  # state column our client fills, one entry per response
+REWARD_ERRORS_KEY = "vf_rl_reward_errors"  # state column reward_checks fills when a reward function fails
 
 
 @dataclass
@@ -47,6 +48,9 @@ def classify_error(out: dict) -> tuple[str | None, str | None]:
     """(kind, text) of a verifiers output's failure; (None, None) when it finished."""
     if out.get("prompt_too_long"):  # verifiers turns the server's context-length 400 into this flag
         return "rejected", PROMPT_TOO_LONG
+    reward_errors = out.get(REWARD_ERRORS_KEY)
+    if reward_errors:  # reward_checks.guard_rewards: the reward is not a score of this rollout
+        return "errored", reward_errors[0]
     err = out.get("error")
     if err is None:
         if out.get("trajectory") and not any(t.get("tokens") for t in out["trajectory"]):

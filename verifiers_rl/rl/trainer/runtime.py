@@ -14,10 +14,11 @@ from verifiers_rl.rl.inference.control_auth import TOKEN_ENV, read_token_file
 from verifiers_rl.rl.inference.discovery import probe_server
 from verifiers_rl.rl.inference.launcher import InferenceServer
 from verifiers_rl.rl.inference.layout import engine_of_models, resolve_engine, resolve_sync_backend
+from verifiers_rl.rl.inference.transfer.gloo import store_host_for
 from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights, merged_weights
 from verifiers_rl.rl.trainer.config import DEFAULT_SERVER_PORT
 from verifiers_rl.rl.trainer.metrics import rollout_metrics
-from verifiers_rl.rl.trainer.orchestrator import Orchestrator, RolloutBatch
+from verifiers_rl.rl.trainer.orchestrator import GenerationError, Orchestrator, RolloutBatch
 from verifiers_rl.rl.trainer.policy_version import PolicyVersion
 from verifiers_rl.rl.trainer.prompts import filter_prompts
 from verifiers_rl.rl.trainer.rollouts import Rollout
@@ -55,7 +56,8 @@ class InferenceRuntime:
 
     def __init__(self, args, model_path: str | None, env):
         self.args, self.model_path, self.env = args, model_path, env
-        self.server: InferenceServer | None = None
+        self.server: InferenceServer | None = None  # spawned here: owned, stopped by close()
+        self.watched: InferenceServer | None = None  # started by the caller (vf-rl): only watched for failures
         self.client: VLLMClient | None = None
         self.orchestrator: Orchestrator | None = None
         self.model_name: str | None = None
@@ -105,12 +107,19 @@ class InferenceRuntime:
                 startup_timeout=args.vllm_server_timeout,
                 env=server_thread_env(split),
             )
+            self.server.client_kwargs = self._client_timeouts()
             client = self.server.start()
             self.engine = self.server.engine
         else:
             port = port or DEFAULT_SERVER_PORT
             token = token or read_token_file(port)
-            client = VLLMClient(args.vllm_server_host, port, control_token=token, api_key=args.server_api_key)
+            client = VLLMClient(
+                args.vllm_server_host,
+                port,
+                control_token=token,
+                api_key=args.server_api_key,
+                **self._client_timeouts(),
+            )
             client.wait_for_health(args.vllm_server_timeout)
         models = client.models()
         self.model_name = models[0]["id"]
@@ -127,13 +136,36 @@ class InferenceRuntime:
         backend = resolve_sync_backend(args.sync_backend, self.engine)
         if args.lora_sync == "adapter":
             backend = "adapter"
-        client.init_weight_transfer(backend, bucket_bytes=args.sync_bucket_mb << 20)
+        client.init_weight_transfer(
+            backend, host=store_host_for(args.vllm_server_host), bucket_bytes=args.sync_bucket_mb << 20
+        )
         if split and self._threads_before is None:
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(split[1])
             logger.info("CPU engine and trainer overlap on %d cores: server %d threads, trainer %d", sum(split), *split)
         self.client = client
         return client
+
+    def _client_timeouts(self) -> dict:
+        # a control request answers in milliseconds unless the server is stuck; a sync may move gigabytes
+        return {"request_timeout": 30.0, "sync_timeout": self.args.generation_timeout}
+
+    def server_failure(self, what: str) -> ServerError:
+        """A ServerError that says what failed, whether the server process is dead or stopped, and where its
+        log is (spawned servers); for a server we only connected to, where it is."""
+        process = self.server or self.watched
+        if process is not None:
+            return ServerError(process.describe_failure(what))
+        url = self.client.base_url if self.client is not None else "the inference server"
+        alive = self.client is not None and self.client.health(timeout=5)
+        state = "it answers /health" if alive else "it does not answer /health"
+        return ServerError(f"{what}; server {url} ({state})")
+
+    def check_server(self) -> None:
+        """Raise at once when a spawned server died or is stopped, instead of failing rollout by rollout."""
+        process = self.server or self.watched
+        if process is not None and process.status():
+            raise self.server_failure("the inference server is gone")
 
     def _discover(self, port: int | None, token: str | None) -> tuple[str, int | None]:
         """server_mode="auto": connect to the RL server that answers at host:port (8000 when unset), else spawn.
@@ -193,13 +225,25 @@ class InferenceRuntime:
             self.orchestrator.submit(b)
 
     def next_batch(self, global_step: int) -> RolloutBatch:
-        batch = self.orchestrator.get(global_step)
+        try:
+            batch = self.orchestrator.get(global_step)
+        except GenerationError as e:
+            self.check_server()
+            if e.timed_out:
+                raise self.server_failure(str(e)) from None
+            raise
+        if any(r.error_kind == "errored" for r in batch.rollouts):
+            self.check_server()  # a dead server fails every request: say so now, not after max_empty_steps
         self.last_rollouts = batch.rollouts[: max(self.args.num_completions_to_log, 1)]
         return batch
 
     def sync(self, model, version: int) -> float:
         tensors = adapter_weights(model) if self.args.lora_sync == "adapter" else merged_weights(model)
-        stats = self.client.update_weights(tensors, version=version)
+        try:
+            stats = self.client.update_weights(tensors, version=version)
+        except Exception as e:  # noqa: BLE001 - httpx, gloo and server errors all end here, as one line
+            self.check_server()
+            raise self.server_failure(f"weight sync to version {version} failed: {type(e).__name__}: {e}") from None
         self.synced_version = version
         self.policy.advance(version)
         return stats.seconds
@@ -219,7 +263,8 @@ class InferenceRuntime:
         if self.server is not None:
             self.server.stop()
         elif self.client is not None:
-            self.client.close()
+            watched_ok = self.watched is None or self.watched.status() is None
+            self.client.close(polite=watched_ok)  # no goodbye requests to a dead or stopped server
         self.server = self.client = None
         self.engine = None
         if self._threads_before is not None:

@@ -19,7 +19,7 @@ from accelerate.utils import broadcast_object_list
 from torch.utils.data import Dataset
 from transformers import Trainer
 from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from verifiers_rl.errors import TrainingError
 from verifiers_rl.rl.trainer.callbacks import MetricsFileCallback, RichProgressCallback
@@ -38,6 +38,7 @@ from verifiers_rl.rl.trainer.hooks import StartInference, SubmitRollouts, SyncWe
 from verifiers_rl.rl.trainer.policy_step import run_microbatches
 from verifiers_rl.rl.trainer.preemption import PreemptionGuard, StepAbandoned, StopOnSignal
 from verifiers_rl.rl.trainer.prompts import filter_prompts
+from verifiers_rl.rl.trainer.reward_checks import check_dataset, check_reward_inputs, guard_rewards
 from verifiers_rl.rl.trainer.runtime import InferenceRuntime
 from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch
 
@@ -90,9 +91,11 @@ class RLTrainer(Trainer):
         model = self._wrap_lora(model, args)
         self.env = env
         self.model_path = model_path
-        self.train_rows, self.prompts_filtered = filter_prompts(
-            env.get_dataset(), processing_class, args.prompt_limit, env
-        )
+        dataset = env.get_dataset()
+        check_dataset(env, dataset)
+        check_reward_inputs(env, dataset)
+        guard_rewards(env)
+        self.train_rows, self.prompts_filtered = filter_prompts(dataset, processing_class, args.prompt_limit, env)
         self.runtime = InferenceRuntime(args, model_path, env)
         self.resume_from: str | None = None
         self.step_metrics: dict[str, float] = {}
@@ -286,7 +289,11 @@ class RLTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         if self.is_world_process_zero():
             publish(staged, os.path.join(final_root, name))
-            self._rotate_checkpoints(use_mtime=False, output_dir=final_root)
+            rotate_checkpoints(
+                output_dir=final_root,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+            )
         self.accelerator.wait_for_everyone()
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import ipaddress
+import secrets
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +33,7 @@ from verifiers_rl.rl.inference.transfer.buckets import (
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
 
 _PREFIX = "verifiers_rl_weights"
+_LISTEN_SOCKETS: dict[int, socket.socket] = {}
 
 
 @dataclass
@@ -44,6 +48,9 @@ class GlooInitInfo:
     # Must equal the trainer's bucket size: both sides derive the bucket plan from it.
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = 300.0
+    # The run's secret: every rendezvous key lives under it, so a peer that does not present it (it only
+    # travels in this token-protected request) cannot join or disturb the group.
+    group_key: str = ""
 
     def __post_init__(self):
         try:
@@ -94,23 +101,66 @@ class WeightGroup:
 
 
 def open_store(host: str, port: int = 0, world_size: int = 2, timeout_s: float = 300.0):
-    """The trainer's rendezvous store; port 0 lets the OS pick a free one (read it back from `store.port`)."""
+    """The trainer's rendezvous store, listening on `host` only (port 0: a free one, read back from `store.port`).
+
+    TCPStore on its own listens on every interface; it is handed a socket bound to `host` instead, so a store
+    for a loopback server is not reachable from the network at all."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
     timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    store = dist.TCPStore(
+        host,
+        sock.getsockname()[1],
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+    )
+    _LISTEN_SOCKETS[id(store)] = sock  # the store serves on this socket's fd: it must outlive the store
+    return store
 
 
-def join_group(store, rank: int, world_size: int, timeout_s: float = 300.0) -> WeightGroup:
-    """Blocks until every rank has joined."""
+def store_host_for(server_host: str) -> str:
+    """The address the trainer's store listens on: loopback for a local server (nothing else can reach it),
+    else the one interface this machine uses to reach the server."""
+    try:
+        if ipaddress.ip_address(socket.gethostbyname(server_host)).is_loopback:
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((server_host, 9))  # no packet is sent: this only picks the route's source address
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def close_store(store) -> None:
+    sock = _LISTEN_SOCKETS.pop(id(store), None)
+    if sock is not None:
+        sock.close()
+
+
+def join_group(store, rank: int, world_size: int, timeout_s: float = 300.0, group_key: str = "") -> WeightGroup:
+    """Blocks until every rank has joined (under the run's secret key)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(_PREFIX, store), rank, world_size, timeout)
+    prefix = f"{_PREFIX}/{group_key}" if group_key else _PREFIX
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, timeout)
     return WeightGroup(pg, store, rank, world_size)
 
 
 def connect_group(info: GlooInitInfo, rank: int) -> WeightGroup:
-    """Receiver side: connect to the trainer's store and join as `rank`."""
+    """Receiver side: connect to the trainer's store and join as `rank`. A store that cannot be reached is a
+    ValueError that names the address (the server answers 400, not a 500 traceback)."""
     timeout = datetime.timedelta(seconds=info.timeout_s)
-    store = dist.TCPStore(info.master_address, info.master_port, info.world_size, is_master=False, timeout=timeout)
-    return join_group(store, rank, info.world_size, info.timeout_s)
+    try:
+        store = dist.TCPStore(info.master_address, info.master_port, info.world_size, is_master=False, timeout=timeout)
+    except (RuntimeError, OSError) as e:
+        raise ValueError(
+            f"cannot reach the trainer's weight-sync store at {info.master_address}:{info.master_port}: {e}"
+        ) from None
+    return join_group(store, rank, info.world_size, info.timeout_s, info.group_key)
 
 
 def create_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> WeightGroup:
@@ -188,11 +238,12 @@ class GlooSender:
     def init(self) -> None:
         world = 1 + self.client.get_world_size()
         store = open_store(self.host, 0, world, self.timeout_s)
-        info = GlooInitInfo(self.host, store.port, 1, world, self.bucket_bytes, self.timeout_s)
+        key = secrets.token_hex(16)
+        info = GlooInitInfo(self.host, store.port, 1, world, self.bucket_bytes, self.timeout_s, key)
         # the server's workers join while this thread waits in the rendezvous
         body = {"init_info": dataclasses.asdict(info)}
-        joined = run_in_thread(lambda: self.client.post("/init_weight_transfer_engine", body))
-        self.group = join_group(store, 0, world, self.timeout_s)
+        joined = run_in_thread(lambda: self.client.post("/init_weight_transfer_engine", body, timeout=self.timeout_s))
+        self.group = join_group(store, 0, world, self.timeout_s, key)
         joined.join()
 
     def update_info(self, metas: list[TensorMeta]) -> UpdateInfo:
@@ -207,18 +258,23 @@ class GlooSender:
         buckets = plan_buckets(metas, self.bucket_bytes)
         info = self.update_info(metas).to_dict()
         self.client.post("/start_weight_update")
-        pending = run_in_thread(lambda: self.client.post("/update_weights", {"update_info": info}))
+        pending = run_in_thread(
+            lambda: self.client.post("/update_weights", {"update_info": info}, timeout=self.timeout_s)
+        )
         sent = send_buckets(self.group, buckets, tensors)
         pending.join()
         self.client.post("/finish_weight_update", {"weight_version": str(version)})
         self.client.reset_prefix_cache()
         return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)
 
-    def close(self) -> None:
+    def close(self, polite: bool = True) -> None:
         if self.group is not None:
-            self.group = None
-            try:
-                self.client.post("/shutdown_weight_transfer_engine")
+            group, self.group = self.group, None
+            close_store(group.store)
+            if not polite:
+                return
+            try:  # a goodbye, not a need: a short deadline, so a stuck server cannot hold up the exit
+                self.client.post("/shutdown_weight_transfer_engine", timeout=5.0)
             except Exception:  # noqa: BLE001 - the server may already be gone
                 pass
 

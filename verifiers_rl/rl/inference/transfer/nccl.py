@@ -106,7 +106,7 @@ class NCCLSender:
             self._items = []
         return SyncStats(time.perf_counter() - t0, nbytes, n, 0, version)
 
-    def close(self) -> None:
+    def close(self, polite: bool = True) -> None:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
