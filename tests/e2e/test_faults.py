@@ -317,13 +317,19 @@ def test_broken_environments_are_named(tmp_path, tiny_model_dir, broken_env_path
     assert not _wait_survivors_gone(pid)
 
 
-def test_env_args_the_environment_does_not_take(tmp_path, tiny_model_dir):
-    cfg = _cfg(tmp_path, tiny_model_dir, extra="")
-    cfg.write_text(cfg.read_text().replace("num_eval_examples = 4", "num_eval_examples = 4\nnum_examples = 3"))
-    r, pid = run_command("vf-rl", "@", cfg)
-    assert r.returncode == 2
+def test_env_args_the_environment_does_not_take(tmp_path, tiny_model_dir, broken_env_path):
+    cfg = _cfg(tmp_path, tiny_model_dir)
+    cfg.write_text(
+        cfg.read_text()
+        .replace('id = "reverse-text"', 'id = "broken-env"')
+        .replace("num_train_examples = 32\nnum_eval_examples = 4", 'kinds = "raising"')
+    )
+    env = {"PYTHONPATH": f"{broken_env_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r, pid = run_command("vf-rl", "@", cfg, env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
     line = _error_line(r.stderr)
-    assert "unknown key env.args.num_examples" in line and "load_environment of 'reverse-text' takes" in line
+    assert "unknown key env.args.kinds (did you mean 'kind'?): load_environment of 'broken-env' takes kind" in line
+    assert not survivors(pid)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -405,3 +411,32 @@ def test_wrong_types_name_the_key_and_are_fast(tmp_path, body, args, message):
     r, pid = run_command("vf-rl", "@", cfg, *args)
     assert time.monotonic() - t0 < 2.0
     assert r.returncode == 2 and message in _error_line(r.stderr)
+
+
+# ---------------------------------------------------------------------------------------------- control routes
+
+
+def test_control_routes_answer_bad_values_with_400(tiny_model_dir, tmp_path):
+    import httpx
+
+    from verifiers_rl.rl.inference.launcher import InferenceServer, free_port
+
+    with InferenceServer(tiny_model_dir, engine="cpu", output_dir=tmp_path) as client:
+        auth = {"Authorization": f"Bearer {client.control_token}"}
+        url = client.base_url
+        bad = [
+            ("/update_weight_version", {"new_version": "abc"}, "new_version='abc': expected a non-negative integer"),
+            ("/finish_weight_update", {"weight_version": "x"}, "weight_version='x': expected a non-negative integer"),
+            (
+                "/init_weight_transfer_engine",
+                {"init_info": {"master_address": "127.0.0.1", "master_port": free_port(), "timeout_s": 3}},
+                "cannot reach the trainer's weight-sync store at 127.0.0.1:",
+            ),
+            ("/init_weight_transfer_engine", {"init_info": {"master_port": "x"}}, "init_info"),
+            ("/update_weights", {"update_info": {"names": ["a"]}}, "update_info"),
+        ]
+        for path, body, message in bad:
+            r = httpx.post(url + path, json=body, headers=auth, timeout=30)
+            assert r.status_code == 400 and message in r.json()["message"], (path, r.status_code, r.text)
+        assert httpx.get(url + "/health").status_code == 200
+        assert client.weight_version() == "0"  # nothing changed

@@ -43,10 +43,10 @@ class WeightReceiver:
             self.paused_by_update = True
 
     def update(self, info: dict[str, Any]) -> int:
+        update = UpdateInfo.parse(info)  # a malformed body is refused before anything else
+        metas, scaling = update.metas(), update.lora_scaling
         if self.pg is None:
             raise ValueError("call /init_weight_transfer_engine before /update_weights")
-        update = UpdateInfo.parse(info)
-        metas, scaling = update.metas(), update.lora_scaling
         if not self.engine.is_paused:  # vLLM allows updates without /start_weight_update; stay consistent
             self.start()
         loaded, error = 0, None
@@ -66,8 +66,8 @@ class WeightReceiver:
             raise ValueError(f"weight update failed: {error}") from error
         return loaded
 
-    def finish(self, version: str | None) -> int:
-        v = self.engine.finish_update(int(version) if version is not None else None)
+    def finish(self, version: int | None) -> int:
+        v = self.engine.finish_update(version)
         if self.paused_by_update:
             self.engine.resume()
             self.paused_by_update = False
@@ -229,9 +229,23 @@ def create_app(
             return bad_request(e)
         return {"message": "Weights updated", "tensors": loaded}
 
+    def version_number(name: str, value) -> int:
+        # versions are policy versions (optimizer steps): a non-negative integer, sent as text like vLLM's
+        try:
+            number = int(str(value))
+        except ValueError:
+            raise ValueError(f"{name}={value!r}: expected a non-negative integer (the policy version)") from None
+        if number < 0:
+            raise ValueError(f"{name}={value!r}: expected a non-negative integer (the policy version)")
+        return number
+
     @app.post("/finish_weight_update")
-    async def finish_update(weight_version: str | None = Body(None, embed=True)):
-        v = await asyncio.to_thread(receiver.finish, weight_version)
+    async def finish_update(weight_version: str | int | None = Body(None, embed=True)):
+        try:
+            version = None if weight_version is None else version_number("weight_version", weight_version)
+        except ValueError as e:
+            return bad_request(e)
+        v = await asyncio.to_thread(receiver.finish, version)
         return {"message": "Weight update finished", "weight_version": str(v)}
 
     @app.post("/shutdown_weight_transfer_engine")
@@ -245,9 +259,12 @@ def create_app(
         return {"status": "ok"}
 
     @app.post("/update_weight_version")
-    async def update_weight_version(new_version: str = Body(..., embed=True)):
-        engine.version = int(new_version)
-        return {"success": True, "new_version": new_version}
+    async def update_weight_version(new_version: str | int = Body(..., embed=True)):
+        try:
+            engine.version = version_number("new_version", new_version)
+        except ValueError as e:
+            return bad_request(e)
+        return {"success": True, "new_version": str(new_version)}
 
     @app.get("/weight_info")
     async def weight_info():
