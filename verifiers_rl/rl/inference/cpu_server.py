@@ -94,11 +94,14 @@ class WeightReceiver:
             params = dict(self.engine.model.named_parameters())
             problems += [f"engine model has no parameter {m}.weight" for m in pairs if f"{m}.weight" not in params]
             problems += [f"{m} lacks lora_A or lora_B" for m, ab in pairs.items() if len(ab) != 2]
-            if problems:
-                raise ValueError(f"{adapter.UPDATE_RPC} refused: {'; '.join(problems[:5])}")
+            if problems:  # refused after the data: an answer, as vLLM's extension gives it
+                return {"error": "; ".join(problems[:5])}
             # Checked first, applied after: a refused update leaves the served weights as they were.
             named = [(f"{m}.{kind}", t) for m, ab in pairs.items() for kind, t in ab.items()]
-            modules = self.engine.load_weights(named, lora_scaling=1.0)
+            try:
+                modules = self.engine.load_weights(named, lora_scaling=1.0)
+            except (KeyError, ValueError) as e:
+                return {"error": str(e)}
         finally:
             if paused_here:
                 self.engine.resume()

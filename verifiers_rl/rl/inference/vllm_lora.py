@@ -69,7 +69,12 @@ class LoraSyncExtension:
         # listening would leave it waiting for the group timeout.
         engine.receive(update.update_info.metas(), keep)
         received = time.perf_counter() - t0
-        self._vf_install(update.lora_int_id, tensors, update.peft_config)
+        try:
+            self._vf_install(update.lora_int_id, tensors, update.peft_config)
+        except Exception as e:  # noqa: BLE001 - reported to the trainer, which raises it
+            # An answer, not an exception: vLLM's /collective_rpc turns a worker exception into a 500 and then
+            # drops the connection, so the trainer's next request (its /resume) would fail too.
+            return {"error": f"{type(e).__name__}: {e}"}
         return {"tensors": len(tensors), "receive_s": received, "install_s": time.perf_counter() - t0 - received}
 
     def _vf_install(self, lora_id: int, tensors: dict, peft_config: dict) -> None:

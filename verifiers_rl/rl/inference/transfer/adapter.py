@@ -8,6 +8,9 @@ One protocol, two engines. Per sync (the client pauses generation around it):
     POST /reset_prefix_cache
     POST /update_weight_version {"new_version": "<policy version>"}
 
+The RPC's result is `{"error": reason}` when the server refuses the update (DoRA, biases, modules_to_save, a
+rank above --max-lora-rank, a module the model lacks); it drains the buckets first and keeps the old adapter.
+
 vLLM runs it in every worker through our worker extension (`vllm_lora.LoraSyncExtension`), which installs the
 adapter in place of the one registered at startup (`--lora-modules policy=<dir>`, lora_int_id 1), so requests
 that name the adapter, in flight ones included, continue on the new weights. Our CPU engine applies
@@ -23,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from verifiers_rl.rl.inference.client import ServerError
 from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, UpdateInfo, plan_buckets
 from verifiers_rl.rl.inference.transfer.gloo import GlooSender, run_in_thread, send_buckets
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
@@ -130,7 +134,11 @@ class AdapterSender(GlooSender):
         body = {"method": UPDATE_RPC, "args": [update.to_json()]}
         pending = run_in_thread(lambda: self.client.post("/collective_rpc", body))
         sent = send_buckets(self.group, buckets, tensors)
-        pending.join()
+        # A refusal is a result {"error": ...} (the data was drained first, so the group stays usable).
+        results = pending.join().get("results") or []
+        refused = [r["error"] for r in results if isinstance(r, dict) and r.get("error")]
+        if refused:
+            raise ServerError(f"{UPDATE_RPC} refused by the server: {refused[0]}")
         # The prefix cache is keyed by adapter name and path, which stay the same: blocks computed with the old
         # adapter would be served again.
         self.client.reset_prefix_cache()
