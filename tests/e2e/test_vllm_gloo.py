@@ -457,6 +457,7 @@ def test_in_flight_request_survives_an_adapter_sync(lora):
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(_complete, lora["http"], lora["name"], PROMPTS[0], 200, headers=_auth())
         time.sleep(0.5)
+        assert not fut.done()  # the sync below lands mid-request
         _set_step(peft, 3)
         client.update_weights(_adapter_weights(peft), version=3)
         choice, _ = fut.result(timeout=300)
