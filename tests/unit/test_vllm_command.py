@@ -170,6 +170,9 @@ def test_server_spec_adds_adapter_flags_for_vllm_only():
     vllm = ServerSpec("m", "vllm", port=9000, adapter=serving, extra_args=["--enforce-eager"]).argv("py")
     assert _values(vllm, "--lora-modules") == ["policy=/run/adapter0"] and vllm[-1] == "--enforce-eager"
     assert _values(vllm, "--max-lora-rank") == ["8"]
+    assert _values(vllm, "--weight-transfer-backend") == ["gloo"]  # the adapter's tensors travel over gloo
+    own = ServerSpec("m", "vllm", adapter=serving, extra_args=["--weight-transfer-backend", "gloo"]).argv("py")
+    assert _values(own, "--weight-transfer-backend") == ["gloo"]
     cpu = ServerSpec("m", "cpu", port=9000, adapter=serving).argv("py")
     assert not any("lora" in a for a in cpu)
 

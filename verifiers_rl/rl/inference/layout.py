@@ -146,5 +146,8 @@ class ServerSpec:
         if self.data_parallel_size > 1 and not has_flag(self.extra_args, "data-parallel-size"):
             argv += ["--data-parallel-size", str(self.data_parallel_size)]
         if self.adapter is not None and self.engine == "vllm":  # the CPU engine takes adapter syncs as it is
+            # adapter sync moves its tensors over our gloo group, on GPU hosts too (vf-vllm's default is NCCL)
+            if not any(has_flag(self.extra_args, f) for f in ("weight-transfer-backend", "weight-transfer-config")):
+                argv += ["--weight-transfer-backend", "gloo"]
             argv += self.adapter.vllm_args(self.extra_args)
         return argv + self.extra_args
