@@ -1,10 +1,12 @@
 """Weight-sync benchmark: bucketed sync (ours) vs one request + one broadcast per tensor (the old design),
-raw gloo bandwidth between two local processes, and adapter-only vs merged sync of a LoRA model.
+raw gloo bandwidth between two local processes, and adapter vs merged sync of a LoRA model.
 
-    /work/main/.venv/bin/python benchmarks/bench_sync.py [--quick]
+    [VF_VLLM_PYTHON=<vLLM venv python>] /work/main/.venv/bin/python benchmarks/bench_sync.py [--quick]
 
-Every sync goes trainer -> a running CPU-engine server (`InferenceServer(engine="cpu")`) over loopback gloo.
-Times are medians of N repeats after one warm-up sync. `--quick` drops the ~100M model and uses fewer repeats.
+Every sync goes trainer -> a running CPU-engine server (`InferenceServer(engine="cpu")`) over loopback gloo;
+adapter vs merged (`_adapter_sync.py`) also runs against real vLLM when VF_VLLM_PYTHON is set, for the tiny
+model and a random model of Qwen3-0.6B's shape (2.4 GB; peak ~10 GB with the server). Times are medians of N
+repeats after one warm-up sync. `--quick` drops the ~100M and 0.6B models and uses fewer repeats.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _adapter_sync  # noqa: E402
 import torch  # noqa: E402
 from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
 
@@ -30,6 +33,7 @@ MODELS = [
     ("~10M", 256, 16),
     ("~100M", 704, 22),
 ]
+ADAPTER_MODELS = ("tiny", "qwen3-0.6b-shape")  # adapter vs merged LoRA sync (--quick: tiny only)
 SPEEDUP_GOAL = 10.0  # bucketed vs per-tensor
 BANDWIDTH_GOAL = 0.5  # bucketed GB/s vs raw gloo GB/s at ~100M
 
@@ -147,47 +151,6 @@ def raw_gloo_bandwidth(nbytes: int, repeats: int, fresh: bool = False) -> dict:
     return {"bytes": nbytes, "seconds": s, "all_seconds": secs, "gb_per_s": nbytes / s / 1e9}
 
 
-# ---------------------------------------------------------------------------------------- LoRA
-
-
-def lora_syncs(client, model, repeats: int) -> dict:
-    from peft import LoraConfig, get_peft_model
-
-    from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights, merged_weights
-
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    peft = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets))
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        for n, p in peft.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.01)  # B starts at zero: give the adapter a real delta
-
-    from verifiers_rl.rl.inference.transfer.adapter import AdapterSender
-
-    # both senders over the one group the client joined: the server reads the mode from each update_info
-    merged_sender = client.sender
-    adapter_sender = AdapterSender(client, bucket_bytes=merged_sender.bucket_bytes)
-    adapter_sender.group = merged_sender.group
-
-    def adapter():
-        with client.paused():
-            st = adapter_sender.send(adapter_weights(peft), _next_version(client))
-        return st.seconds, st.bytes
-
-    def merged():
-        with client.paused():
-            st = merged_sender.send(merged_weights(peft), _next_version(client))
-        return st.seconds, st.bytes
-
-    # Adapter-only first: the engine records pristine base weights on the first adapter sync.
-    a, m = measure_interleaved([adapter, merged], repeats)
-    out = {"adapter": a, "merged": m}
-    out["adapter"]["tensors"] = sum(1 for _ in adapter_weights(peft))
-    out["merged"]["tensors"] = sum(1 for _ in merged_weights(peft))
-    return out
-
-
 # ---------------------------------------------------------------------------------------- run
 
 
@@ -227,11 +190,6 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             with server as client:
                 client.init_weight_transfer()  # the default bucket size (DEFAULT_BUCKET_BYTES)
                 info["bucket_bytes"] = client.bucket_bytes
-                if is_last:  # adapter-only first: the engine records pristine base weights on its first one
-                    lora_model = build_tiny_model(hidden=hidden, layers=layers)[0]
-                    info["lora"] = lora_syncs(client, lora_model, repeats)
-                    del lora_model
-                    log(f"{label}: LoRA syncs done")
                 ours, base = measure_interleaved(
                     [lambda m=model: bucketed_sync(client, m), lambda m=model: per_tensor_sync(client, m, pool)],
                     repeats,
@@ -287,30 +245,6 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
                 unit="GB/s",
             )
         )
-        lora = biggest["lora"]
-        rows.append(
-            row(
-                f"LoRA r16 {label}: merged vs adapter-only ({lora['merged']['tensors']} vs "
-                f"{lora['adapter']['tensors']} tensors)",
-                lora["merged"]["bytes"] / 1e6,
-                lora["adapter"]["bytes"] / 1e6,
-                lora["merged"]["bytes"] / lora["adapter"]["bytes"],
-                "(report)",
-                None,
-                unit="MB",
-            )
-        )
-        rows.append(
-            row(
-                f"LoRA r16 {label}: merged vs adapter-only",
-                lora["merged"]["seconds"],
-                lora["adapter"]["seconds"],
-                lora["merged"]["seconds"] / lora["adapter"]["seconds"],
-                "(report)",
-                None,
-                unit="s",
-            )
-        )
         # informational: what the receiver's per-sync buffer allocation and the bucket size cost
         info_rows.append(
             row(
@@ -337,6 +271,13 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
                 )
             )
     pool.shutdown()
+    # LoRA: adapter vs merged sync, per engine (vLLM too when VF_VLLM_PYTHON names its venv)
+    engines = ["cpu"] + (["vllm"] if os.environ.get("VF_VLLM_PYTHON") else [])
+    results["adapter_vs_merged"] = {}
+    for label in ADAPTER_MODELS[:1] if quick else ADAPTER_MODELS:
+        res = _adapter_sync.compare(label, engines, repeats, measure_interleaved, log)
+        results["adapter_vs_merged"][label] = res
+        rows += _adapter_sync.rows(label, res, row)
     results["rows"] = rows
     results["info_rows"] = info_rows
     title = f"weight sync ({'quick' if quick else 'full'}; median of {repeats} after a warm-up)"

@@ -1,7 +1,11 @@
-"""Conformance against real vLLM (the CPU build): our `gloo` weight-transfer plugin and the RL HTTP routes.
+"""Conformance against real vLLM (the CPU build): our `gloo` weight-transfer plugin, the RL HTTP routes,
+several workers, and adapter sync into vLLM's LoRA slots.
 
 Skipped unless VF_VLLM_PYTHON names the python of a venv with vLLM >= 0.32 and this package installed
 (`pip install --no-deps -e .` there registers the plugin's entry point). The trainer side runs here.
+
+Three servers, one at a time (a start costs 30-90 s on two cores): data parallel 2 (`TestTwoEngines`), tensor
+parallel 2 with a tied lm_head, and one in adapter mode started through our launcher (`lora` fixture).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ STARTUP_TIMEOUT_S = 240
 BUCKET_BYTES = 12 * 1024
 PROMPT = [{"role": "user", "content": "Count: one two three"}]
 MAX_TOKENS = 12
+PROMPTS = ([72, 101, 108, 108, 111], [1, 2, 3, 4, 5, 6], [200, 100, 50])  # token ids, for /v1/completions
 
 
 def _free_port() -> int:
@@ -63,8 +68,17 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
+def _omp_bind(workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` local workers. The CPU build's default ("auto") gives each TP
+    worker its own NUMA node and dies on a single-node host; explicit core lists (one per worker, in DP, PP, TP
+    order) work, and may overlap when the host has fewer cores than workers."""
+    cores = sorted(os.sched_getaffinity(0))
+    lists = [cores[i::workers] or [cores[i % len(cores)]] for i in range(workers)]
+    return "|".join(",".join(map(str, c)) for c in lists)
+
+
 @contextlib.contextmanager
-def _vllm_server(model_dir: str, log_path: Path):
+def _vllm_server(model_dir: str, log_path: Path, extra=(), env=None):
     """Start real vLLM with the gloo backend on a free loopback port; always kill its process group."""
     import httpx
 
@@ -75,11 +89,11 @@ def _vllm_server(model_dir: str, log_path: Path):
         model_dir,
         HOST,
         port,
-        extra_args=["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "16"],
+        extra_args=["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "16", *extra],
         weight_backend="gloo",
         python=VLLM_PYTHON,
     )
-    env = {**os.environ, **env_add, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, **env_add, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
         # Own session, so teardown can kill the engine-core child along with the API server.
@@ -103,12 +117,13 @@ def _vllm_server(model_dir: str, log_path: Path):
         _stop(proc)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from verifiers_rl.tiny import save_tiny_model
-
-    root = tmp_path_factory.mktemp("vllm_gloo")
-    with _vllm_server(str(save_tiny_model(root / "model")), root / "vllm.log") as srv:
+@pytest.fixture(scope="class")
+def server(tiny_model_dir, tmp_path_factory):
+    """Two data-parallel engines of one worker each: requests reach either, every sync must reach both.
+    Class scope: the server is gone before the next one starts."""
+    log = tmp_path_factory.mktemp("vllm_dp2") / "vllm.log"
+    env = {"VLLM_CPU_OMP_THREADS_BIND": _omp_bind(2)}  # one core each; "auto" pins both engines to core 0
+    with _vllm_server(tiny_model_dir, log, ["--data-parallel-size", "2"], env) as srv:
         yield srv
 
 
@@ -136,10 +151,13 @@ def _ok(resp):
     return resp.json()
 
 
-def _chat(server, temperature: float):
+def _chat(server, temperature: float, dp_rank: int | None = None):
+    # vLLM routes a request to the data-parallel engine this header names (else it load-balances)
+    headers = {} if dp_rank is None else {"X-data-parallel-rank": str(dp_rank)}
     return _ok(
         server["client"].post(
             "/v1/chat/completions",
+            headers=headers,
             json={
                 "model": server["model"],
                 "messages": PROMPT,
@@ -182,7 +200,30 @@ def test_plugin_registers_in_vllm_venv():
     assert tuple(int(x) for x in version.split("+")[0].split(".")[:2]) >= (0, 32)
 
 
-def test_chat_returns_token_ids_and_logprobs(server):
+class TestTwoEngines:
+    def test_world_size_counts_every_engine(self, server):
+        # TP x PP x DP: the trainer's gloo world is 1 + this
+        assert _ok(server["client"].get("/get_world_size")) == {"world_size": 2}
+
+    def test_chat_returns_token_ids_and_logprobs(self, server):
+        _check_chat_fields(server)
+
+    def test_gloo_sync_matches_hf_on_every_engine(self, server):
+        from verifiers_rl.tiny import build_tiny_model
+
+        client = server["client"]
+        original, _ = build_tiny_model(seed=0)
+        perturbed, _ = build_tiny_model(seed=1)
+        _check_serves(server, original, perturbed, dp_ranks=(0, 1))
+        with _trainer_group(client, BUCKET_BYTES) as (pg, pool):
+            assert pg.world_size == 3
+            # Forth and back: a second sync proves the reload lifecycle can repeat.
+            for version, model, other in ((1, perturbed, original), (2, original, perturbed)):
+                assert _sync(client, pg, pool, model, version, BUCKET_BYTES) >= 8
+                _check_serves(server, model, other, dp_ranks=(0, 1))
+
+
+def _check_chat_fields(server):
     from verifiers_rl.tiny import build_tokenizer
 
     body = _chat(server, temperature=1.0)
@@ -198,17 +239,18 @@ def test_chat_returns_token_ids_and_logprobs(server):
     assert all(isinstance(c["logprob"], float) and c["logprob"] <= 0.0 for c in content)
 
 
-def _check_serves(server, model, other):
+def _check_serves(server, model, other, dp_ranks=(None,)):
     """Greedy tokens equal HF's for `model`, logprobs match its teacher-forced ones, and not `other`'s."""
-    body = _chat(server, temperature=0.0)
-    prompt_ids, tokens = body["prompt_token_ids"], body["choices"][0]["token_ids"]
-    served = [c["logprob"] for c in body["choices"][0]["logprobs"]["content"]]
-    greedy, forced = _hf_reference(model, prompt_ids, tokens)
-    assert tokens == greedy
-    assert max(abs(a - b) for a, b in zip(served, forced)) < 1e-4
-    # The comparison must be able to tell the two weight sets apart.
-    _, forced_other = _hf_reference(other, prompt_ids, tokens)
-    assert max(abs(a - b) for a, b in zip(served, forced_other)) > 1e-2
+    for rank in dp_ranks:
+        body = _chat(server, temperature=0.0, dp_rank=rank)
+        prompt_ids, tokens = body["prompt_token_ids"], body["choices"][0]["token_ids"]
+        served = [c["logprob"] for c in body["choices"][0]["logprobs"]["content"]]
+        greedy, forced = _hf_reference(model, prompt_ids, tokens)
+        assert tokens == greedy, f"engine {rank}"
+        assert max(abs(a - b) for a, b in zip(served, forced)) < 1e-4, f"engine {rank}"
+        # The comparison must be able to tell the two weight sets apart.
+        _, forced_other = _hf_reference(other, prompt_ids, tokens)
+        assert max(abs(a - b) for a, b in zip(served, forced_other)) > 1e-2
 
 
 @contextlib.contextmanager
@@ -217,17 +259,18 @@ def _trainer_group(client, bucket_bytes: int):
     from verifiers_rl.rl.inference.transfer.gloo import create_group
 
     store_port = _free_port()
+    world = 1 + _ok(client.get("/get_world_size"))["world_size"]  # every worker of every engine joins
     init_info = {
         "master_address": HOST,
         "master_port": store_port,
         "rank_offset": 1,
-        "world_size": 2,
+        "world_size": world,
         "bucket_bytes": bucket_bytes,
     }
     with ThreadPoolExecutor(max_workers=1) as pool:
-        # The worker blocks inside this request until the group forms, so the trainer joins concurrently.
+        # The workers block inside this request until the group forms, so the trainer joins concurrently.
         fut = pool.submit(client.post, "/init_weight_transfer_engine", json={"init_info": init_info})
-        pg = create_group(HOST, store_port, rank=0, world_size=2, timeout_s=60)
+        pg = create_group(HOST, store_port, rank=0, world_size=world, timeout_s=60)
         _ok(fut.result(timeout=120))
         yield pg, pool
     _ok(client.post("/shutdown_weight_transfer_engine"))
@@ -235,7 +278,7 @@ def _trainer_group(client, bucket_bytes: int):
 
 def _sync(client, pg, pool, model, version: int, bucket_bytes: int) -> int:
     """One weight sync in the wire protocol our CPU engine shares; returns the number of buckets used."""
-    from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, metas_to_update_info, plan_buckets
+    from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, UpdateInfo, plan_buckets
     from verifiers_rl.rl.inference.transfer.gloo import send_buckets
 
     tensors = {name: p.detach() for name, p in model.named_parameters()}
@@ -243,7 +286,7 @@ def _sync(client, pg, pool, model, version: int, bucket_bytes: int) -> int:
     buckets = plan_buckets(metas, bucket_bytes)
     t0 = time.monotonic()
     _ok(client.post("/start_weight_update"))
-    fut = pool.submit(client.post, "/update_weights", json={"update_info": metas_to_update_info(metas)})
+    fut = pool.submit(client.post, "/update_weights", json={"update_info": UpdateInfo.from_metas(metas).to_dict()})
     send_buckets(pg, buckets, tensors)
     _ok(fut.result(timeout=120))
     _ok(client.post("/finish_weight_update", json={"weight_version": str(version)}))
@@ -253,29 +296,212 @@ def _sync(client, pg, pool, model, version: int, bucket_bytes: int) -> int:
     return len(buckets)
 
 
-def test_gloo_sync_matches_hf(server):
-    from verifiers_rl.tiny import build_tiny_model
-
-    client = server["client"]
-    original, _ = build_tiny_model(seed=0)
-    perturbed, _ = build_tiny_model(seed=1)
-    _check_serves(server, original, perturbed)
-    with _trainer_group(client, BUCKET_BYTES) as (pg, pool):
-        # Forth and back: a second sync proves the reload lifecycle can repeat.
-        for version, model, other in ((1, perturbed, original), (2, original, perturbed)):
-            assert _sync(client, pg, pool, model, version, BUCKET_BYTES) >= 8
-            _check_serves(server, model, other)
-
-
-def test_gloo_sync_tied_lm_head(tmp_path):
-    # Own short-lived server: the tied layout needs its own checkpoint.
+def test_tensor_parallel_gloo_sync_tied_lm_head(tmp_path):
+    """Two TP workers, each holding half of every layer, and a tied lm_head whose CPU reload needs a re-pack."""
     original, tokenizer = _tied_tiny_model(seed=0)
     perturbed, _ = _tied_tiny_model(seed=1)
     model_dir = tmp_path / "tied"
     original.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    with _vllm_server(str(model_dir), tmp_path / "vllm.log") as srv:
+    tp2 = ["--tensor-parallel-size", "2"]
+    with _vllm_server(str(model_dir), tmp_path / "vllm.log", tp2, {"VLLM_CPU_OMP_THREADS_BIND": _omp_bind(2)}) as srv:
+        _check_chat_fields(srv)
         _check_serves(srv, original, perturbed)
         with _trainer_group(srv["client"], BUCKET_BYTES) as (pg, pool):
+            assert pg.world_size == 3
             _sync(srv["client"], pg, pool, perturbed, 1, BUCKET_BYTES)
             _check_serves(srv, perturbed, original)
+
+
+# ------------------------------------------------------------------ through the product launcher (vf-vllm)
+
+
+def _launch(model_dir: str, out_dir: Path, *, extra=(), env=None, **kwargs):
+    """vLLM started as the trainer starts it (InferenceServer -> vf-vllm -> vLLM), with our gloo backend."""
+    from verifiers_rl.rl.inference.launcher import InferenceServer
+
+    srv = InferenceServer(
+        model_dir,
+        engine="vllm",
+        output_dir=out_dir,
+        python=VLLM_PYTHON,
+        extra_args=["--weight-transfer-backend", "gloo", "--dtype", "float32", "--max-model-len", "512"]
+        + ["--enforce-eager", "--max-num-seqs", "16", *extra],
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})},
+        startup_timeout=STARTUP_TIMEOUT_S,
+        **kwargs,
+    )
+    t0 = time.monotonic()
+    srv.start()
+    print(f"\nvLLM ({' '.join(extra)} {kwargs}) healthy after {time.monotonic() - t0:.1f}s")
+    return srv
+
+
+def _forced(model, prompt_ids: list[int], ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1 : -1].double()
+    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+
+
+def _complete(client, model: str, prompt_ids, max_tokens=MAX_TOKENS, temperature=0.0, headers=None, **extra):
+    body = {"model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": temperature}
+    body.update(logprobs=0, return_token_ids=True, ignore_eos=True, seed=0, **extra)
+    r = client.post("/v1/completions", json=body, headers=headers or {})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice, torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float64)
+
+
+def _max_diff(client, served_name, model, prompts=PROMPTS, temperature=0.0, headers=None) -> float:
+    """Worst |served - teacher-forced| logprob over `prompts`; greedy requests must also pick HF's argmax."""
+    worst = 0.0
+    for prompt in prompts:
+        choice, got = _complete(client, served_name, prompt, temperature=temperature, headers=headers)
+        ids = choice["token_ids"]
+        ref = _forced(model, list(prompt), ids, temperature or 1.0)
+        if not temperature:
+            full = _forced_argmax(model, list(prompt), ids)
+            assert ids == full, f"served {ids} but HF's argmax is {full}"
+        worst = max(worst, float((got - ref).abs().max()))
+    return worst
+
+
+def _forced_argmax(model, prompt_ids, ids) -> list[int]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1 : -1]
+    return logits.argmax(-1).tolist()
+
+
+# ------------------------------------------------------------------ adapter sync into vLLM's LoRA slots
+
+API_KEY = "sk-vf-conformance"
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _set_step(peft, step: int, scale: float = 0.05) -> None:
+    """Deterministic, non-zero LoRA weights per "training step" (peft's zero-init B would hide bugs)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+
+@pytest.fixture(scope="module")
+def lora(tiny_model_dir, tmp_path_factory):
+    """One vLLM server in adapter mode, started as the trainer starts it: AdapterServing flags, the step-0
+    adapter on disk, our worker extension, an API key, and the launcher's control token."""
+    from peft import LoraConfig, get_peft_model
+
+    from verifiers_rl.rl.inference.client import VLLMClient
+    from verifiers_rl.rl.inference.transfer.adapter import adapter_serving
+    from verifiers_rl.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm_lora")
+    # rsLoRA and a per-module rank: B is pre-scaled on the trainer, so none of this reaches the server as a rule
+    config = LoraConfig(r=8, lora_alpha=16, use_rslora=True, rank_pattern={"v_proj": 4}, target_modules=LORA_TARGETS)
+    peft = get_peft_model(build_tiny_model(seed=0)[0], config).eval()
+    _set_step(peft, 0)
+    serving = adapter_serving(peft, root / "adapter0")
+    # Runtime LoRA routes mounted only so that the guard test can show a request with the control token gets
+    # through to vLLM; adapter sync itself does not need them.
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    srv = _launch(tiny_model_dir, root, adapter=serving, extra=["--api-key", API_KEY], env=env)
+    client = VLLMClient(srv.host, srv.port, control_token=srv.token, api_key=API_KEY)
+    try:
+        client.init_weight_transfer("adapter", bucket_bytes=4 * 1024)  # A and B of a module in different buckets
+        yield {"server": srv, "client": client, "http": client._http, "peft": peft, "name": serving.name}
+    finally:
+        client.close()
+        srv.stop()
+
+
+def _auth(key: str = API_KEY) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _adapter_diff(lora, temperature=0.0, prompts=PROMPTS) -> float:
+    return _max_diff(lora["http"], lora["name"], lora["peft"], prompts, temperature, headers=_auth())
+
+
+def test_adapter_is_served_by_name_next_to_the_base(lora, tiny_model_dir):
+    models = {m["id"]: m for m in lora["client"].models()}
+    assert models[lora["name"]]["parent"] == tiny_model_dir
+    assert _adapter_diff(lora) < 1e-4  # the step-0 adapter, read from the files adapter_serving wrote
+
+
+def test_adapter_syncs_match_peft_and_advance_the_version(lora):
+    client, peft = lora["client"], lora["peft"]
+    for step in (1, 2):
+        _set_step(peft, step)
+        stats = client.update_weights(_adapter_weights(peft), version=step)
+        print(f"adapter sync v{step}: {stats.bytes} bytes in {stats.buckets} buckets, {stats.seconds:.3f}s")
+        assert client.weight_version() == str(step)
+        assert stats.tensors == 2 * 7 * 2 and stats.buckets > 1
+        # each sync replaces the adapter: a stacked one would serve step 1's delta plus step 2's
+        assert _adapter_diff(lora) < 1e-4
+    assert _adapter_diff(lora, temperature=0.7) < 1e-4  # processed logprobs
+
+
+def test_base_weights_never_move(lora, tiny_model_dir):
+    from verifiers_rl.tiny import build_tiny_model
+
+    base, _ = build_tiny_model(seed=0)
+    assert _max_diff(lora["http"], tiny_model_dir, base, headers=_auth()) < 1e-4
+    with lora["peft"].disable_adapter():
+        assert _max_diff(lora["http"], tiny_model_dir, lora["peft"], headers=_auth()) < 1e-4
+
+
+def test_in_flight_request_survives_an_adapter_sync(lora):
+    client, peft = lora["client"], lora["peft"]
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(_complete, lora["http"], lora["name"], PROMPTS[0], 200, headers=_auth())
+        time.sleep(0.5)
+        assert not fut.done()  # the sync below lands mid-request
+        _set_step(peft, 3)
+        client.update_weights(_adapter_weights(peft), version=3)
+        choice, _ = fut.result(timeout=300)
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 200
+    assert _adapter_diff(lora, prompts=PROMPTS[:1]) < 1e-4
+
+
+def test_refused_adapter_updates_leave_the_adapter_serving(lora):
+    import dataclasses
+
+    from verifiers_rl.rl.inference.client import ServerError
+
+    client, good = lora["client"], _adapter_weights(lora["peft"])
+    version = client.weight_version()  # vLLM starts at "default"
+    cases = {
+        "DoRA": {**good.peft_config, "use_dora": True},
+        "greater than max_lora_rank": {**good.peft_config, "r": 32},
+    }
+    for why, config in cases.items():
+        with pytest.raises(ServerError, match=why):
+            client.update_weights(dataclasses.replace(good, peft_config=config), version=99)
+    renamed = [(n.replace("layers.1.mlp.up_proj", "layers.7.mlp.up_proj"), t) for n, t in good.tensors]
+    with pytest.raises(ServerError, match="not in the served model"):
+        client.update_weights(dataclasses.replace(good, tensors=renamed), version=99)
+    assert client.weight_version() == version and client.health()
+    assert _adapter_diff(lora) < 1e-4  # still the last good adapter
+
+
+def test_runtime_lora_routes_need_the_control_token(lora):
+    http, token = lora["http"], lora["server"].token
+    body = {"lora_name": "intruder", "lora_path": "/nonexistent/adapter"}
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        denied = http.post(path, json=body, headers=_auth())  # the API key every rollout client holds
+        assert denied.status_code == 401 and "X-VF-Control-Token" in denied.json()["message"]
+        # with the control token the request reaches vLLM, which then judges the body itself
+        passed = http.post(path, json=body, headers={**_auth(), "X-VF-Control-Token": token})
+        assert passed.status_code not in (401, 403), passed.text
+        assert "intruder" in passed.text
+        assert http.post(path, json=body, headers={"X-VF-Control-Token": token}).status_code == 401  # vLLM's key
+    assert http.post("/collective_rpc", json={"method": "vf_lora_info"}, headers=_auth()).status_code == 401
+    assert _adapter_diff(lora, prompts=PROMPTS[:1]) < 1e-4
+
+
+def _adapter_weights(peft):
+    from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights
+
+    return adapter_weights(peft)

@@ -122,3 +122,109 @@ def test_plugin_module_imports_without_vllm():
     assert (init.rank_offset, init.world_size) == (1, 2)
     with pytest.raises(ValueError):
         vllm_plugin.GlooInitInfo(master_address="127.0.0.1", master_port=1234, bucket_bytes=0)
+
+
+def test_worker_rank_numbers_tp_and_dp_workers_apart():
+    from types import SimpleNamespace
+
+    from verifiers_rl.rl.inference.vllm_plugin import _worker_rank
+
+    # what the workers of a TP2 x DP2 server report: DP engines differ only in data_parallel_index
+    ranks = [
+        _worker_rank(SimpleNamespace(data_parallel_index=dp, data_parallel_rank=0, world_size=2, rank=tp))
+        for dp in range(2)
+        for tp in range(2)
+    ]
+    assert ranks == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="data_parallel_index"):
+        _worker_rank(SimpleNamespace(data_parallel_rank=1, world_size=1, rank=0))
+
+
+def test_adapter_serving_flags():
+    from verifiers_rl.rl.inference.layout import LORA_EXTENSION, AdapterServing
+
+    argv = AdapterServing("policy", "/run/adapter0", rank=12).vllm_args()
+    assert argv == [
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",  # the smallest value vLLM accepts that holds rank 12
+        "--max-loras",
+        "1",
+        "--lora-modules",
+        "policy=/run/adapter0",
+        "--worker-extension-cls",
+        LORA_EXTENSION,
+    ]
+    assert _values(AdapterServing("p", "/a", rank=8).vllm_args(), "--max-lora-rank") == ["8"]
+    # a flag the user gives is the user's
+    user = AdapterServing("p", "/a", rank=8).vllm_args(["--max_lora_rank=64", "--max-loras", "2"])
+    assert "--max-lora-rank" not in user and "--max-loras" not in user and "--enable-lora" in user
+    with pytest.raises(ValueError, match="above vLLM's largest"):
+        AdapterServing("p", "/a", rank=1024).vllm_args()
+
+
+def test_server_spec_adds_adapter_flags_for_vllm_only():
+    from verifiers_rl.rl.inference.layout import AdapterServing, ServerSpec
+
+    serving = AdapterServing("policy", "/run/adapter0", rank=4)
+    vllm = ServerSpec("m", "vllm", port=9000, adapter=serving, extra_args=["--enforce-eager"]).argv("py")
+    assert _values(vllm, "--lora-modules") == ["policy=/run/adapter0"] and vllm[-1] == "--enforce-eager"
+    assert _values(vllm, "--max-lora-rank") == ["8"]
+    assert _values(vllm, "--weight-transfer-backend") == ["gloo"]  # the adapter's tensors travel over gloo
+    own = ServerSpec("m", "vllm", adapter=serving, extra_args=["--weight-transfer-backend", "gloo"]).argv("py")
+    assert _values(own, "--weight-transfer-backend") == ["gloo"]
+    cpu = ServerSpec("m", "cpu", port=9000, adapter=serving).argv("py")
+    assert not any("lora" in a for a in cpu)
+
+
+def _guard_status(path: str, headers: dict[str, str], client: str = "127.0.0.1") -> int:
+    import asyncio
+
+    from verifiers_rl.rl.inference.control_auth import ControlGuard
+
+    sent = []
+
+    async def app(scope, receive, send):
+        sent.append(200)
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            sent.append(message["status"])
+
+    scope = {
+        "type": "http",
+        "path": path,
+        "client": (client, 1234),
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
+    asyncio.run(ControlGuard(app, token="ctl", allow_remote=False)(scope, None, send))
+    return sent[0]
+
+
+def test_control_guard_covers_vllm_lora_routes_with_its_own_header():
+    api = {"Authorization": "Bearer sk-api"}
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        assert _guard_status(path, api) == 401  # the API key alone cannot replace the policy adapter
+        assert _guard_status(path, {**api, "X-VF-Control-Token": "wrong"}) == 401
+        assert _guard_status(path, {"Authorization": "Bearer ctl"}) == 401  # that header is the API key's here
+        assert _guard_status(path, {**api, "X-VF-Control-Token": "ctl"}) == 200
+        assert _guard_status(path, {**api, "X-VF-Control-Token": "ctl"}, client="10.0.0.2") == 403
+    assert _guard_status("/collective_rpc", {"Authorization": "Bearer ctl"}) == 200
+    assert _guard_status("/collective_rpc", {"X-VF-Control-Token": "ctl"}) == 401
+    assert _guard_status("/collective_rpc", {"Authorization": "Bearer \u00e9"}) == 401  # non-ASCII: no crash
+    assert _guard_status("/v1/chat/completions", api) == 200
+
+
+def test_client_sends_both_credentials_to_lora_routes():
+    from verifiers_rl.rl.inference.client import VLLMClient
+
+    client = VLLMClient(port=1, control_token="ctl", api_key="sk-api")
+    try:
+        assert client._headers("/v1/load_lora_adapter") == {
+            "Authorization": "Bearer sk-api",
+            "X-VF-Control-Token": "ctl",
+        }
+        assert client._headers("/collective_rpc") == {"Authorization": "Bearer ctl"}
+        assert client._headers("/v1/models") == {"Authorization": "Bearer sk-api"}
+    finally:
+        client.close()

@@ -14,6 +14,7 @@ from verifiers_rl.rl.inference.transfer.buckets import (
     unpack,
 )
 from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights, engine_name, merged_weights
+from verifiers_rl.tiny import build_tiny_model
 
 
 def _metas():
@@ -59,7 +60,8 @@ def test_update_info_is_vllms_format():
         "shapes": [[4, 4], [10], [50], [2]],
     }
     assert UpdateInfo.parse(info).metas() == _metas()
-    assert UpdateInfo.from_metas(_metas(), lora_scaling=1.0).to_dict()["lora_scaling"] == 1.0
+    with pytest.raises(ValueError, match="unknown keys"):  # adapter sync has its own RPC now
+        UpdateInfo.parse({**info, "lora_scaling": 1.0})
     with pytest.raises(ValueError, match="differ in length"):
         UpdateInfo.parse({"names": ["a"], "dtype_names": [], "shapes": []})
     with pytest.raises(ValueError, match="unknown keys"):
@@ -96,12 +98,102 @@ def test_merged_weights_do_not_touch_trainer_weights():
     assert all(torch.equal(before[n], p) for n, p in peft.named_parameters())
 
 
-def test_adapter_weights_fold_scaling_and_are_small():
+def test_adapter_weights_are_peft_names_with_prescaled_b_and_small():
+    from peft import get_peft_model_state_dict
+
     peft = lora_model(use_rslora=True)
-    tensors = dict(adapter_weights(peft))
+    weights = adapter_weights(peft)
+    tensors = dict(weights)
+    assert list(tensors) == list(get_peft_model_state_dict(peft))  # vLLM reads peft's own names
     layer = peft.base_model.model.model.layers[0].self_attn.q_proj
     scale = layer.scaling["default"]
     assert scale == pytest.approx(8 / 4**0.5)  # rsLoRA
-    assert torch.allclose(tensors["model.layers.0.self_attn.q_proj.lora_B"], layer.lora_B["default"].weight * scale)
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    assert torch.equal(tensors[f"{prefix}.lora_A.weight"], layer.lora_A["default"].weight)
+    assert torch.allclose(tensors[f"{prefix}.lora_B.weight"], layer.lora_B["default"].weight * scale)
+    # the config says "already scaled", whatever peft's alpha and rsLoRA were
+    cfg = weights.peft_config
+    assert (cfg["r"], cfg["lora_alpha"], cfg["use_rslora"], cfg["rank_pattern"]) == (4, 4, False, {})
+    assert cfg["target_modules"] == ["down_proj", "q_proj", "v_proj"] and weights.rank == 4
     full = sum(t.numel() for _, t in merged_weights(peft))
     assert sum(t.numel() for t in tensors.values()) < 0.2 * full
+
+
+def test_adapter_weights_applied_as_w0_plus_ba_give_the_peft_model():
+    """What every receiver does with the tensors (W0 + B @ A, no scaling rule) reproduces peft's forward."""
+    from verifiers_rl.rl.inference.transfer.adapter import lora_module
+
+    peft = lora_model(rank_pattern={"v_proj": 2}, alpha_pattern={"down_proj": 3})
+    weights = adapter_weights(peft)
+    assert weights.peft_config["rank_pattern"] == weights.peft_config["alpha_pattern"]
+    assert set(weights.peft_config["rank_pattern"].values()) == {2} and weights.rank == 4
+    base, _ = build_tiny_model(seed=0)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in weights:
+        module, kind = lora_module(name)
+        pairs.setdefault(module, {})[kind] = t
+    params = dict(base.named_parameters())
+    with torch.no_grad():
+        for module, ab in pairs.items():
+            params[f"{module}.weight"].add_(ab["lora_B"] @ ab["lora_A"])
+        ids = torch.tensor([list(b"adapter math")])
+        assert torch.allclose(base(ids).logits, peft(ids).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        (dict(use_dora=True), "DoRA"),
+        (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+        (dict(bias="lora_only"), "trained biases"),
+    ],
+)
+def test_adapter_weights_refuse_what_lora_slots_cannot_hold(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        adapter_weights(lora_model(**cfg))
+
+
+def test_adapter_weights_refuse_embedding_lora_and_full_models():
+    model, _ = build_tiny_model()
+    with pytest.raises(ValueError, match="needs a peft LoRA model"):
+        adapter_weights(model)
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(build_tiny_model()[0], LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
+    with pytest.raises(ValueError, match="linear layers only"):
+        adapter_weights(peft)
+
+
+def test_adapter_update_round_trip_and_errors():
+    from verifiers_rl.rl.inference.transfer.adapter import AdapterUpdate, lora_module
+
+    update = AdapterUpdate(UpdateInfo.from_metas(_metas()), {"r": 8, "lora_alpha": 8})
+    back = AdapterUpdate.parse(update.to_json())
+    assert back == update and back.lora_int_id == 1
+    with pytest.raises(ValueError, match="not JSON"):
+        AdapterUpdate.parse("{")
+    with pytest.raises(ValueError, match="expected keys"):
+        AdapterUpdate.parse('{"update_info": {}}')
+    assert lora_module("base_model.model.model.layers.1.mlp.up_proj.lora_B.weight") == (
+        "model.layers.1.mlp.up_proj",
+        "lora_B",
+    )
+    for bad in ("model.layers.1.mlp.up_proj.lora_B.weight", "base_model.model.lm_head.weight"):
+        with pytest.raises(ValueError):
+            lora_module(bad)
+
+
+def test_write_adapter_is_a_peft_adapter_directory(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from verifiers_rl.rl.inference.transfer.adapter import adapter_serving
+
+    peft = lora_model()
+    serving = adapter_serving(peft, tmp_path / "step0")
+    assert (serving.name, serving.rank) == ("policy", 4)
+    saved = load_file(str(tmp_path / "step0" / "adapter_model.safetensors"))
+    weights = adapter_weights(peft)
+    assert set(saved) == {n for n, _ in weights} and all(torch.equal(saved[n], t) for n, t in weights)
+    assert json.loads((tmp_path / "step0" / "adapter_config.json").read_text()) == weights.peft_config

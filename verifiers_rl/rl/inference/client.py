@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import httpx
 
-from verifiers_rl.rl.inference.control_auth import CONTROL_ROUTES
+from verifiers_rl.rl.inference.control_auth import ADAPTER_ROUTES, CONTROL_ROUTES, TOKEN_HEADER
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats, WeightSender, create_sender
 
 
@@ -50,7 +50,10 @@ class VLLMClient:
     def _headers(self, path: str) -> dict[str, str]:
         # the control token guards the weight routes; the API key (vLLM's --api-key) guards /v1
         token = self.control_token if path in CONTROL_ROUTES else self.api_key
-        return {"Authorization": f"Bearer {token}"} if token and token != "EMPTY" else {}
+        headers = {"Authorization": f"Bearer {token}"} if token and token != "EMPTY" else {}
+        if path in ADAPTER_ROUTES and self.control_token:  # /v1 and control at once: the token in its own header
+            headers[TOKEN_HEADER] = self.control_token
+        return headers
 
     def _check(self, method: str, path: str, r: httpx.Response) -> dict:
         if r.status_code >= 400:
@@ -123,14 +126,11 @@ class VLLMClient:
         host: str = "127.0.0.1",
         bucket_bytes: int | None = None,
         timeout_s: float | None = None,
-        lora_scaling: float | None = None,
     ) -> WeightSender:
         """Join the server's workers in a weight-transfer group (`transfer.sender.create_sender` backends)."""
         self.close_weight_transfer()
         timeout_s = self.sync_timeout if timeout_s is None else timeout_s
-        sender = create_sender(
-            backend, self, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s, lora_scaling=lora_scaling
-        )
+        sender = create_sender(backend, self, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
         sender.init()
         self.sender = sender
         return sender

@@ -19,8 +19,9 @@ from fastapi.responses import JSONResponse
 from verifiers_rl.rl.inference import protocol
 from verifiers_rl.rl.inference.control_auth import ControlGuard
 from verifiers_rl.rl.inference.engine import CPUEngine, EngineError
-from verifiers_rl.rl.inference.transfer import gloo
+from verifiers_rl.rl.inference.transfer import adapter, gloo
 from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES, UpdateInfo, plan_buckets
+from verifiers_rl.rl.inference.transfer.policy_weights import unsupported_adapter_features
 
 
 class WeightReceiver:
@@ -43,8 +44,7 @@ class WeightReceiver:
             self.paused_by_update = True
 
     def update(self, info: dict[str, Any]) -> int:
-        update = UpdateInfo.parse(info)  # a malformed body is refused before anything else
-        metas, scaling = update.metas(), update.lora_scaling
+        metas = UpdateInfo.parse(info).metas()  # a malformed body is refused before anything else
         if self.pg is None:
             raise ValueError("call /init_weight_transfer_engine before /update_weights")
         if not self.engine.is_paused:  # vLLM allows updates without /start_weight_update; stay consistent
@@ -57,7 +57,7 @@ class WeightReceiver:
             nonlocal loaded, error
             if error is None:
                 try:
-                    loaded += self.engine.load_weights(named, lora_scaling=scaling)
+                    loaded += self.engine.load_weights(named)
                 except (KeyError, ValueError, RuntimeError) as e:
                     error = e
 
@@ -65,6 +65,47 @@ class WeightReceiver:
         if error is not None:
             raise ValueError(f"weight update failed: {error}") from error
         return loaded
+
+    def lora_update(self, update_json: str) -> dict[str, Any]:
+        """`vf_lora_update` (transfer/adapter.py): W = W0 + B @ A on the pristine base weights, B pre-scaled."""
+        if self.pg is None:
+            raise ValueError(f"call /init_weight_transfer_engine before {adapter.UPDATE_RPC}")
+        update = adapter.AdapterUpdate.parse(update_json)
+        metas = update.update_info.metas()
+        paused_here = not self.engine.is_paused
+        if paused_here:
+            self.engine.pause()
+        try:
+            pairs: dict[str, dict[str, Any]] = {}
+            problems: list[str] = []
+
+            def keep(named):
+                for name, t in named:
+                    try:
+                        module, kind = adapter.lora_module(name)
+                    except ValueError as e:
+                        problems.append(str(e))
+                        continue
+                    pairs.setdefault(module, {})[kind] = t.clone()  # a view into the next bucket's buffer
+
+            # drain every bucket before refusing anything: the trainer is mid-broadcast
+            gloo.receive_buckets(self.pg, plan_buckets(metas, self.bucket_bytes), keep)
+            problems += unsupported_adapter_features(update.peft_config) + _scaling_problems(update.peft_config)
+            params = dict(self.engine.model.named_parameters())
+            problems += [f"engine model has no parameter {m}.weight" for m in pairs if f"{m}.weight" not in params]
+            problems += [f"{m} lacks lora_A or lora_B" for m, ab in pairs.items() if len(ab) != 2]
+            if problems:  # refused after the data: an answer, as vLLM's extension gives it
+                return {"error": "; ".join(problems[:5])}
+            # Checked first, applied after: a refused update leaves the served weights as they were.
+            named = [(f"{m}.{kind}", t) for m, ab in pairs.items() for kind, t in ab.items()]
+            try:
+                modules = self.engine.load_weights(named, lora_scaling=1.0)
+            except (KeyError, ValueError) as e:
+                return {"error": str(e)}
+        finally:
+            if paused_here:
+                self.engine.resume()
+        return {"tensors": len(metas), "modules": modules}
 
     def finish(self, version: int | None) -> int:
         v = self.engine.finish_update(version)
@@ -75,6 +116,15 @@ class WeightReceiver:
 
     def shutdown(self) -> None:
         self.pg = None
+
+
+def _scaling_problems(config: dict) -> list[str]:
+    # The engine adds B @ A as it comes: only the pre-scaled form (policy_weights.unit_scaling_config) fits.
+    if config.get("use_rslora") or config.get("lora_alpha") != config.get("r"):
+        return ["the CPU engine takes B pre-multiplied by the LoRA scaling (lora_alpha == r, no rsLoRA)"]
+    if (config.get("alpha_pattern") or {}) != (config.get("rank_pattern") or {}):
+        return ["the CPU engine takes B pre-multiplied by the LoRA scaling (alpha_pattern == rank_pattern)"]
+    return []
 
 
 class ApiKeyGuard:
@@ -252,6 +302,22 @@ def create_app(
     async def shutdown_transfer():
         receiver.shutdown()
         return {"message": "Weight transfer shut down"}
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(body: dict[str, Any] = Body(...)):
+        # vLLM's dev route calls a method on every worker; the CPU engine has one "worker" and knows two methods
+        method, args = body.get("method"), body.get("args") or []
+        try:
+            if method == adapter.INFO_RPC:
+                result = {"engine": "cpu", "max_lora_rank": None, "max_loras": 1, "adapters": []}
+            elif method == adapter.UPDATE_RPC and len(args) == 1:
+                result = await asyncio.to_thread(receiver.lora_update, args[0])
+            else:
+                supported = f"{adapter.INFO_RPC}() and {adapter.UPDATE_RPC}(update_json)"
+                raise ValueError(f"collective_rpc: the CPU engine supports {supported}, not {method!r}")
+        except (ValueError, KeyError) as e:
+            return bad_request(e)
+        return {"results": [result]}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():

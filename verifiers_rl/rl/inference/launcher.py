@@ -22,7 +22,7 @@ from pathlib import Path
 
 from verifiers_rl.rl.inference.client import ServerError, VLLMClient
 from verifiers_rl.rl.inference.control_auth import TOKEN_ENV
-from verifiers_rl.rl.inference.layout import ServerSpec, resolve_engine
+from verifiers_rl.rl.inference.layout import AdapterServing, ServerSpec, resolve_engine
 
 PARENT_ENV = "VF_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
@@ -81,6 +81,7 @@ class InferenceServer:
         max_model_len: int | None = None,
         data_parallel_size: int = 1,
         extra_args: list[str] | tuple[str, ...] = (),
+        adapter: AdapterServing | None = None,
         startup_timeout: float = 600.0,
         env: dict[str, str] | None = None,
         python: str = sys.executable,
@@ -94,6 +95,7 @@ class InferenceServer:
             max_model_len=max_model_len,
             data_parallel_size=data_parallel_size,
             extra_args=list(extra_args),
+            adapter=adapter,
         )
         self.startup_timeout = startup_timeout
         self.log_path = Path(output_dir) / "logs" / "inference.log"

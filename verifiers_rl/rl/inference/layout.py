@@ -15,6 +15,11 @@ from dataclasses import dataclass, field
 ENGINES = ("auto", "cpu", "vllm")
 SYNC_BACKENDS = ("auto", "gloo", "nccl")
 SERVER_MODULE = "verifiers_rl.rl.inference.server"
+# Adapter sync (lora_sync="adapter") into vLLM: the served adapter's name and the worker extension that installs it.
+ADAPTER_NAME = "policy"
+LORA_EXTENSION = "verifiers_rl.rl.inference.vllm_lora.LoraSyncExtension"
+# vLLM accepts only these --max-lora-rank values.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def vllm_installed() -> bool:
@@ -76,6 +81,31 @@ def has_flag(args: Sequence[str], name: str) -> bool:
     return any(flag_name(a) == name for a in args)
 
 
+@dataclass(frozen=True)
+class AdapterServing:
+    """The policy served as a LoRA adapter (adapter sync): requests name `name`; `path` holds the step-0 adapter
+    (`transfer.adapter.adapter_serving` writes it) that vLLM registers at startup; `rank` is its largest rank."""
+
+    name: str
+    path: str
+    rank: int
+
+    def vllm_args(self, user_args: Sequence[str] = ()) -> list[str]:
+        """vLLM flags for adapter sync; a flag the user already gives (`user_args`) is left to the user."""
+        fits = [r for r in VLLM_LORA_RANKS if r >= self.rank]
+        if not fits:
+            raise ValueError(f"LoRA rank {self.rank} is above vLLM's largest --max-lora-rank {VLLM_LORA_RANKS[-1]}")
+        ours = [
+            ("enable-lora", []),
+            ("max-lora-rank", [str(fits[0])]),
+            # one adapter, pinned in its slot: nothing else may evict it and make vLLM re-read the step-0 files
+            ("max-loras", ["1"]),
+            ("lora-modules", [f"{self.name}={self.path}"]),
+            ("worker-extension-cls", [LORA_EXTENSION]),
+        ]
+        return [arg for flag, value in ours if not has_flag(user_args, flag) for arg in (f"--{flag}", *value)]
+
+
 @dataclass
 class ServerSpec:
     """Everything that decides how an inference server is started; `argv()` is the `vf-vllm` command."""
@@ -88,6 +118,7 @@ class ServerSpec:
     max_model_len: int | None = None
     data_parallel_size: int = 1
     extra_args: list[str] = field(default_factory=list)  # user flags, passed through (vLLM flags for vLLM)
+    adapter: AdapterServing | None = None  # vLLM serves the policy as this LoRA adapter (adapter sync)
 
     def __post_init__(self):
         if self.engine not in ("cpu", "vllm"):
@@ -114,4 +145,9 @@ class ServerSpec:
             argv += ["--max-model-len", str(self.max_model_len)]
         if self.data_parallel_size > 1 and not has_flag(self.extra_args, "data-parallel-size"):
             argv += ["--data-parallel-size", str(self.data_parallel_size)]
+        if self.adapter is not None and self.engine == "vllm":  # the CPU engine takes adapter syncs as it is
+            # adapter sync moves its tensors over our gloo group, on GPU hosts too (vf-vllm's default is NCCL)
+            if not any(has_flag(self.extra_args, f) for f in ("weight-transfer-backend", "weight-transfer-config")):
+                argv += ["--weight-transfer-backend", "gloo"]
+            argv += self.adapter.vllm_args(self.extra_args)
         return argv + self.extra_args

@@ -27,11 +27,18 @@ BACKEND_NAME = "gloo"
 
 
 def _worker_rank(parallel_config) -> int:
-    # Unique across data-parallel replicas, matching how vLLM's own backends number their workers.
+    """This worker's rank among all inference ranks (TP x PP x DP), the numbering of vLLM's NCCL backend.
+
+    Only `data_parallel_index` tells DP engines apart: for dense models vLLM resets each engine's workers to
+    data_parallel_rank 0 and data_parallel_size 1, so falling back to those would give every engine the same
+    gloo ranks and the group would never form."""
     dp_index = getattr(parallel_config, "data_parallel_index", None)
     if dp_index is None:
-        dp_index = getattr(parallel_config, "data_parallel_rank", 0)
-    return dp_index * parallel_config.world_size + parallel_config.rank
+        raise RuntimeError(
+            "this vLLM's parallel config has no data_parallel_index, so workers of different data-parallel "
+            "engines cannot be numbered apart; use vLLM >= 0.32"
+        )
+    return int(dp_index) * parallel_config.world_size + parallel_config.rank
 
 
 def _retie_cpu_lm_head(model, model_config) -> None:
@@ -107,9 +114,13 @@ def engine_class():
             # gloo receives are synchronous, so there is nothing to wait for.
             self.receive_weights(self.parse_update_info(update_info))
 
-        def receive_weights(self, update_info: UpdateInfo) -> None:
+        def receive(self, metas, on_bucket) -> None:
+            """Receive one sync's buckets on this worker's group; also used by the LoRA worker extension."""
             if self._group is None:
                 raise RuntimeError("gloo weight transfer is not initialized: POST /init_weight_transfer_engine first")
+            receive_buckets(self._group, plan_buckets(metas, self._bucket_bytes), on_bucket)
+
+        def receive_weights(self, update_info: UpdateInfo) -> None:
             metas = update_info.metas()
             device = self.device
 
@@ -120,7 +131,7 @@ def engine_class():
                 self.model.load_weights([(name, t.to(device=device, copy=True)) for name, t in items])
 
             with _mtp_check_disabled():
-                receive_buckets(self._group, plan_buckets(metas, self._bucket_bytes), load)
+                self.receive(metas, load)
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -91,14 +91,11 @@ def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 @dataclass
 class UpdateInfo:
     """Body of `/update_weights`' `update_info`: the whole sync described up front, in vLLM's own format (so
-    the same payload serves vLLM's NCCL engine, our gloo plugin for vLLM and our CPU engine).
-
-    `lora_scaling` is ours: set for adapter-only sync (LoRA A/B pairs applied on pristine base weights)."""
+    the same payload serves vLLM's NCCL engine, our gloo plugin for vLLM and our CPU engine)."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-    lora_scaling: float | None = None
 
     def __post_init__(self):
         n = len(self.names)
@@ -109,27 +106,24 @@ class UpdateInfo:
             )
 
     @classmethod
-    def from_metas(cls, metas: list[TensorMeta], lora_scaling: float | None = None) -> UpdateInfo:
+    def from_metas(cls, metas: list[TensorMeta]) -> UpdateInfo:
         names = [m.name for m in metas]
-        return cls(names, [dtype_name(m.dtype) for m in metas], [list(m.shape) for m in metas], lora_scaling)
+        return cls(names, [dtype_name(m.dtype) for m in metas], [list(m.shape) for m in metas])
 
     @classmethod
     def parse(cls, info: dict) -> UpdateInfo:
         """From a request body; a missing or unknown key is a ValueError (the server answers 400)."""
         if not isinstance(info, dict):
             raise ValueError(f"update_info must be an object, got {type(info).__name__}")
-        fields = {"names", "dtype_names", "shapes", "lora_scaling"}
+        fields = {"names", "dtype_names", "shapes"}
         unknown = set(info) - fields
-        missing = {"names", "dtype_names", "shapes"} - set(info)
+        missing = fields - set(info)
         if unknown or missing:
             raise ValueError(f"update_info: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
         return cls(**info)
 
     def to_dict(self) -> dict:
-        body = {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
-        if self.lora_scaling is not None:
-            body["lora_scaling"] = self.lora_scaling
-        return body
+        return {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
 
     def metas(self) -> list[TensorMeta]:
         try:

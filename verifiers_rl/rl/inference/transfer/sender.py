@@ -47,10 +47,9 @@ def create_sender(
     host: str = "127.0.0.1",
     bucket_bytes: int | None = None,
     timeout_s: float = 300.0,
-    lora_scaling: float | None = None,
 ) -> WeightSender:
-    """`backend`: 'gloo' (merged weights over a gloo group), 'adapter' (LoRA A/B only, applied by the server
-    on pristine base weights) or 'nccl' (vLLM's own packed NCCL engine; GPU only)."""
+    """`backend`: 'gloo' (merged weights over a gloo group), 'adapter' (LoRA A/B only, into the server's LoRA
+    slot for the policy adapter; see transfer/adapter.py) or 'nccl' (vLLM's own packed NCCL engine; GPU only)."""
     from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES
 
     bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
@@ -61,9 +60,7 @@ def create_sender(
     if backend == "adapter":
         from verifiers_rl.rl.inference.transfer.adapter import AdapterSender
 
-        return AdapterSender(
-            client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s, lora_scaling=lora_scaling or 1.0
-        )
+        return AdapterSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
     if backend == "nccl":
         from verifiers_rl.rl.inference.transfer.nccl import NCCLSender
 
