@@ -165,6 +165,25 @@ def run(plan: Plan) -> int:
         run_sft(plan.sft["cfg"], plan.sft["config_path"])
     env = load_env(cfg)
     server = plan.server
+    if plan.engine == "vllm" and rl_config(cfg).lora_sync == "adapter" and not plan.trainer_cmd:
+        # vLLM registers the served adapter at startup from the trainer's step-0 LoRA weights: the trainer
+        # (one process) starts this server itself, with the same flags, once its model is wrapped
+        spec = server.spec
+        server_args = list(spec.extra_args)
+        if spec.data_parallel_size > 1:
+            server_args += ["--data-parallel-size", str(spec.data_parallel_size)]
+        args = rl_config(
+            cfg,
+            server_mode="spawn",
+            server_engine="vllm",
+            server_gpus=spec.gpus,
+            server_args=server_args,
+            server_max_model_len=spec.max_model_len,
+            vllm_server_host=spec.host,
+            vllm_server_port=spec.port,
+        )
+        print("vf-rl: the trainer starts the vllm inference server (adapter sync)", flush=True)
+        return train_and_evaluate(plan.model, env, args, cfg)
     print(f"vf-rl: starting the {plan.engine} inference server (log: {server.log_path})", flush=True)
     with server:
         if plan.trainer_cmd:

@@ -208,7 +208,10 @@ class RLConfig(TrainingArguments):
     sync_bucket_mb: int = field(default=64, metadata=_help("Bucket size of a weight sync in MiB."))
     lora_sync: str = field(
         default="merged",
-        metadata=_help("'merged' (send base+delta) or 'adapter' (send only LoRA A/B; CPU engine only)."),
+        metadata=_help(
+            "'merged' (send base+delta) or 'adapter' (send only LoRA A/B: the server serves the policy as a LoRA "
+            "adapter on untouched base weights; vLLM and the CPU engine)."
+        ),
     )
 
     max_empty_steps: int = field(

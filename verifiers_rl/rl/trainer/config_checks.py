@@ -125,6 +125,11 @@ def check_config(cfg) -> list[str]:
         "needs use_lora=True (the reference policy is the model with its adapter disabled)",
     )
     check(cfg.lora_sync == "merged" or cfg.use_lora, "lora_sync", "'adapter' needs use_lora=True")
+    check(
+        cfg.lora_sync == "merged" or not cfg.lora_modules_to_save,
+        "lora_sync",
+        "'adapter' sends LoRA A/B only: it cannot carry lora_modules_to_save (use lora_sync='merged')",
+    )
     check(cfg.lora_rank >= 1, "lora_rank", "must be >= 1")
     check(
         cfg.lora_config is None or type(cfg.lora_config).__name__ == "LoraConfig",

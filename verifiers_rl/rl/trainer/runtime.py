@@ -13,7 +13,14 @@ from verifiers_rl.rl.inference.client import ServerError, VLLMClient
 from verifiers_rl.rl.inference.control_auth import TOKEN_ENV, read_token_file
 from verifiers_rl.rl.inference.discovery import probe_server
 from verifiers_rl.rl.inference.launcher import InferenceServer
-from verifiers_rl.rl.inference.layout import engine_of_models, resolve_engine, resolve_sync_backend
+from verifiers_rl.rl.inference.layout import (
+    ADAPTER_NAME,
+    LORA_EXTENSION,
+    engine_of_models,
+    resolve_engine,
+    resolve_sync_backend,
+)
+from verifiers_rl.rl.inference.transfer.adapter import adapter_serving
 from verifiers_rl.rl.inference.transfer.gloo import store_host_for
 from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights, merged_weights
 from verifiers_rl.rl.trainer.config import DEFAULT_SERVER_PORT
@@ -94,6 +101,10 @@ class InferenceRuntime:
         if mode == "auto":
             mode, port = self._discover(port, token)
         split = cpu_thread_split(args)
+        serving = None
+        if mode == "spawn" and args.lora_sync == "adapter":
+            # vLLM registers the policy as a LoRA adapter at startup (the CPU engine ignores it)
+            serving = adapter_serving(model, os.path.join(args.output_dir, "adapter_step0"))
         if mode == "spawn":
             self.server = InferenceServer(
                 self._served_path(model, tokenizer),
@@ -106,6 +117,7 @@ class InferenceRuntime:
                 extra_args=args.server_args or [],
                 startup_timeout=args.vllm_server_timeout,
                 env=server_thread_env(split),
+                adapter=serving,
             )
             self.server.client_kwargs = self._client_timeouts()
             client = self.server.start()
@@ -123,6 +135,8 @@ class InferenceRuntime:
             client.wait_for_health(args.vllm_server_timeout)
         models = client.models()
         self.model_name = models[0]["id"]
+        if args.lora_sync == "adapter":
+            self.model_name = self._adapter_name(models)
         self.max_model_len = models[0].get("max_model_len") or args.server_max_len
         if self.max_model_len < args.server_max_len:
             logger.warning(
@@ -145,6 +159,17 @@ class InferenceRuntime:
             logger.info("CPU engine and trainer overlap on %d cores: server %d threads, trainer %d", sum(split), *split)
         self.client = client
         return client
+
+    def _adapter_name(self, models: list[dict]) -> str:
+        """Adapter sync: rollouts name the served adapter. Our CPU engine serves any name; vLLM must list it."""
+        if self.engine == "cpu" or any(m.get("id") == ADAPTER_NAME for m in models):
+            return ADAPTER_NAME
+        raise ServerError(
+            f"lora_sync='adapter' needs the server to serve the policy as the LoRA adapter {ADAPTER_NAME!r}, but it "
+            f"lists {[m.get('id') for m in models]}: start vf-vllm with --enable-lora --lora-modules "
+            f"{ADAPTER_NAME}=<adapter dir> --worker-extension-cls {LORA_EXTENSION} --weight-transfer-backend gloo, "
+            "or let the trainer spawn it (server_mode='spawn')"
+        )
 
     def _client_timeouts(self) -> dict:
         # a control request answers in milliseconds unless the server is stuck; a sync may move gigabytes
