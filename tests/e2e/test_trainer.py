@@ -45,7 +45,15 @@ def _lora_b(model) -> dict[str, torch.Tensor]:
 
 
 def test_single_turn_steps_log_sync_and_checkpoint(tiny_model_dir, tmp_path):
-    args = _args(tmp_path, max_async_level=1, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2)
+    args = _args(
+        tmp_path,
+        max_async_level=1,
+        save_strategy="steps",
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        keep_server=True,
+    )
     trainer = RLTrainer(model=tiny_model_dir, env=reverse_env(), args=args)
     before = _lora_b(trainer.model)
     try:
@@ -109,6 +117,7 @@ def test_multi_turn_env_trains_each_turn_full_finetune(tiny_model_dir, tmp_path)
         gradient_checkpointing=True,
         pack_sequences=False,
         learning_rate=1e-3,
+        keep_server=True,
     )
     trainer = RLTrainer(model=tiny_model_dir, env=again_env(), args=args)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -204,7 +213,7 @@ def test_trainer_and_engine_logprobs_agree_at_temperature(tiny_model_dir, tmp_pa
         (dict(scale_rewards="z"), "scale_rewards='z': allowed: group, batch, none"),
         (dict(kl_beta=0.1, use_lora=False), "kl_beta=0.1: needs use_lora=True"),
         (dict(batch_size=16, micro_batch_size=32), "must be divisible by micro_batch_size * processes"),
-        (dict(lora_sync="delta"), "lora_sync='delta': allowed: merged, adapter"),
+        (dict(lora_sync="delta"), "lora_sync='delta': allowed: auto, merged, adapter"),
     ],
 )
 def test_bad_configs_name_the_field(tmp_path, kw, message):
@@ -241,3 +250,21 @@ def test_long_prompts_are_filtered_once_and_counted():
     kept, dropped = filter_prompts(ds, tok, max_prompt_len=100)
     assert dropped == 1 and len(kept) == 2
     assert filter_prompts(ds, tok, None) == (ds, 0)
+
+
+def test_notebook_lifecycle_releases_the_server(tiny_model_dir, tmp_path):
+    """A notebook kernel lives on: train() stops the server it spawned, evaluate() starts one again, a `with`
+    block closes, and a second trainer in the same process does not collide with the first."""
+    from procs import survivors
+
+    with RLTrainer(model=tiny_model_dir, env=reverse_env(), args=_args(tmp_path / "a", max_steps=1)) as first:
+        first.train()
+        assert first.runtime.server is None and not survivors(os.getpid())  # nothing held after train()
+        second = RLTrainer(model=tiny_model_dir, env=reverse_env(), args=_args(tmp_path / "b", max_steps=1))
+        second.train()
+        assert not survivors(os.getpid())
+        metrics = first.evaluate()  # a new server, with the trained weights
+        assert 0.0 <= metrics["eval/reward"] <= 1.1 and first.runtime.server is not None
+        assert second.evaluate()["eval/rollouts"] > 0
+        second.close()
+    assert first.runtime.server is None and not survivors(os.getpid())

@@ -252,3 +252,27 @@ def test_n_gpu_plan_uses_every_inference_gpu(tmp_path, tiny_model_dir):
     r, pid = run_command("vf-rl", "@", cfg, "--dry-run", "--gpus", "6", "--trainer.args.batch_size", "12")
     assert r.returncode == 2
     assert "batch_size=12 must be divisible by micro_batch_size * trainer processes = 4 * 2" in _one_error_line(r)
+
+
+def test_one_gpu_plan_shares_it_with_a_memory_split():
+    cfg = ROOT / "configs" / "vf-rl" / "reverse-text.toml"
+    r, pid = run_command(
+        "vf-rl", "@", cfg, "--dry-run", "--gpus", "1", "--inference.args.gpu_memory_utilization", "false"
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert "inference shares GPU 0 with the trainer on [0]" in out
+    assert "one GPU of 80.0 GiB shared by the trainer and vLLM:" in out and "trainer ~" in out
+    util = float(out.split("--gpu-memory-utilization ")[1].split()[0])
+    assert 0.5 < util < 0.95
+    assert "lora_sync = 'adapter'" in out and "sync_backend = 'gloo'" in out
+    # a 24 GiB card leaves vLLM less; a model that cannot fit is one line with what to change
+    small = run_command("vf-rl", "@", cfg, "--dry-run", "--gpus", "1", "--gpu-memory", "24",
+                        "--inference.args.gpu_memory_utilization", "false")[0]  # fmt: skip
+    assert float(small.stdout.split("--gpu-memory-utilization ")[1].split()[0]) < util
+    no_user_util = ("--inference.args.gpu_memory_utilization", "false")
+    full = run_command(
+        "vf-rl", "@", cfg, "--dry-run", "--gpus", "1", "--gpu-memory", "4", "--trainer.args.use_lora", "false",
+        *no_user_util,
+    )[0]  # fmt: skip
+    assert full.returncode == 2 and "one GPU: the trainer" in full.stderr and "use LoRA" in full.stderr

@@ -29,6 +29,12 @@ def split_argv(argv: list[str], prog: str) -> tuple[str, list[str], set[str]]:
             if not value.isdigit():
                 raise ConfigError("--gpus needs a number of CUDA devices")
             flags.add(f"--gpus={value}")
+        elif a == "--gpu-memory" or a.startswith("--gpu-memory="):  # GiB per GPU of that machine
+            value = a.split("=", 1)[1] if "=" in a else next(args, "")
+            try:
+                flags.add(f"--gpu-memory={float(value)}")
+            except ValueError:
+                raise ConfigError("--gpu-memory needs the GiB of one GPU, e.g. --gpu-memory 80") from None
         else:
             rest.append(a)
     return argv[1], rest, flags

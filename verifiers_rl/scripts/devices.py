@@ -2,7 +2,10 @@
 
 Inference first, then the trainer. `[inference] gpus = N` runs vLLM data-parallel over N / tp replicas of
 tensor-parallel size tp (`[inference.args] tensor_parallel_size`), as upstream `vf-rl` did; the weight sync
-reaches every DP x TP worker (the server reports its world size).
+reaches every DP x TP worker (the server reports its world size). With one visible GPU, or
+`[inference] gpus = 0`, the server shares the trainer's first GPU: vLLM gets the memory the planner leaves
+it (`rl/shared_gpu.py`), weights travel through host memory (gloo; NCCL cannot put two ranks on one device),
+and LoRA runs sync adapters by default.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ class GpuPlan:
     trainer: list[int]
     data_parallel: int = 1
     tensor_parallel: int = 1
+    shared: bool = False  # the server runs on the trainer's (first) GPU
 
     def describe(self) -> str:
         if not self.cuda:
             return "no CUDA devices: CPU engine for inference, trainer on CPU"
+        if self.shared:
+            gpu = self.inference[0]
+            return f"{self.cuda} CUDA device(s): inference shares GPU {gpu} with the trainer on {self.trainer}"
         split = ""
         if self.data_parallel > 1 or self.tensor_parallel > 1:
             split = f" (vLLM data parallel {self.data_parallel} x tensor parallel {self.tensor_parallel})"
@@ -42,6 +49,10 @@ def assign_gpus(cfg: dict[str, Any], available: int) -> GpuPlan:
         return GpuPlan(0, [], [])
     n_inf = cfg.get("inference", {}).get("gpus", 1)
     n_tr = cfg.get("trainer", {}).get("gpus", 1)
+    if n_inf == 0 or (available == 1 and n_inf + n_tr == 2):  # one GPU: a first-class layout, not an error
+        if n_tr > available:
+            raise ConfigError(f"trainer.gpus={n_tr} exceeds the {available} visible CUDA devices")
+        return GpuPlan(available, [0], list(range(max(n_tr, 1))), shared=True)
     if n_inf + n_tr > available:
         raise ConfigError(
             f"inference.gpus={n_inf} + trainer.gpus={n_tr} exceeds the {available} visible CUDA devices "
@@ -54,3 +65,33 @@ def assign_gpus(cfg: dict[str, Any], available: int) -> GpuPlan:
             "vLLM runs gpus / tensor_parallel_size data-parallel replicas"
         )
     return GpuPlan(available, list(range(n_inf)), list(range(n_inf, n_inf + n_tr)), n_inf // tp, tp)
+
+
+def plan_memory(cfg: dict[str, Any], args, model: str, gpu_bytes: int, base: str | None = None):
+    """The shared GPU's split (rl/shared_gpu.py) for this run; ConfigError when the model's shape is unknown
+    or the two do not fit. `base`: where the shape comes from while `model` does not exist yet (an SFT
+    warm-start's output has its base model's shape)."""
+    from verifiers_rl.rl.shared_gpu import ModelShape, plan_shared_gpu, shape_of
+
+    shape = shape_of(model) or (shape_of(base) if base else None)
+    if shape is None and cfg.get("model") == "tiny":
+        from verifiers_rl.tiny import TinySpec, build_config, build_tokenizer
+
+        shape = ModelShape.from_config(build_config(build_tokenizer(), TinySpec(**cfg.get("tiny", {}))))
+    if shape is None:
+        raise ConfigError(
+            f"cannot plan one GPU for {model!r}: its config.json is not available here; set "
+            "[inference.args] gpu_memory_utilization yourself (the fraction of the GPU vLLM may use)"
+        )
+    try:
+        return plan_shared_gpu(
+            shape,
+            gpu_bytes,
+            use_lora=args.use_lora,
+            lora_rank=args.lora_rank,
+            micro_batch_tokens=args.token_budget,
+            max_seq_len=args.max_seq_len,
+            gradient_checkpointing=bool(args.gradient_checkpointing),
+        )
+    except ValueError as e:
+        raise ConfigError(f"one GPU: {e}") from None

@@ -26,7 +26,7 @@ from verifiers_rl.scripts.common import (
     split_argv,
     train_and_evaluate,
 )
-from verifiers_rl.scripts.devices import assign_gpus
+from verifiers_rl.scripts.devices import assign_gpus, plan_memory
 from verifiers_rl.scripts.toml_config import (
     ConfigError,
     apply_overrides,
@@ -49,6 +49,8 @@ class Plan:
     server: Any  # InferenceServer, not started
     sft: dict[str, Any] | None = None
     trainer_cmd: list[str] = field(default_factory=list)
+    memory: Any = None  # shared_gpu.SharedGpuPlan of a one-GPU layout
+    trainer_overrides: dict[str, Any] = field(default_factory=dict)  # what the layout decides for [trainer.args]
 
     @property
     def server_cmd(self) -> list[str]:
@@ -65,7 +67,12 @@ def _cuda_count() -> int:
 
 
 def build_plan(
-    cfg: dict[str, Any], config_path: str, overrides: list[str], dry_run: bool, cuda: int | None = None
+    cfg: dict[str, Any],
+    config_path: str,
+    overrides: list[str],
+    dry_run: bool,
+    cuda: int | None = None,
+    gpu_memory_gib: float | None = None,
 ) -> Plan:
     from verifiers_rl.rl.inference.layout import resolve_engine
     from verifiers_rl.scripts.sft import sft_plan
@@ -86,14 +93,39 @@ def build_plan(
         raise ConfigError("inference.engine='vllm' needs CUDA devices; none are visible (use engine = \"cpu\")")
     # validates [trainer.args] now, before anything starts (precision checks need the real hardware)
     args = rl_config(cfg, cuda=cuda > 0 and real_cuda > 0, quiet=cuda > real_cuda, server_engine=engine)
+    layout = {}
+    if gpus.shared:
+        # no NCCL between two ranks on one device: weights go through host memory, adapters by default
+        layout["sync_backend"] = "gloo"
+        if (
+            args.use_lora
+            and "lora_sync" not in cfg.get("trainer", {}).get("args", {})
+            and not args.lora_modules_to_save
+        ):
+            layout["lora_sync"] = "adapter"
+        args = rl_config(cfg, cuda=cuda > 0 and real_cuda > 0, quiet=True, server_engine=engine, **layout)
     procs = gpus.trainer_processes
     if args.batch_size % (args.micro_batch_size * procs):
         raise ConfigError(
             f"trainer.args.batch_size={args.batch_size} must be divisible by micro_batch_size * trainer processes "
             f"= {args.micro_batch_size} * {procs} (trainer.gpus)"
         )
+    memory = None
+    if gpus.shared and engine == "vllm":
+        gpu_bytes = int((gpu_memory_gib or _gpu_gib(real_cuda)) * (1 << 30))
+        memory = plan_memory(cfg, args, model, gpu_bytes, base=sft["cfg"]["model"] if sft else None)
     plan = Plan(
-        cfg, config_path, overrides, model, engine, gpus, args.output_dir, make_server(cfg, args, model, gpus), sft
+        cfg,
+        config_path,
+        overrides,
+        model,
+        engine,
+        gpus,
+        args.output_dir,
+        make_server(cfg, args, model, gpus, memory),
+        sft,
+        memory=memory,
+        trainer_overrides=layout,
     )
     n_trainer = len(gpus.trainer)
     if n_trainer > 1:
@@ -109,6 +141,7 @@ def build_plan(
             "@",
             str(Path(config_path).resolve()),
             *overrides,
+            *[a for key, value in layout.items() for a in (f"--trainer.args.{key}", str(value))],
             "--inference.host",
             inf.get("host", "127.0.0.1"),
             "--inference.port",
@@ -117,7 +150,23 @@ def build_plan(
     return plan
 
 
-def make_server(cfg: dict[str, Any], args, model: str, gpus):
+def _server_flags(inference_args: dict[str, Any], memory) -> list[str]:
+    flags = flags_from_args(inference_args)
+    if memory is not None and "gpu_memory_utilization" not in inference_args:
+        flags += ["--gpu-memory-utilization", f"{memory.gpu_memory_utilization:.2f}"]
+    return flags
+
+
+def _gpu_gib(real_cuda: int) -> float:
+    """GiB of GPU 0, or 80 (an H100) when planning for GPUs this machine does not have (--gpu-memory sets it)."""
+    if real_cuda:
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory / (1 << 30)
+    return 80.0
+
+
+def make_server(cfg: dict[str, Any], args, model: str, gpus, memory=None):
     """The inference server of a vf-rl run (one definition for the plan and the run)."""
     from verifiers_rl.rl.inference.launcher import InferenceServer
     from verifiers_rl.rl.trainer.runtime import cpu_thread_split, server_thread_env
@@ -132,7 +181,7 @@ def make_server(cfg: dict[str, Any], args, model: str, gpus):
         gpus=gpus.inference or None,
         max_model_len=args.server_max_len,
         data_parallel_size=gpus.data_parallel,
-        extra_args=flags_from_args(inf.get("args", {})),
+        extra_args=_server_flags(inf.get("args", {}), memory),
         startup_timeout=inf.get("startup_timeout", args.vllm_server_timeout),
         env=server_thread_env(cpu_thread_split(args)),
     )
@@ -148,6 +197,12 @@ def print_plan(plan: Plan) -> None:
         print(f"\n# SFT warm-start ({state})\nvf-sft @ {plan.sft['config_path']}  ->  {plan.sft['final_dir']}")
     dev = f"CUDA_VISIBLE_DEVICES={','.join(map(str, plan.gpus.inference))} " if plan.gpus.inference else ""
     print(f"\n# inference server (engine: {plan.engine})\n{dev}{shlex.join(plan.server_cmd)}")
+    if plan.memory is not None:
+        print("\n# one GPU\n" + "\n".join(plan.memory.describe()))
+    if plan.trainer_overrides:
+        why = "server and trainer share a GPU: weights go through host memory"
+        decided = ", ".join(f"{k} = {v!r}" for k, v in plan.trainer_overrides.items())
+        print(f"\n# layout decides\n[trainer.args] {decided} ({why})")
     if plan.trainer_cmd:
         dev = f"CUDA_VISIBLE_DEVICES={','.join(map(str, plan.gpus.trainer))} "
         print(f"\n# trainer ({len(plan.gpus.trainer)} processes)\n{dev}{shlex.join(plan.trainer_cmd)}")
@@ -165,7 +220,8 @@ def run(plan: Plan) -> int:
         run_sft(plan.sft["cfg"], plan.sft["config_path"])
     env = load_env(cfg)
     server = plan.server
-    if plan.engine == "vllm" and rl_config(cfg).lora_sync == "adapter" and not plan.trainer_cmd:
+    layout = plan.trainer_overrides
+    if plan.engine == "vllm" and rl_config(cfg, **layout).lora_sync == "adapter" and not plan.trainer_cmd:
         # vLLM registers the served adapter at startup from the trainer's step-0 LoRA weights: the trainer
         # (one process) starts this server itself, with the same flags, once its model is wrapped
         spec = server.spec
@@ -181,6 +237,7 @@ def run(plan: Plan) -> int:
             server_max_model_len=spec.max_model_len,
             vllm_server_host=spec.host,
             vllm_server_port=spec.port,
+            **layout,
         )
         print("vf-rl: the trainer starts the vllm inference server (adapter sync)", flush=True)
         return train_and_evaluate(plan.model, env, args, cfg)
@@ -195,6 +252,7 @@ def run(plan: Plan) -> int:
             vllm_server_port=server.port,
             server_control_token=server.token,
             server_engine=plan.engine,
+            **layout,
         )
         return train_and_evaluate(plan.model, env, args, cfg, server)
 
@@ -230,7 +288,8 @@ def run_command(argv: list[str] | None = None) -> int:
         gpus = next((int(f.split("=")[1]) for f in flags if f.startswith("--gpus=")), None)
         if gpus is not None and not dry:
             raise ConfigError("--gpus only plans (with --dry-run); a real run uses the visible CUDA devices")
-        plan = build_plan(cfg, path, overrides, dry_run=dry, cuda=gpus)
+        memory = next((float(f.split("=")[1]) for f in flags if f.startswith("--gpu-memory=")), None)
+        plan = build_plan(cfg, path, overrides, dry_run=dry, cuda=gpus, gpu_memory_gib=memory)
         if dry:
             print_plan(plan)
             return 0

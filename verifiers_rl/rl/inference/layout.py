@@ -46,7 +46,7 @@ def resolve_engine(requested: str, *, cuda: bool | None = None, vllm: bool | Non
     return "vllm" if cuda and vllm else "cpu"
 
 
-def resolve_sync_backend(requested: str, engine: str) -> str:
+def resolve_sync_backend(requested: str, engine: str, shared_gpu: bool = False) -> str:
     """The weight-sync backend for a server running `engine` (already resolved).
 
     The CPU engine only speaks gloo. vLLM defaults to NCCL (GPU to GPU); gloo reaches it through our plugin
@@ -59,6 +59,10 @@ def resolve_sync_backend(requested: str, engine: str) -> str:
     if engine == "cpu":
         if requested == "nccl":
             raise ValueError("sync_backend='nccl' needs a vLLM server; the CPU engine syncs over gloo")
+        return "gloo"
+    if shared_gpu:
+        if requested == "nccl":
+            raise ValueError("sync_backend='nccl' cannot sync a server on the trainer's own GPU; use gloo")
         return "gloo"
     return "nccl" if requested == "auto" else requested
 

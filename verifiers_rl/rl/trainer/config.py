@@ -207,10 +207,11 @@ class RLConfig(TrainingArguments):
     )
     sync_bucket_mb: int = field(default=64, metadata=_help("Bucket size of a weight sync in MiB."))
     lora_sync: str = field(
-        default="merged",
+        default="auto",
         metadata=_help(
-            "'merged' (send base+delta) or 'adapter' (send only LoRA A/B: the server serves the policy as a LoRA "
-            "adapter on untouched base weights; vLLM and the CPU engine)."
+            "'merged' (send base+delta), 'adapter' (send only LoRA A/B: the server serves the policy as a LoRA "
+            "adapter on untouched base weights; vLLM and the CPU engine), or 'auto': adapter when a LoRA policy's "
+            "server shares the trainer's GPU, merged otherwise."
         ),
     )
 
@@ -219,6 +220,13 @@ class RLConfig(TrainingArguments):
         metadata=_help(
             "Stop with the cause after this many consecutive steps with nothing to train (every rollout rejected, "
             "errored or without reward spread is not counted here: only steps with no trainable sample)."
+        ),
+    )
+    keep_server: bool = field(
+        default=False,
+        metadata=_help(
+            "Keep a server the trainer spawned running after train() returns (evaluate() then reuses it); by default "
+            "it is stopped, and evaluate() or the next train() start one again."
         ),
     )
     save_on_signal_timeout: float = field(

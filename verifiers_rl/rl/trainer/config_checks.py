@@ -12,7 +12,7 @@ from verifiers_rl.rl.inference.layout import ENGINES, SYNC_BACKENDS
 
 LOSS_TYPES = ("is", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
-LORA_SYNC = ("merged", "adapter")
+LORA_SYNC = ("auto", "merged", "adapter")
 SERVER_MODES = ("auto", "spawn", "connect")
 
 # sampling_args keys that are RLConfig fields: a user's sampling_args sets the field, so the trainer scores
@@ -124,9 +124,9 @@ def check_config(cfg) -> list[str]:
         "kl_beta",
         "needs use_lora=True (the reference policy is the model with its adapter disabled)",
     )
-    check(cfg.lora_sync == "merged" or cfg.use_lora, "lora_sync", "'adapter' needs use_lora=True")
+    check(cfg.lora_sync != "adapter" or cfg.use_lora, "lora_sync", "'adapter' needs use_lora=True")
     check(
-        cfg.lora_sync == "merged" or not cfg.lora_modules_to_save,
+        cfg.lora_sync != "adapter" or not cfg.lora_modules_to_save,
         "lora_sync",
         "'adapter' sends LoRA A/B only: it cannot carry lora_modules_to_save (use lora_sync='merged')",
     )

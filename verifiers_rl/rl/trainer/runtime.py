@@ -17,12 +17,14 @@ from verifiers_rl.rl.inference.layout import (
     ADAPTER_NAME,
     LORA_EXTENSION,
     engine_of_models,
+    has_flag,
     resolve_engine,
     resolve_sync_backend,
 )
 from verifiers_rl.rl.inference.transfer.adapter import adapter_serving
 from verifiers_rl.rl.inference.transfer.gloo import store_host_for
 from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights, merged_weights
+from verifiers_rl.rl.shared_gpu import ModelShape, plan_shared_gpu
 from verifiers_rl.rl.trainer.config import DEFAULT_SERVER_PORT
 from verifiers_rl.rl.trainer.metrics import rollout_metrics
 from verifiers_rl.rl.trainer.orchestrator import GenerationError, Orchestrator, RolloutBatch
@@ -52,6 +54,16 @@ def cpu_thread_split(args, cores: int | None = None) -> tuple[int, int] | None:
     return server, cores - server
 
 
+def shares_gpu(args, mode: str) -> bool:
+    """Would a vLLM server and this trainer use the same GPU? (Then NCCL cannot sync them: gloo via host memory.)"""
+    if not torch.cuda.is_available() or resolve_engine(args.server_engine) != "vllm":
+        return False
+    if mode == "spawn":
+        return args.server_gpus is None or torch.cuda.current_device() in args.server_gpus
+    local = args.vllm_server_host in ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+    return local and torch.cuda.device_count() == 1
+
+
 def server_thread_env(split: tuple[int, int] | None) -> dict[str, str] | None:
     """The inference server's share of a `cpu_thread_split`, as environment for its process."""
     return {"OMP_NUM_THREADS": str(split[0])} if split else None
@@ -69,6 +81,7 @@ class InferenceRuntime:
         self.orchestrator: Orchestrator | None = None
         self.model_name: str | None = None
         self.engine: str | None = None  # what the server runs: "cpu" | "vllm"
+        self.lora_sync = "merged"  # args.lora_sync with "auto" resolved once the layout is known
         self.max_model_len: int | None = None  # the server's context limit, as it reports it
         self.policy = PolicyVersion()
         self.synced_version: int | None = None
@@ -101,8 +114,13 @@ class InferenceRuntime:
         if mode == "auto":
             mode, port = self._discover(port, token)
         split = cpu_thread_split(args)
+        shared = shares_gpu(args, mode)
+        self.lora_sync = args.lora_sync
+        if self.lora_sync == "auto":  # adapters on a shared GPU (no NCCL there, and far fewer bytes)
+            adapter = shared and args.use_lora and not args.lora_modules_to_save
+            self.lora_sync = "adapter" if adapter else "merged"
         serving = None
-        if mode == "spawn" and args.lora_sync == "adapter":
+        if mode == "spawn" and self.lora_sync == "adapter":
             # vLLM registers the policy as a LoRA adapter at startup (the CPU engine ignores it)
             serving = adapter_serving(model, os.path.join(args.output_dir, "adapter_step0"))
         if mode == "spawn":
@@ -114,7 +132,7 @@ class InferenceRuntime:
                 output_dir=args.output_dir,
                 gpus=args.server_gpus,
                 max_model_len=args.server_max_len,
-                extra_args=args.server_args or [],
+                extra_args=self._server_args(model, shared),
                 startup_timeout=args.vllm_server_timeout,
                 env=server_thread_env(split),
                 adapter=serving,
@@ -135,7 +153,7 @@ class InferenceRuntime:
             client.wait_for_health(args.vllm_server_timeout)
         models = client.models()
         self.model_name = models[0]["id"]
-        if args.lora_sync == "adapter":
+        if self.lora_sync == "adapter":
             self.model_name = self._adapter_name(models)
         self.max_model_len = models[0].get("max_model_len") or args.server_max_len
         if self.max_model_len < args.server_max_len:
@@ -147,8 +165,8 @@ class InferenceRuntime:
             )
         if self.engine is None:  # connected: the server says what it runs
             self.engine = engine_of_models(models)
-        backend = resolve_sync_backend(args.sync_backend, self.engine)
-        if args.lora_sync == "adapter":
+        backend = resolve_sync_backend(args.sync_backend, self.engine, shared_gpu=shared)
+        if self.lora_sync == "adapter":
             backend = "adapter"
         client.init_weight_transfer(
             backend, host=store_host_for(args.vllm_server_host), bucket_bytes=args.sync_bucket_mb << 20
@@ -159,6 +177,26 @@ class InferenceRuntime:
             logger.info("CPU engine and trainer overlap on %d cores: server %d threads, trainer %d", sum(split), *split)
         self.client = client
         return client
+
+    def _server_args(self, model, shared: bool) -> list[str]:
+        """The user's server flags, plus vLLM's share of a GPU the trainer also uses (rl/shared_gpu.py)."""
+        args = self.args
+        extra = list(args.server_args or [])
+        if shared and not has_flag(extra, "gpu-memory-utilization"):
+            shape = ModelShape.from_config(getattr(model, "config", model))
+            plan = plan_shared_gpu(
+                shape,
+                torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
+                use_lora=args.use_lora,
+                lora_rank=args.lora_rank,
+                micro_batch_tokens=args.token_budget,
+                max_seq_len=args.max_seq_len,
+                gradient_checkpointing=bool(args.gradient_checkpointing),
+            )
+            for line in plan.describe():
+                logger.info(line)
+            extra += ["--gpu-memory-utilization", f"{plan.gpu_memory_utilization:.2f}"]
+        return extra
 
     def _adapter_name(self, models: list[dict]) -> str:
         """Adapter sync: rollouts name the served adapter. Our CPU engine serves any name; vLLM must list it."""
@@ -263,7 +301,7 @@ class InferenceRuntime:
         return batch
 
     def sync(self, model, version: int) -> float:
-        tensors = adapter_weights(model) if self.args.lora_sync == "adapter" else merged_weights(model)
+        tensors = adapter_weights(model) if self.lora_sync == "adapter" else merged_weights(model)
         try:
             stats = self.client.update_weights(tensors, version=version)
         except Exception as e:  # noqa: BLE001 - httpx, gloo and server errors all end here, as one line

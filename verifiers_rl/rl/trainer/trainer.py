@@ -164,6 +164,8 @@ class RLTrainer(Trainer):
         finally:
             self._guard = None
             self.runtime.stop_rollouts()
+            if not self.args.keep_server:  # a notebook kernel must not hold a server (or its GPU memory) idle
+                self.runtime.close()
 
     def _resume_point(self, requested):
         if not requested:
@@ -190,8 +192,14 @@ class RLTrainer(Trainer):
             self._save_checkpoint(self.model, trial=None)
 
     def close(self) -> None:
-        """Stop rollouts and the inference server this trainer spawned."""
+        """Stop rollouts and the inference server this trainer spawned (evaluate() or train() start one again)."""
         self.runtime.close()
+
+    def __enter__(self) -> RLTrainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def sync_weights(self) -> float:
         return self.runtime.sync(self.accelerator.unwrap_model(self.model), version=self.state.global_step)

@@ -1,0 +1,76 @@
+"""One GPU for server and trainer: the memory planner against peaks measured on an H100, and the layout rules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verifiers_rl.rl.inference.layout import resolve_sync_backend
+from verifiers_rl.rl.shared_gpu import GIB, ModelShape, plan_shared_gpu, shape_of, trainer_bytes
+from verifiers_rl.scripts.devices import assign_gpus
+
+MEASURED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "shared_gpu_memory.json"
+
+
+def test_trainer_estimate_covers_measured_peaks_without_wasting_the_gpu():
+    """benchmarks/shared_gpu_memory.py on an H100: Qwen3-0.6B shape, bf16, LoRA r16 and full fine-tuning."""
+    shape = shape_of("Qwen/Qwen3-0.6B")
+    rows = json.loads(MEASURED.read_text())["trainer"]
+    assert len(rows) >= 5
+    for r in rows:
+        est = trainer_bytes(
+            shape,
+            use_lora=r["use_lora"],
+            lora_rank=16,
+            micro_batch_tokens=r["tokens"],
+            gradient_checkpointing=r["checkpointing"],
+        )["total"]
+        ratio = est / GIB / r["peak_gib"]
+        assert 1.0 <= ratio <= 1.25, (r, ratio)  # never below the peak, at most a quarter above
+
+
+def test_shape_from_config_counts_parameters_like_the_model():
+    from verifiers_rl.tiny import build_tiny_model
+
+    model, _ = build_tiny_model(hidden=128, layers=3)
+    assert ModelShape.from_config(model.config).params == sum(p.numel() for p in model.parameters())
+    assert shape_of("Qwen/Qwen3-4B-Instruct-2507").layers == 36  # known shapes match name variants
+    assert shape_of("no/such-model") is None
+
+
+def test_plan_gives_vllm_what_the_trainer_leaves():
+    shape = shape_of("Qwen/Qwen3-0.6B")
+    kw = dict(use_lora=True, lora_rank=16, max_seq_len=2048, gradient_checkpointing=False)
+    small = plan_shared_gpu(shape, 80 * GIB, micro_batch_tokens=4096, **kw)
+    big = plan_shared_gpu(shape, 80 * GIB, micro_batch_tokens=16384, **kw)
+    assert 0 < big.gpu_memory_utilization < small.gpu_memory_utilization < 1
+    for plan in (small, big):
+        vllm = plan.gpu_memory_utilization * plan.gpu_bytes
+        assert vllm + plan.trainer["total"] < plan.gpu_bytes  # both fit
+        assert plan.kv_tokens >= 2048  # at least one full sequence
+    assert "--gpu-memory-utilization" in "\n".join(small.describe())
+
+
+def test_plan_that_does_not_fit_says_what_to_change():
+    shape = shape_of("Qwen/Qwen3-8B")
+    with pytest.raises(ValueError, match="use LoRA, gradient_checkpointing, a smaller micro_batch_tokens"):
+        plan_shared_gpu(shape, 24 * GIB, use_lora=False, lora_rank=8, micro_batch_tokens=16384, max_seq_len=4096,
+                        gradient_checkpointing=False)  # fmt: skip
+
+
+def test_one_visible_gpu_is_shared_not_refused():
+    one = assign_gpus({}, 1)
+    assert one.shared and one.inference == [0] and one.trainer == [0]
+    explicit = assign_gpus({"inference": {"gpus": 0}, "trainer": {"gpus": 2}}, 2)
+    assert explicit.shared and explicit.inference == [0] and explicit.trainer == [0, 1]
+    two = assign_gpus({}, 2)
+    assert not two.shared and two.inference == [0] and two.trainer == [1]
+
+
+def test_shared_gpu_syncs_through_host_memory():
+    assert resolve_sync_backend("auto", "vllm", shared_gpu=True) == "gloo"
+    assert resolve_sync_backend("auto", "vllm") == "nccl"
+    with pytest.raises(ValueError, match="cannot sync a server on the trainer's own GPU"):
+        resolve_sync_backend("nccl", "vllm", shared_gpu=True)
