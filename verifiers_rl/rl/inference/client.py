@@ -143,6 +143,8 @@ class VLLMClient:
         """One sync; generation is paused around it (in-flight requests keep their KV cache and resume)."""
         if self.sender is None:
             raise ServerError("call init_weight_transfer() before update_weights()")
+        if getattr(self.sender, "pauses_itself", False):
+            return self.sender.send(named_tensors, version)
         with self.paused("keep"):
             return self.sender.send(named_tensors, version)
 

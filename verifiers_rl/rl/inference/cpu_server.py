@@ -107,6 +107,12 @@ class WeightReceiver:
                 self.engine.resume()
         return {"tensors": len(metas), "modules": modules}
 
+    def abandon(self) -> None:
+        """A one-call sync that failed: serve on with the weights it has (already partly replaced on error)."""
+        if self.paused_by_update:
+            self.engine.resume()
+            self.paused_by_update = False
+
     def finish(self, version: int | None) -> int:
         v = self.engine.finish_update(version)
         if self.paused_by_update:
@@ -268,17 +274,6 @@ def create_app(
         await asyncio.to_thread(receiver.start)
         return {"message": "Weight update started"}
 
-    @app.post("/update_weights")
-    async def update_weights(update_info: dict[str, Any] | list[dict[str, Any]] = Body(..., embed=True)):
-        infos = update_info if isinstance(update_info, list) else [update_info]
-        try:
-            loaded = 0
-            for info in infos:
-                loaded += await asyncio.to_thread(receiver.update, info)
-        except (ValueError, KeyError) as e:
-            return bad_request(e)
-        return {"message": "Weights updated", "tensors": loaded}
-
     def version_number(name: str, value) -> int:
         # versions are policy versions (optimizer steps): a non-negative integer, sent as text like vLLM's
         try:
@@ -288,6 +283,29 @@ def create_app(
         if number < 0:
             raise ValueError(f"{name}={value!r}: expected a non-negative integer (the policy version)")
         return number
+
+    @app.post("/update_weights")
+    async def update_weights(
+        update_info: dict[str, Any] | list[dict[str, Any]] = Body(..., embed=True),
+        weight_version: str | int | None = Body(None, embed=True),
+    ):
+        """vLLM's route; ours: with `weight_version` it is the whole sync in one round trip (pause, receive,
+        finish with that version, reset the prefix cache, resume) instead of six control requests."""
+        infos = update_info if isinstance(update_info, list) else [update_info]
+        try:
+            version = None if weight_version is None else version_number("weight_version", weight_version)
+            if version is not None:
+                await asyncio.to_thread(receiver.start)
+            loaded = 0
+            for info in infos:
+                loaded += await asyncio.to_thread(receiver.update, info)
+        except (ValueError, KeyError) as e:
+            if weight_version is not None:
+                await asyncio.to_thread(receiver.abandon)
+            return bad_request(e)
+        if version is not None:
+            await asyncio.to_thread(receiver.finish, version)
+        return {"message": "Weights updated", "tensors": loaded}
 
     @app.post("/finish_weight_update")
     async def finish_update(weight_version: str | int | None = Body(None, embed=True)):

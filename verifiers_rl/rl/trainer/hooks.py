@@ -46,7 +46,8 @@ class SyncWeights(TrainerCallback):
         if not state.is_world_process_zero:
             return
         metrics = self.trainer.step_metrics
-        sync_s = self.trainer.sync_weights()
+        self.trainer.runtime.pristine = False  # the weights are no longer those of the model's files
+        sync_s = self.trainer.sync_weights(changed=self.trainer.trained_last_step)
         step_s = metrics.get("timing/step_s", 0.0) + sync_s
         metrics["timing/sync_s"] = sync_s
         metrics["timing/sync_frac"] = sync_s / step_s if step_s else 0.0

@@ -82,6 +82,9 @@ class InferenceRuntime:
         self.model_name: str | None = None
         self.engine: str | None = None  # what the server runs: "cpu" | "vllm"
         self.lora_sync = "merged"  # args.lora_sync with "auto" resolved once the layout is known
+        # the trainer's weights are still the ones its model path holds (set by RLTrainer; no step, no resume)
+        self.pristine = False
+        self.server_has_trainer_weights = False  # a server spawned from exactly the trainer's current weights
         self.max_model_len: int | None = None  # the server's context limit, as it reports it
         self.policy = PolicyVersion()
         self.synced_version: int | None = None
@@ -95,9 +98,12 @@ class InferenceRuntime:
 
         if self.model_path:
             try:
-                return resolve_model_path(self.model_path)
+                path = resolve_model_path(self.model_path)
+                self.server_has_trainer_weights = self.pristine
+                return path
             except (FileNotFoundError, NotADirectoryError, ValueError):
                 pass
+        self.server_has_trainer_weights = True
         # An in-memory model: write its (adapter-free) weights where the server can load them.
         path = os.path.join(self.args.output_dir, "served_base")
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -168,9 +174,11 @@ class InferenceRuntime:
         backend = resolve_sync_backend(args.sync_backend, self.engine, shared_gpu=shared)
         if self.lora_sync == "adapter":
             backend = "adapter"
-        client.init_weight_transfer(
+        sender = client.init_weight_transfer(
             backend, host=store_host_for(args.vllm_server_host), bucket_bytes=args.sync_bucket_mb << 20
         )
+        if self.engine == "cpu" and backend == "gloo":
+            sender.pauses_itself = True  # our engine folds the sync into one request
         if split and self._threads_before is None:
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(split[1])
@@ -278,6 +286,7 @@ class InferenceRuntime:
                 shuffle=args.shuffle_dataset,
                 api_key=args.server_api_key or "EMPTY",
                 policy_version=self.policy,
+                max_async_level=args.max_async_level,
             )
         if orchestrator_state:
             self.orchestrator.load_state_dict(orchestrator_state)
@@ -301,6 +310,8 @@ class InferenceRuntime:
         return batch
 
     def sync(self, model, version: int) -> float:
+        if self.orchestrator is not None:
+            self.orchestrator.wait_for_batches_before(version)
         tensors = adapter_weights(model) if self.lora_sync == "adapter" else merged_weights(model)
         try:
             stats = self.client.update_weights(tensors, version=version)
@@ -310,6 +321,15 @@ class InferenceRuntime:
         self.synced_version = version
         self.policy.advance(version)
         return stats.seconds
+
+    def mark_synced(self, version: int) -> float:
+        """The server already holds the weights of `version` (it was started from them, or the step changed
+        nothing): advance the version without moving a byte."""
+        if self.synced_version is not None and self.synced_version != version:
+            self.client.post("/update_weight_version", {"new_version": str(version)})
+        self.synced_version = version
+        self.policy.advance(version)
+        return 0.0
 
     def kill_server(self) -> None:
         """A second signal: take the spawned server down now, without waiting for it."""
@@ -330,6 +350,8 @@ class InferenceRuntime:
             self.client.close(polite=watched_ok)  # no goodbye requests to a dead or stopped server
         self.server = self.client = None
         self.engine = None
+        self.synced_version = None  # a next server starts from the model files, not from these weights
+        self.server_has_trainer_weights = False
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
@@ -339,7 +361,9 @@ class InferenceRuntime:
     def evaluate(self, model, tokenizer, prefix: str = "eval", global_step: int = 0) -> dict[str, float]:
         args = self.args
         self.ensure_server(model, tokenizer)
-        if self.synced_version != global_step:
+        if self.synced_version is None and self.server_has_trainer_weights and global_step == 0:
+            self.mark_synced(0)
+        elif self.synced_version != global_step:
             self.sync(model, global_step)
         rows = self.env.get_eval_dataset(n=args.num_eval_examples or -1)
         rows, _ = filter_prompts(rows, tokenizer, args.prompt_limit, self.env)

@@ -80,6 +80,7 @@ class RLTrainer(Trainer):
             raise TypeError(f"args must be an RLConfig, got {type(args).__name__}")
         if peft_config is not None:  # verifiers <= 0.1.6's GRPOTrainer(peft_config=...): wins over the lora_* fields
             args.lora_config, args.use_lora = peft_config, True
+        model_arg = model
         model_path = model if isinstance(model, str) else getattr(model, "name_or_path", None)
         if isinstance(model, str):
             model = get_model(model, use_liger=args.use_liger)
@@ -101,6 +102,8 @@ class RLTrainer(Trainer):
         self.step_metrics: dict[str, float] = {}
         self._empty_steps = 0
         self._seen_failures: set[str | None] = set()
+        self.runtime.pristine = model_path is not None and isinstance(model_arg, str)
+        self.trained_last_step = True
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self._guard: PreemptionGuard | None = None
         hooks = [StartInference(self), SyncWeights(self), SubmitRollouts(self), StopOnSignal(lambda: self._guard)]
@@ -148,6 +151,8 @@ class RLTrainer(Trainer):
         `True`), and SIGTERM / Ctrl-C checkpoint the last completed step before the run ends (preemption.py)."""
         resume = self._resume_point(resume_from_checkpoint)
         self.resume_from = resume
+        if resume or self.state.global_step:
+            self.runtime.pristine = False
         guard = self._guard = PreemptionGuard(on_second_signal=self.runtime.kill_server)
         try:
             with guard:
@@ -201,8 +206,14 @@ class RLTrainer(Trainer):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def sync_weights(self) -> float:
-        return self.runtime.sync(self.accelerator.unwrap_model(self.model), version=self.state.global_step)
+    def sync_weights(self, changed: bool = True) -> float:
+        """Send the weights to the server as policy version = global step; no transfer when the server already
+        holds them (started from the trainer's own weights, or a step that trained nothing)."""
+        runtime, version = self.runtime, self.state.global_step
+        first = runtime.synced_version is None
+        if (first and runtime.server_has_trainer_weights and version == 0) or (not first and not changed):
+            return runtime.mark_synced(version)
+        return runtime.sync(self.accelerator.unwrap_model(self.model), version=version)
 
     # ------------------------------------------------------------------ one step
 
@@ -215,6 +226,7 @@ class RLTrainer(Trainer):
                 batch = self.runtime.next_batch(self.state.global_step)
             prepared = prepare_batch(batch.rollouts, args, current_version=self.state.global_step)
             prepared.metrics["timing/generation_s"] = batch.generation_seconds
+            prepared.metrics["policy_version"] = float(batch.policy_version)  # the weights the batch was sampled with
             prepared.metrics["timing/wait_s"] = time.perf_counter() - t0
             self._report_failures(batch.rollouts, prepared)
             payload = [prepared]
@@ -223,6 +235,7 @@ class RLTrainer(Trainer):
                 broadcast_object_list(payload, from_process=0)
         prepared: PreparedBatch = payload[0]
         self._stop_when_nothing_trains(prepared)
+        self.trained_last_step = prepared.num_sequences > 0  # no sample: the weights do not move
         t_train = time.perf_counter()
         model.train()
         loss, metrics = run_microbatches(
