@@ -18,6 +18,7 @@ import httpx
 import pytest
 from procs import BIN, ROOT, run_command, survivors
 
+from verifiers_rl.rl.inference.control_auth import read_token_file
 from verifiers_rl.rl.inference.launcher import port_in_use
 
 UPSTREAM_SCRIPT = """
@@ -67,7 +68,10 @@ def user_server(tiny_model_dir, tmp_path):
 def test_server_the_user_started_is_the_one_trained(user_server, tiny_model_dir, tmp_path, launcher):
     script = tmp_path / "train_reverse_text.py"
     script.write_text(UPSTREAM_SCRIPT.format(model=tiny_model_dir, out=str(tmp_path / "run")))
-    before = httpx.get(f"{user_server}/weight_info").json()["weight_version"]
+    # vf-vllm started by hand guards its control routes with a token it leaves for this user's trainers
+    auth = {"Authorization": f"Bearer {read_token_file(8000)}"}
+    assert httpx.get(f"{user_server}/weight_info").status_code == 401
+    before = httpx.get(f"{user_server}/weight_info", headers=auth).json()["weight_version"]
     cmd = [sys.executable, str(script)]
     if launcher == "accelerate":
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu", str(script)]
@@ -76,7 +80,7 @@ def test_server_the_user_started_is_the_one_trained(user_server, tiny_model_dir,
     assert "TRAINED 2" in r.stdout
     # one log line says which server is used, and that server received both steps' weights
     assert "using the cpu inference server already running at http://127.0.0.1:8000" in r.stderr
-    assert httpx.get(f"{user_server}/weight_info").json()["weight_version"] == "2" != before
+    assert httpx.get(f"{user_server}/weight_info", headers=auth).json()["weight_version"] == "2" != before
     assert not (tmp_path / "run" / "logs" / "inference.log").exists()  # no second server was spawned
 
 
