@@ -70,7 +70,7 @@ class CPUEngine:
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._pause_stack: contextlib.ExitStack | None = None
+        self._pause_holder: _PauseHolder | None = None
         self._pristine: dict[str, torch.Tensor] = {}  # base weights kept for adapter-only LoRA sync
         self._overwritten: set[str] = set()  # weights replaced by full tensors before any pristine copy
         self._params = dict(model.named_parameters())  # looked up per received tensor on every sync
@@ -242,21 +242,19 @@ class CPUEngine:
 
     @property
     def is_paused(self) -> bool:
-        return self._pause_stack is not None
+        return self._pause_holder is not None
 
     def pause(self) -> None:
         """Stop scheduling batches (in-flight requests keep their cache and resume later)."""
         with self._lock:
-            if self._pause_stack is None:
-                stack = contextlib.ExitStack()
-                stack.enter_context(self.manager.pause())
-                self._pause_stack = stack
+            if self._pause_holder is None:
+                self._pause_holder = _PauseHolder(self.manager)
 
     def resume(self) -> None:
         with self._lock:
-            if self._pause_stack is not None:
-                self._pause_stack.close()
-                self._pause_stack = None
+            if self._pause_holder is not None:
+                self._pause_holder.release()
+                self._pause_holder = None
 
     def load_weights(self, named_tensors, *, lora_scaling: float | None = None) -> int:
         """Copy tensors into the model (HF names). With `lora_scaling`, `X.lora_A`/`X.lora_B` pairs become
@@ -313,6 +311,36 @@ class CPUEngine:
         self.resume()
         if self.manager.is_running():
             self.manager.stop(block=True, timeout=10)
+
+
+class _PauseHolder:
+    """Holds `manager.pause()` on a thread of its own between /pause and /resume.
+
+    transformers counts pauses per thread and refuses `stop()` from a thread it believes is inside a pause. The
+    server enters and leaves pauses from whichever handler thread serves /pause and /resume, so entering and
+    leaving on different threads left a stale count behind and shutdown raised (and hung on SIGTERM)."""
+
+    def __init__(self, manager):
+        self._entered, self._release = threading.Event(), threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._hold, args=(manager,), name="vf-engine-pause", daemon=True)
+        self._thread.start()
+        self._entered.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _hold(self, manager) -> None:
+        try:
+            with manager.pause():
+                self._entered.set()
+                self._release.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to the thread that asked for the pause
+            self._error = e
+            self._entered.set()
+
+    def release(self) -> None:
+        self._release.set()
+        self._thread.join()
 
 
 def _fail(future: asyncio.Future, error: Exception) -> None:

@@ -158,6 +158,8 @@ class InferenceRuntime:
             )
             client.wait_for_health(args.vllm_server_timeout)
         models = client.models()
+        if self.engine is None:  # connected: the server says what it runs
+            self.engine = engine_of_models(models)
         self.model_name = models[0]["id"]
         if self.lora_sync == "adapter":
             self.model_name = self._adapter_name(models)
@@ -169,8 +171,6 @@ class InferenceRuntime:
                 self.max_model_len,
                 args.server_max_len,
             )
-        if self.engine is None:  # connected: the server says what it runs
-            self.engine = engine_of_models(models)
         backend = resolve_sync_backend(args.sync_backend, self.engine, shared_gpu=shared)
         if self.lora_sync == "adapter":
             backend = "adapter"
@@ -308,6 +308,17 @@ class InferenceRuntime:
             self.check_server()  # a dead server fails every request: say so now, not after max_empty_steps
         self.last_rollouts = batch.rollouts[: max(self.args.num_completions_to_log, 1)]
         return batch
+
+    def rollout_state(self, timeout: float | None = None) -> dict:
+        """The orchestrator's state for a checkpoint (it waits for batches in flight): a server that died or
+        froze meanwhile is named, as next_batch names it."""
+        try:
+            return self.orchestrator.state_dict(timeout=timeout)
+        except GenerationError as e:
+            self.check_server()
+            if e.timed_out:
+                raise self.server_failure(str(e)) from None
+            raise
 
     def sync(self, model, version: int) -> float:
         if self.orchestrator is not None:

@@ -304,7 +304,7 @@ class RLTrainer(Trainer):
         if self.is_world_process_zero():
             if self.runtime.orchestrator is not None:
                 timeout = self.args.save_on_signal_timeout if self._guard and self._guard.signum else None
-                state = self.runtime.orchestrator.state_dict(timeout=timeout)
+                state = self.runtime.rollout_state(timeout=timeout)
                 torch.save(state, os.path.join(staged, ORCHESTRATOR_STATE))
             write_manifest(staged, self.state.global_step)
         self.accelerator.wait_for_everyone()
