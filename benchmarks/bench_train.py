@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
 
 NAME = "bench_train"
-SPEEDUP_GOAL = 1.5
+CEILING_GOAL = 0.95  # packed vs padded: fraction of the speedup that removing the padding allows
 MEMORY_GOAL = 0.5
 
 
@@ -285,15 +285,22 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         f"{mb['samples']} samples, len {mb['lengths'][0]}..{mb['lengths'][1]}, LoRA Qwen3 h{mb['model']['hidden']}"
         f"x{mb['model']['layers']}"
     )
+    # Packing only removes padding, so its speedup is bounded by the ratio of tokens computed: the honest goal
+    # is the fraction of that ceiling reached, not a fixed multiple that depends on the length mix.
+    ceiling = (1 - packed["padding_frac"]) / (1 - naive["padding_frac"]) if naive["padding_frac"] < 1 else None
+    reached = sp / ceiling if ceiling else None
     rows = [
         row(
-            f"fwd+bwd tok/s: padded mbs={mb['micro_batch_size']} vs packed budget {mb['token_budget']} ({desc})",
+            f"fwd+bwd tok/s: padded mbs={mb['micro_batch_size']} vs packed budget {mb['token_budget']} ({desc}); "
+            f"ratio as a fraction of the padding ceiling {ceiling:.2f}x",
             naive["tokens_per_s"],
             packed["tokens_per_s"],
-            sp,
-            f">={SPEEDUP_GOAL}x",
-            sp >= SPEEDUP_GOAL,
+            reached,
+            f">={CEILING_GOAL:.0%} of ceiling",
+            reached is not None and reached >= CEILING_GOAL,
             unit="tok/s",
+            speedup=sp,
+            ceiling=ceiling,
         ),
         row("padding fraction: naive vs packed", naive["padding_frac"], packed["padding_frac"], None, "(report)", None),
         row(
