@@ -214,3 +214,19 @@ def sample_inverse_cdf(
         g = torch.tensor(greedy, device=processed.device)
         tokens = torch.where(g, processed.argmax(dim=-1), tokens)
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+class UniformStream:
+    """A sequence's U(0, 1) draws for inverse-CDF sampling, 256 per generator call. They depend only on the
+    generator's seed, so a seeded sequence samples the same tokens whatever shares its batch."""
+
+    CHUNK = 256
+
+    def __init__(self, generator: torch.Generator | None):
+        self.generator = generator
+        self.buf: list[float] = []
+
+    def next(self) -> float:
+        if not self.buf:
+            self.buf = torch.rand(self.CHUNK, generator=self.generator, dtype=torch.float64).tolist()[::-1]
+        return self.buf.pop()
