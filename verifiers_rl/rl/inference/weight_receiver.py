@@ -11,12 +11,13 @@ from verifiers_rl.rl.inference.transfer.policy_weights import unsupported_adapte
 
 if TYPE_CHECKING:
     from verifiers_rl.rl.inference.engine import CPUEngine
+    from verifiers_rl.rl.inference.slot_engine import SlotEngine
 
 
 class WeightReceiver:
     """Server side of the gloo weight transfer (same init_info/update_info as our vLLM plugin)."""
 
-    def __init__(self, engine: CPUEngine):
+    def __init__(self, engine: CPUEngine | SlotEngine):
         self.engine = engine
         self.pg = None
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
