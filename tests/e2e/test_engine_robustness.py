@@ -11,6 +11,7 @@ import pytest
 from servers import ENGINES, start_server
 
 from verifiers_rl.rl.inference.launcher import InferenceServer
+from verifiers_rl.rl.inference.layout import ADAPTER_NAME
 
 
 @pytest.fixture(scope="module", params=["slots", "cb", *ENGINES[1:]])
@@ -70,6 +71,8 @@ def test_unknown_model_is_404_like_vllm(server, tiny_model_dir):
                    json={"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
     assert r.status_code == 404
     assert _complete(server, tiny_model_dir, [97, 98]).status_code == 200
+    if server.kind != "vllm":  # adapter sync: the trainer's rollouts name the policy adapter, served by the CPU engine
+        assert _complete(server, ADAPTER_NAME, [97, 98]).status_code == 200
 
 
 def test_dead_generation_loop_makes_health_fail(tiny_model_dir):

@@ -23,6 +23,7 @@ from verifiers_rl.rl.inference import protocol
 from verifiers_rl.rl.inference.control_auth import ControlGuard
 from verifiers_rl.rl.inference.engine import CPUEngine, EngineError
 from verifiers_rl.rl.inference.engines import load_engine
+from verifiers_rl.rl.inference.layout import ADAPTER_NAME
 from verifiers_rl.rl.inference.slot_engine import SlotEngine
 from verifiers_rl.rl.inference.transfer import adapter
 from verifiers_rl.rl.inference.weight_receiver import WeightReceiver
@@ -78,7 +79,8 @@ def create_app(
         return JSONResponse(protocol.error_body(f"{type(e).__name__}: {e}", 500, "InternalServerError"), 500)
 
     def unknown_model(name: str | None) -> JSONResponse | None:
-        if not name or name == served_model_name:
+        # the adapter name too: with adapter sync the trainer's rollouts name the policy adapter, as on vLLM
+        if not name or name in (served_model_name, ADAPTER_NAME):
             return None
         return JSONResponse(protocol.error_body(f"The model `{name}` does not exist.", 404, "NotFoundError"), 404)
 
