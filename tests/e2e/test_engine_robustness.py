@@ -5,6 +5,8 @@ from the CPU server, after which /health said ok while every generation timed ou
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 
 import httpx
 import pytest
@@ -97,3 +99,23 @@ def test_dead_generation_loop_makes_health_fail(tiny_model_dir):
         assert client.get("/health").status_code == 503
         r = client.post("/v1/completions", json={"model": "m", "prompt": [97], "max_tokens": 2})
         assert r.status_code == 500 and "not running" in r.json()["message"]
+
+
+def test_a_paused_slot_engine_server_stops_on_sigterm(tiny_model_dir, tmp_path):
+    """/pause and /resume run on whichever worker thread is free; the server still shuts down on SIGTERM, paused
+    or not (transformers' continuous batching binds its pause to the pausing thread and then refused to stop)."""
+    srv = InferenceServer(tiny_model_dir, engine="cpu", output_dir=tmp_path,
+                          extra_args=["--max-model-len", "256", "--cpu-engine", "slots"])  # fmt: skip
+    client = srv.start()
+    try:
+        for _ in range(3):
+            client.pause()
+            client.resume()
+        client.pause()
+        assert client.is_paused()
+        t0 = time.monotonic()
+        srv.process.send_signal(signal.SIGTERM)
+        srv.process.wait(20)
+        assert time.monotonic() - t0 < 10  # 2-3 s here
+    finally:
+        srv.stop()

@@ -425,6 +425,38 @@ def test_abort_all_and_pause_keep(engine, tiny):
     assert not engine.is_paused and engine.healthy
 
 
+def test_pause_resume_and_close_from_different_threads(engine, tiny):
+    """The server runs /pause, /resume and shutdown on whichever worker thread is free: nothing in the slot engine
+    may be bound to the thread that paused (transformers' manager.pause() is, and its stop() then refuses)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, tok = tiny
+    a, b = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+
+    async def go():
+        task = asyncio.ensure_future(engine.generate(_prompt(tok, "t"), SamplingParams(max_tokens=40, ignore_eos=True)))
+        await asyncio.sleep(0.02)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(a, engine.pause)
+        await loop.run_in_executor(b, engine.pause)  # idempotent, from the other thread
+        assert engine.is_paused
+        await loop.run_in_executor(b, engine.resume)
+        assert not engine.is_paused
+        assert len((await task)[0].token_ids) == 40
+        await loop.run_in_executor(b, engine.pause)  # paused at shutdown, closed from the thread that did not pause
+        waiting = asyncio.ensure_future(engine.generate(_prompt(tok, "w"), SamplingParams(max_tokens=4)))
+        await asyncio.sleep(0.02)
+        await loop.run_in_executor(a, engine.close)
+        with pytest.raises(EngineError, match="aborted"):  # a queued request fails instead of hanging
+            await asyncio.wait_for(waiting, 10)
+
+    try:
+        asyncio.run(go())
+        assert not engine._thread.is_alive() and not engine.healthy
+    finally:
+        a.shutdown(), b.shutdown()
+
+
 def test_same_interface_as_the_continuous_batching_engine():
     public = {n for n in dir(CPUEngine) if not n.startswith("_")} - {"healthy"}
     missing = {n for n in public if not hasattr(se.SlotEngine, n)}
