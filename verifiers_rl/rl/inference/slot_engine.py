@@ -144,9 +144,15 @@ class SlotEngine:
 
     def abort_all(self) -> int:
         """Fail every waiting and running request (vLLM's /pause?mode=abort)."""
-        with self._cond:
-            seqs = list(self._waiting) + list(self._running)
-            self._waiting.clear()
+        # between steps: mid-step, a sequence taken off the queue is in neither list until it has a slot
+        locked = self._step_lock.acquire(timeout=30)
+        try:
+            with self._cond:
+                seqs = list(self._waiting) + list(self._running)
+                self._waiting.clear()
+        finally:
+            if locked:
+                self._step_lock.release()
         live = [s for s in seqs if not s.done]
         for s in live:
             self._fail(s, EngineError("request aborted by /pause (mode=abort)"))
