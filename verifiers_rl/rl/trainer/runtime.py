@@ -158,6 +158,8 @@ class InferenceRuntime:
             )
             client.wait_for_health(args.vllm_server_timeout)
         models = client.models()
+        if self.engine is None:  # connected: the server says what it runs (before the adapter name asks)
+            self.engine = engine_of_models(models)
         self.model_name = models[0]["id"]
         if self.lora_sync == "adapter":
             self.model_name = self._adapter_name(models)
@@ -169,8 +171,6 @@ class InferenceRuntime:
                 self.max_model_len,
                 args.server_max_len,
             )
-        if self.engine is None:  # connected: the server says what it runs
-            self.engine = engine_of_models(models)
         backend = resolve_sync_backend(args.sync_backend, self.engine, shared_gpu=shared)
         if self.lora_sync == "adapter":
             backend = "adapter"
