@@ -20,6 +20,12 @@ def char_match(completion, answer, **kwargs) -> float:
     return sum(a == b for a, b in zip(text, answer)) / len(answer)
 
 
+def variety(completion, **kwargs) -> float:
+    """Distinct characters written (up to 8): varies across rollouts whatever the sampler's random stream, so a
+    group always has non-zero advantages (char_match alone is all-zero for most seeds of a random model)."""
+    return min(len(set(_text(completion))), 8) / 8
+
+
 def length_bonus(completion, **kwargs) -> float:
     return min(len(_text(completion)), 8) / 8
 
@@ -40,7 +46,7 @@ class AgainEnv(vf.MultiTurnEnv):
 
 def again_env() -> AgainEnv:
     ds = Dataset.from_list([{"question": f"Say {w}", "answer": w} for w in WORDS[:6]])
-    return AgainEnv(dataset=ds, rubric=vf.Rubric(funcs=[char_match]), max_turns=2)
+    return AgainEnv(dataset=ds, rubric=vf.Rubric(funcs=[char_match, variety], weights=[1.0, 0.1]), max_turns=2)
 
 
 class _SandboxWithoutKey(vf.MultiTurnEnv):

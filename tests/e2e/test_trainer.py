@@ -104,6 +104,23 @@ def test_single_turn_steps_log_sync_and_checkpoint(tiny_model_dir, tmp_path):
     assert (Path(args.output_dir) / "logs" / "inference.log").exists()
 
 
+def test_adapter_sync_on_the_cpu_engine_serves_the_policy(tiny_model_dir, tmp_path):
+    """lora_sync='adapter' on our CPU engine: rollouts name the adapter ('policy'), each sync sends only A and B,
+    and the server applies W0 + B @ A (through the slot engine's packed projections): on-policy steps show the
+    sampler and the trainer agreeing, which they would not if a sync missed the weights the forward reads."""
+    args = _args(tmp_path, lora_sync="adapter", max_async_level=0, keep_server=True)
+    trainer = RLTrainer(model=tiny_model_dir, env=reverse_env(), args=args)
+    try:
+        trainer.train()
+        assert trainer.runtime.model_name == "policy" and trainer.runtime.client.weight_version() == "2"
+    finally:
+        trainer.close()
+    metrics = _metrics(args.output_dir)
+    assert [m["rollouts_errored"] for m in metrics] == [0, 0]
+    for m in metrics:  # step 2 samples from the synced step-1 adapter
+        assert abs(m["ratio_mean"] - 1.0) < 1e-4 and m["mismatch_kl"] < 1e-6, m
+
+
 def test_multi_turn_env_trains_each_turn_full_finetune(tiny_model_dir, tmp_path):
     args = _args(
         tmp_path,

@@ -23,9 +23,16 @@ from verifiers_rl.tiny import build_tiny_model
 BUCKET_BYTES = 4 * 1024  # several buckets even for the adapter: A and B of one module land in different ones
 
 
-@pytest.fixture(scope="module")
-def cpu_server(tiny_model_dir, tmp_path_factory):
-    srv = InferenceServer(tiny_model_dir, engine="cpu", output_dir=tmp_path_factory.mktemp("sync"))
+@pytest.fixture(scope="module", params=["slots", "cb"])
+def cpu_server(request, tiny_model_dir, tmp_path_factory):
+    # both CPU engine loops: the slot engine packs q/k/v and gate/up into shared buffers (parameters are views),
+    # so a sync must write through the views for its forward to see the new weights
+    srv = InferenceServer(
+        tiny_model_dir,
+        engine="cpu",
+        output_dir=tmp_path_factory.mktemp(f"sync-{request.param}"),
+        extra_args=["--cpu-engine", request.param],
+    )
     srv.start()
     yield srv
     srv.stop()
@@ -153,12 +160,18 @@ def _engine_names(weights):
     return [(".".join(lora_module(n)), t) for n, t in weights]
 
 
-def test_engine_keeps_the_pristine_base_bit_exact():
+@pytest.fixture(params=["slots", "cb"])
+def engine_cls(request):
     from verifiers_rl.rl.inference.engine import CPUEngine
+    from verifiers_rl.rl.inference.slot_engine import SlotEngine
 
+    return SlotEngine if request.param == "slots" else CPUEngine
+
+
+def test_engine_keeps_the_pristine_base_bit_exact(engine_cls):
     model, tok = build_tiny_model()
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine = CPUEngine(model, tok, max_model_len=128, max_num_seqs=4)
+    engine = engine_cls(model, tok, max_model_len=128, max_num_seqs=4)
     try:
         for factor in (1.0, 3.0, 0.0):
             engine.load_weights(_engine_names(adapter_weights(_scaled_adapter(factor))), lora_scaling=1.0)
@@ -168,11 +181,9 @@ def test_engine_keeps_the_pristine_base_bit_exact():
         engine.close()
 
 
-def test_adapter_after_merged_sync_is_refused():
-    from verifiers_rl.rl.inference.engine import CPUEngine
-
+def test_adapter_after_merged_sync_is_refused(engine_cls):
     model, tok = build_tiny_model()
-    engine = CPUEngine(model, tok, max_model_len=128, max_num_seqs=4)
+    engine = engine_cls(model, tok, max_model_len=128, max_num_seqs=4)
     try:
         peft = lora_model(seed=0)
         engine.load_weights(merged_weights(peft))

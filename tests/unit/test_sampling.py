@@ -9,6 +9,7 @@ from verifiers_rl.rl.inference.sampling import (
     process_logits,
     request_generator,
     sample,
+    sample_inverse_cdf,
 )
 
 
@@ -103,3 +104,27 @@ def test_greedy_rows_take_argmax_with_finite_logprob():
 def test_n_choices_get_distinct_streams():
     a, b = request_generator(5, 0), request_generator(5, 1)
     assert not torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+
+
+def test_inverse_cdf_sampling_matches_distribution_and_masks():
+    probs = torch.tensor([0.6, 0.25, 0.1, 0.05])
+    logits = probs.log()[None].repeat(4000, 1)
+    logits[:, 2] = float("-inf")  # a masked token (top-k/top-p/min-p) is never drawn
+    g = request_generator(5)
+    tokens, lp = sample_inverse_cdf(logits, [False] * 4000, torch.rand(4000, generator=g))
+    counts = torch.bincount(tokens, minlength=4).float() / 4000
+    expected = torch.tensor([0.6, 0.25, 0.0, 0.05]) / 0.9
+    assert counts[2] == 0 and torch.allclose(counts, expected, atol=0.03)
+    assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1))
+    # u at the very top of [0, 1) stays on a real token
+    t, _ = sample_inverse_cdf(logits[:1], [False], torch.tensor([1.0 - 1e-12]))
+    assert t.item() == 3
+
+
+def test_inverse_cdf_rows_are_independent_and_greedy_rows_take_argmax():
+    torch.manual_seed(2)
+    rows = torch.randn(3, 50)
+    u = torch.tensor([0.3, 0.7, 0.9])
+    together, _ = sample_inverse_cdf(rows, [False, True, False], u)
+    alone, _ = sample_inverse_cdf(rows[2:], [False], u[2:])
+    assert together[2] == alone[0] and together[1] == rows[1].argmax()

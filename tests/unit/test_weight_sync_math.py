@@ -98,6 +98,15 @@ def test_merged_weights_do_not_touch_trainer_weights():
     assert all(torch.equal(before[n], p) for n, p in peft.named_parameters())
 
 
+def test_an_abandoned_merged_weight_iterator_leaves_grad_mode_on():
+    """A sync that fails part-way abandons the iterator; grad mode in the trainer's thread must not stay off
+    (test_trainer failed after test_weight_sync in one session: a suspended generator held torch.no_grad())."""
+    weights = merged_weights(lora_model())
+    next(weights)
+    assert torch.is_grad_enabled()
+    assert not any(t.requires_grad for _, t in weights)
+
+
 def test_adapter_weights_are_peft_names_with_prescaled_b_and_small():
     from peft import get_peft_model_state_dict
 

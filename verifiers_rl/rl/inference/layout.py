@@ -13,6 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 ENGINES = ("auto", "cpu", "vllm")
+# The CPU engine's loop: our slot engine (Llama-family models), transformers' continuous batching, or auto
+# (slots where the lean forward supports the model; engines.create_engine decides and logs why).
+CPU_ENGINES = ("auto", "slots", "cb")
 SYNC_BACKENDS = ("auto", "gloo", "nccl")
 SERVER_MODULE = "verifiers_rl.rl.inference.server"
 # Adapter sync (lora_sync="adapter") into vLLM: the served adapter's name and the worker extension that installs it.

@@ -194,3 +194,39 @@ def request_generator(seed: int | None, index: int = 0) -> torch.Generator | Non
     g = torch.Generator()
     g.manual_seed((int(seed) * 1_000_003 + index) % (2**63))
     return g
+
+
+def sample_inverse_cdf(
+    processed: torch.Tensor, greedy: list[bool], uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` by inverse CDF: one U(0, 1) draw per row ([N]) instead of V exponential draws.
+
+    Same distribution as the exponential race (this is how torch.multinomial samples), and as independent of
+    batch neighbours when each seeded request draws its uniforms from its own generator; drawing V numbers per
+    row per step cost more than the whole forward pass of a small model (a 152k vocabulary: ~4.5 ms per row).
+    """
+    logprobs = torch.log_softmax(processed, dim=-1)
+    cdf = logprobs.exp().cumsum(dim=-1)
+    # scaled by the row's total so rounding in the cumsum can never push u past the last token
+    u = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
+    tokens = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=processed.shape[-1] - 1)
+    if any(greedy):
+        g = torch.tensor(greedy, device=processed.device)
+        tokens = torch.where(g, processed.argmax(dim=-1), tokens)
+    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+class UniformStream:
+    """A sequence's U(0, 1) draws for inverse-CDF sampling, 256 per generator call. They depend only on the
+    generator's seed, so a seeded sequence samples the same tokens whatever shares its batch."""
+
+    CHUNK = 256
+
+    def __init__(self, generator: torch.Generator | None):
+        self.generator = generator
+        self.buf: list[float] = []
+
+    def next(self) -> float:
+        if not self.buf:
+            self.buf = torch.rand(self.CHUNK, generator=self.generator, dtype=torch.float64).tolist()[::-1]
+        return self.buf.pop()

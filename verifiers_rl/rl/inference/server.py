@@ -21,7 +21,7 @@ from typing import NoReturn
 
 from verifiers_rl.rl.inference.control_auth import is_loopback
 from verifiers_rl.rl.inference.launcher import PARENT_ENV
-from verifiers_rl.rl.inference.layout import ENGINES, resolve_engine
+from verifiers_rl.rl.inference.layout import CPU_ENGINES, ENGINES, resolve_engine
 
 logger = logging.getLogger("verifiers_rl.server")
 
@@ -43,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-model-len", type=int, default=None, help="prompt + completion token limit (CPU engine default: 4096)"
     )
     p.add_argument("--max-num-seqs", type=int, default=64, help="CPU engine: sequences per batch")
+    p.add_argument(
+        "--cpu-engine",
+        choices=CPU_ENGINES,
+        default="auto",
+        help="CPU engine loop: slots (ours, Llama-family models), cb (transformers continuous batching); "
+        "auto: slots where supported",
+    )
     p.add_argument("--api-key", default=None, help="require this key on /v1 routes")
     p.add_argument(
         "--weight-transfer-backend",
@@ -173,6 +180,7 @@ def run_cpu(args, passthrough: list[str]) -> int:
             served_model_name=args.served_model_name,
             max_model_len=args.max_model_len or 4096,
             max_num_seqs=args.max_num_seqs,
+            cpu_engine=args.cpu_engine,
             control_token=os.environ.get(TOKEN_ENV) or None,
             api_key=args.api_key,
             allow_remote_control=args.allow_remote_control,

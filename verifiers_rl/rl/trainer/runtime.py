@@ -158,7 +158,7 @@ class InferenceRuntime:
             )
             client.wait_for_health(args.vllm_server_timeout)
         models = client.models()
-        if self.engine is None:  # connected: the server says what it runs
+        if self.engine is None:  # connected: the server says what it runs (before the adapter name asks)
             self.engine = engine_of_models(models)
         self.model_name = models[0]["id"]
         if self.lora_sync == "adapter":

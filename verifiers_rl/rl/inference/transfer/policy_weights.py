@@ -47,17 +47,19 @@ def merged_weights(model, dtype: torch.dtype | None = None) -> Iterator[tuple[st
     inner, peft_base = _unwrap(model)
     lora = _lora_layers(inner) if peft_base is not None else {}
     adapter = _active_adapter(peft_base) if peft_base is not None else "default"
-    with torch.no_grad():
-        for name, p in inner.named_parameters():
-            out = engine_name(name, adapter)
-            if out is None:
-                continue
-            t = p.detach()
-            module = name[: -len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
-            if module in lora and adapter in lora[module].lora_A and not lora[module].merged:
+    # No `with torch.no_grad()` around the yields: a consumer that stops early (a failed sync) would leave the
+    # generator suspended inside it, and grad mode off in the trainer's thread until garbage collection.
+    for name, p in inner.named_parameters():
+        out = engine_name(name, adapter)
+        if out is None:
+            continue
+        t = p.detach()
+        module = name[: -len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
+        if module in lora and adapter in lora[module].lora_A and not lora[module].merged:
+            with torch.no_grad():
                 delta = lora[module].get_delta_weight(adapter)
-                t = t.float() + delta.float()
-            yield out, t.to(dtype or p.dtype).contiguous()
+            t = t.float() + delta.float()
+        yield out, t.to(dtype or p.dtype).contiguous()
 
 
 @dataclass

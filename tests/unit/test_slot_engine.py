@@ -1,0 +1,463 @@
+"""The slot engine (verifiers_rl.rl.inference.slot_engine) and its parts: tensor-level checks of the lean forward's
+math against transformers' modules, the slot KV cache, and the engine's outputs against a teacher-forced HF
+forward pass (exactness, seeds, n > 1, stop strings, weight updates, slot reuse, preemption, failures)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from verifiers_rl.rl.inference import slot_engine as se
+from verifiers_rl.rl.inference.engine import CPUEngine, EngineError
+from verifiers_rl.rl.inference.engines import create_engine
+from verifiers_rl.rl.inference.kv_cache import SlotKVCache
+from verifiers_rl.rl.inference.lean_forward import (
+    LeanDecoder,
+    apply_rope,
+    cache_rows,
+    decode_mask,
+    rms_norm,
+    rope_tables,
+    unsupported_reason,
+)
+from verifiers_rl.rl.inference.sampling import SamplingParams, UniformStream, request_generator
+from verifiers_rl.tiny import build_tiny_model, build_tokenizer
+
+# ------------------------------------------------------------------------------------------ pure functions
+
+
+def test_rope_matches_transformers():
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)
+    cos, sin = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, cos, sin)  # [B, heads, T, D], cos [B, T, D]
+    c, s = rope_tables(cos, sin)
+    torch.testing.assert_close(apply_rope(q, c[:, None], s[:, None]), ref_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(apply_rope(k, c[:, None], s[:, None]), ref_k, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_transformers(dtype):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    norm = Qwen3RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2, 16))
+    norm = norm.to(dtype)
+    x = torch.randn(3, 4, 16).to(dtype)
+    torch.testing.assert_close(rms_norm(x, norm.weight, 1e-6), norm(x))
+
+
+def test_decode_mask_and_cache_rows():
+    mask = decode_mask(torch.tensor([0, 2]), 2, 4, torch.float32)  # rows (b, kv head): 2 x 2
+    assert mask.shape == (4, 1, 4)
+    assert torch.isinf(mask[:, 0]).tolist() == [[False, True, True, True]] * 2 + [[False, False, False, True]] * 2
+    cache = torch.zeros(3, 2, 5, 4)  # [slots, kv heads, length, D]
+    keys = torch.randn(2, 1, 2, 4)  # [B, T, kv heads, D]
+    slots, positions = torch.tensor([2, 0]), torch.tensor([[3], [1]])
+    cache.view(-1, 4).index_copy_(0, cache_rows(slots, positions, 2, 5), keys.reshape(-1, 4))
+    assert torch.equal(cache[2, :, 3], keys[0, 0]) and torch.equal(cache[0, :, 1], keys[1, 0])
+    assert (cache != 0).sum() == keys.numel()  # nothing else written
+
+
+def test_kv_cache_grows_keeps_contents_and_respects_budget():
+    cache = SlotKVCache(2, 1, 4, max_slots=8, max_length=256, budget_tokens=512)
+    cache.k[0][1, 0, 5, 2] = 7.0
+    cache.ensure(3, 100)
+    assert cache.slots >= 3 and cache.length >= 100 and cache.k[0][1, 0, 5, 2] == 7.0
+    assert cache.slots * cache.length <= 512
+    assert cache.fits(4, 128) and not cache.fits(5, 128) and not cache.fits(1, 300) and not cache.fits(9, 1)
+    with pytest.raises(ValueError, match="exceed"):
+        cache.ensure(8, 128)
+    cache.copy(1, 0, 6)
+    assert cache.k[0][0, 0, 5, 2] == 7.0
+
+
+def test_uniform_stream_depends_only_on_the_seed():
+    a, b = UniformStream(request_generator(3)), UniformStream(request_generator(3))
+    xs = [a.next() for _ in range(300)]  # crosses a chunk refill
+    assert xs == [b.next() for _ in range(300)]
+    assert all(0 <= x < 1 for x in xs) and len(set(xs)) == 300
+
+
+# ------------------------------------------------------------------------------------------ lean forward vs HF
+
+
+def _model(kind: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if kind == "qwen3":
+        return build_tiny_model(hidden=64, layers=2)[0]
+    common = dict(vocab_size=261, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "qwen2":  # biases on q/k/v
+        return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True)).eval()
+    # llama3 rope scaling, MHA
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": 10000.0}  # fmt: skip
+    cfg = LlamaConfig(**{**common, "num_key_value_heads": 4}, rope_parameters=rope)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
+def test_prefill_and_decode_logits_match_hf(kind):
+    model = _model(kind)
+    assert unsupported_reason(model) is None
+    dec = LeanDecoder(model, 128)
+    cfg = model.config
+    cache = SlotKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, dec.head_dim, max_slots=4, max_length=128)
+    cache.ensure(3, 40)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 261, (n,), generator=g) for n in (7, 12, 3)]
+    prompt = [s[:-4] if len(s) > 5 else s[:1] for s in seqs]
+    tokens = torch.zeros(3, max(len(p) for p in prompt), dtype=torch.long)
+    for i, p in enumerate(prompt):
+        tokens[i, : len(p)] = p
+    first = dec.prefill(tokens, torch.tensor([len(p) for p in prompt]), cache, 0)
+    with torch.no_grad():
+        refs = [model(s[None]).logits[0] for s in seqs]
+    for i, p in enumerate(prompt):
+        torch.testing.assert_close(first[i], refs[i][len(p) - 1], atol=1e-5, rtol=1e-5)
+    # decode the rest one token per step, rows at different positions
+    pos = [len(p) for p in prompt]
+    while any(pos[i] < len(seqs[i]) for i in range(3)):
+        live = [i for i in range(3) if pos[i] < len(seqs[i])]
+        # decode runs contiguous slots: feed every row, check the live ones
+        toks = torch.tensor([seqs[i][min(pos[i], len(seqs[i]) - 1)] for i in range(3)])
+        out = dec.decode(toks, torch.tensor([min(pos[i], len(seqs[i]) - 1) for i in range(3)]), cache, 0)
+        for i in live:
+            torch.testing.assert_close(out[i], refs[i][pos[i]], atol=1e-5, rtol=1e-5)
+            pos[i] += 1
+
+
+def test_weights_stay_the_models_parameters():
+    model = build_tiny_model(hidden=64, layers=2)[0]
+    dec = LeanDecoder(model, 64)
+    attn = model.model.layers[0].self_attn
+    q = attn.q_proj.weight
+    with torch.no_grad():
+        q.add_(1.0)  # an in-place update through named_parameters() reaches the packed buffer
+        attn.q_norm.weight.mul_(2.0)  # and the derived q/k-norm weight follows its parameters
+    assert torch.equal(dec.w[0].qkv_w[: q.shape[0]], q)
+    assert torch.equal(dec.w[0].qk_weight()[0], attn.q_norm.weight)
+    attn.q_proj.weight.data = q.detach().clone()  # replaced storage: repacked
+    assert not dec.w[0].packed_valid()
+    dec.check_weights()
+    assert dec.w[0].packed_valid()
+
+
+def test_unsupported_models_fall_back_to_continuous_batching(caplog):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=261, n_embd=32, n_layer=1, n_head=2)).eval()
+    assert "gpt2" in unsupported_reason(model)
+    with pytest.raises(ValueError, match="does not support"):
+        create_engine(model, build_tokenizer(), impl="slots")
+    # a supported family with a feature the lean forward lacks: transformers' continuous batching, logged
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=261, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, use_sliding_window=True, sliding_window=16,
+                      layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    with caplog.at_level("WARNING", logger="verifiers_rl.rl.inference.engines"):
+        eng = create_engine(Qwen3ForCausalLM(cfg).eval(), build_tokenizer(), max_model_len=64, max_num_seqs=2)
+    try:
+        assert isinstance(eng, CPUEngine) and "sliding-window layers" in caplog.text
+    finally:
+        eng.close()
+
+
+# ------------------------------------------------------------------------------------------ the engine
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_model(hidden=64, layers=2)
+
+
+@pytest.fixture
+def engine(tiny):
+    model, tok = build_tiny_model(hidden=64, layers=2)
+    eng = se.SlotEngine(model, tok, max_model_len=128, max_num_seqs=8)
+    yield eng
+    eng.close()
+
+
+def _prompt(tok, text: str) -> list[int]:
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]
+
+
+def _teacher_forced(model, prompt, ids, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1), logits
+
+
+def _run(engine, jobs):
+    async def go():
+        return await asyncio.gather(*(engine.generate(p, s) for p, s in jobs))
+
+    return asyncio.run(go())
+
+
+def test_logprobs_equal_teacher_forced_hf_at_temperature(engine, tiny):
+    model, tok = tiny
+    jobs = [
+        (_prompt(tok, f"q{i} " * (i + 1)), SamplingParams(max_tokens=16, temperature=0.7, seed=i)) for i in range(6)
+    ]
+    for (p, _), out in zip(jobs, _run(engine, jobs)):
+        c = out[0]
+        ref, _ = _teacher_forced(model, p, c.token_ids, 0.7)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (torch.tensor(c.logprobs) - ref).abs().max()
+
+
+def test_greedy_equals_hf_generate(engine, tiny):
+    model, tok = tiny
+    p = _prompt(tok, "Reverse: hello")
+    c = _run(engine, [(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))])[0][0]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert c.token_ids == ref[0, len(p) :].tolist()
+
+
+def test_seeded_requests_do_not_depend_on_batch_neighbours(engine, tiny):
+    _, tok = tiny
+    p = _prompt(tok, "seeded")
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=42, ignore_eos=True)
+    alone = _run(engine, [(p, params)])[0][0].token_ids
+    crowd = [(_prompt(tok, f"other {i}"), SamplingParams(max_tokens=30, seed=i, ignore_eos=True)) for i in range(6)]
+    together = _run(engine, crowd[:3] + [(p, params)] + crowd[3:])[3][0].token_ids
+    assert alone == together
+
+
+def test_n_choices_share_the_prompt_and_stay_exact(engine, tiny):
+    model, tok = tiny
+    p = _prompt(tok, "group")
+    choices = _run(engine, [(p, SamplingParams(max_tokens=10, n=4, seed=5, ignore_eos=True))])[0]
+    assert len({tuple(c.token_ids) for c in choices}) > 1
+    for c in choices:  # copied prompt keys/values give the same logprobs as a prefill of their own
+        ref, _ = _teacher_forced(model, p, c.token_ids)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+    # a later request for the same prompt while one holder still runs reuses it; same seed, same tokens
+    again = _run(engine, [(p, SamplingParams(max_tokens=10, n=4, seed=5, ignore_eos=True))])[0]
+    assert [c.token_ids for c in again] == [c.token_ids for c in choices]
+
+
+def test_stop_strings_and_stop_token_ids(engine, tiny):
+    _, tok = tiny
+    p = _prompt(tok, "stop here")
+    full = _run(engine, [(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))])[0][0]
+    text = tok.decode(full.token_ids)
+    stop = next((ch for ch in text[2:] if ch.isascii() and ch.isprintable() and ch.strip()), None)
+    if stop is None:
+        pytest.skip("greedy text has no printable ASCII to stop on")
+    c = _run(engine, [(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))])[0][0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop and stop in tok.decode(c.token_ids)
+    assert full.token_ids[: len(c.token_ids)] == c.token_ids and len(c.logprobs) == len(c.token_ids)
+    tid = full.token_ids[3]
+    c = _run(engine, [(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[tid]))])[0][0]
+    assert c.token_ids[-1] == tid and c.stop_reason == tid and c.finish_reason == "stop"
+
+
+def test_weight_update_then_generation_uses_new_weights(engine, tiny):
+    _, tok = tiny
+    new, _ = build_tiny_model(hidden=64, layers=2, seed=1)
+    p = _prompt(tok, "weights")
+    _run(engine, [(p, SamplingParams(max_tokens=4, seed=0))])  # the prompt is now cached for sharing
+    engine.pause()
+    assert engine.load_weights(new.named_parameters()) == len(list(new.parameters()))
+    assert engine.finish_update() == 1
+    engine.resume()
+    c = _run(engine, [(p, SamplingParams(max_tokens=12, temperature=0.8, seed=3))])[0][0]
+    ref, _ = _teacher_forced(new, p, c.token_ids, 0.8)
+    assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+    assert c.policy_version == 1
+
+
+def test_adapter_sync_writes_through_the_packed_views():
+    """vf_lora_update's path (W = W0 + B @ A on the pristine base) and a merged sync land in the packed q/k/v and
+    gate/up buffers the forward reads; the pristine copies are the base, not views of the live weights."""
+    from peft_models import lora_model
+
+    from verifiers_rl.rl.inference.transfer.adapter import lora_module
+    from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights, merged_weights
+
+    model, tok = build_tiny_model()  # the base of lora_model(seed=0)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    eng = se.SlotEngine(model, tok, max_model_len=128, max_num_seqs=4)
+    peft = lora_model(seed=0).eval()
+    p = _prompt(tok, "adapter")
+    try:
+        for factor in (1.0, 0.0):  # a zero adapter gives back the base, bit for bit
+            named = [
+                (".".join(lora_module(n)), t * (factor if ".lora_B" in n else 1.0)) for n, t in adapter_weights(peft)
+            ]
+            eng.pause()
+            assert eng.load_weights(named, lora_scaling=1.0) == len(named) // 2
+            eng.finish_update()
+            eng.resume()
+            c = _run(eng, [(p, SamplingParams(max_tokens=12, seed=1, ignore_eos=True))])[0][0]
+            if factor:
+                ref, _ = _teacher_forced(peft, p, c.token_ids)
+                attn = model.model.layers[0].self_attn
+                assert torch.equal(eng.decoder.w[0].qkv_w[: attn.q_proj.weight.shape[0]], attn.q_proj.weight)
+                assert not torch.equal(attn.q_proj.weight, base["model.layers.0.self_attn.q_proj.weight"])
+            else:
+                ref, _ = _teacher_forced(build_tiny_model()[0], p, c.token_ids)
+                assert all(torch.equal(t, base[n]) for n, t in model.named_parameters())
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (
+                (torch.tensor(c.logprobs) - ref).abs().max()
+            )
+        eng.load_weights(merged_weights(peft))  # merged: a plain copy into the views
+        c = _run(eng, [(p, SamplingParams(max_tokens=12, seed=2, ignore_eos=True))])[0][0]
+        ref, _ = _teacher_forced(peft, p, c.token_ids)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+    finally:
+        eng.close()
+
+
+def test_slots_are_reused_and_queued_requests_wait(tiny):
+    model, tok = build_tiny_model(hidden=64, layers=2)
+    eng = se.SlotEngine(model, tok, max_model_len=128, max_num_seqs=3)
+    try:
+        jobs = [
+            (_prompt(tok, f"job {i}"), SamplingParams(max_tokens=4 + 3 * i, seed=i, ignore_eos=True)) for i in range(8)
+        ]
+        outs = _run(eng, jobs)
+        assert [len(o[0].token_ids) for o in outs] == [4 + 3 * i for i in range(8)]
+        for (p, _), o in zip(jobs, outs):
+            ref, _ = _teacher_forced(tiny[0], p, o[0].token_ids)
+            assert torch.allclose(torch.tensor(o[0].logprobs), ref, atol=1e-4)
+        assert eng.cache.slots <= 3 and not eng._running and not eng._waiting
+    finally:
+        eng.close()
+
+
+def test_preempted_sequences_resume_exactly(tiny):
+    """A KV budget too small for everyone: the last slots go back to the queue and are prefilled again later."""
+    model, tok = build_tiny_model(hidden=64, layers=2)
+    eng = se.SlotEngine(model, tok, max_model_len=256, max_num_seqs=4, kv_cache_tokens=256)
+    try:
+        jobs = [(_prompt(tok, f"long {i}"), SamplingParams(max_tokens=100, seed=i, ignore_eos=True)) for i in range(3)]
+        alone = [_run(eng, [j])[0][0] for j in jobs]
+        together = [o[0] for o in _run(eng, jobs)]
+        for (p, _), a, b in zip(jobs, alone, together):
+            assert a.token_ids == b.token_ids
+            ref, _ = _teacher_forced(tiny[0], p, b.token_ids)
+            assert torch.allclose(torch.tensor(b.logprobs), ref, atol=1e-4)
+    finally:
+        eng.close()
+
+
+def test_bad_prompts_are_value_errors(engine, tiny):
+    _, tok = tiny
+    for prompt, match in [([1, 2, 261], "Token id 261 is out of vocabulary"), ([-1, 5], "Token id -1"),
+                          ([], "prompt is empty"), ([5] * 127, "maximum context length is 128")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            _run(engine, [(prompt, SamplingParams(max_tokens=4))])
+    assert engine.healthy
+    assert len(_run(engine, [([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))])[0][0].token_ids) == 3
+
+
+def test_a_failing_request_fails_alone(engine, tiny, monkeypatch):
+    model, tok = tiny
+    real = se.process_logits
+
+    def flaky(logits, params, *a):  # a request with top_k=7 poisons any batch it is in
+        if any(p.top_k == 7 for p in params):
+            raise RuntimeError("poisoned")
+        return real(logits, params, *a)
+
+    monkeypatch.setattr(se, "process_logits", flaky)
+    p = _prompt(tok, "survivor")
+    good = SamplingParams(max_tokens=8, seed=1, ignore_eos=True)
+
+    async def go():
+        return await asyncio.gather(
+            engine.generate(p, good), engine.generate(_prompt(tok, "bad"), SamplingParams(max_tokens=8, top_k=7)),
+            return_exceptions=True,
+        )  # fmt: skip
+
+    ok, bad = asyncio.run(go())
+    assert isinstance(bad, EngineError) and "poisoned" in str(bad)
+    ref, _ = _teacher_forced(model, p, ok[0].token_ids)
+    assert torch.allclose(torch.tensor(ok[0].logprobs), ref, atol=1e-4)
+    assert engine.healthy and _run(engine, [(p, good)])[0][0].token_ids == ok[0].token_ids
+
+
+def test_a_dead_loop_is_unhealthy_and_fails_fast(engine, tiny, monkeypatch):
+    _, tok = tiny
+
+    def boom():
+        raise RuntimeError("bug in the loop")
+
+    monkeypatch.setattr(engine, "_compact", boom)
+    with pytest.raises(EngineError, match="loop died"):
+        _run(engine, [(_prompt(tok, "x"), SamplingParams(max_tokens=4))])
+    engine._thread.join(5)
+    assert not engine.healthy
+    with pytest.raises(EngineError, match="not running"):
+        _run(engine, [(_prompt(tok, "y"), SamplingParams(max_tokens=4))])
+
+
+def test_abort_all_and_pause_keep(engine, tiny):
+    _, tok = tiny
+
+    async def go():
+        task = asyncio.ensure_future(
+            engine.generate(_prompt(tok, "long"), SamplingParams(max_tokens=100, ignore_eos=True))
+        )
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(engine.pause)
+        assert engine.is_paused
+        n = await asyncio.to_thread(engine.abort_all)
+        engine.resume()
+        with pytest.raises(EngineError, match="aborted"):
+            await task
+        return n
+
+    assert asyncio.run(go()) == 1
+    assert not engine.is_paused and engine.healthy
+
+
+def test_pause_resume_and_close_from_different_threads(engine, tiny):
+    """The server runs /pause, /resume and shutdown on whichever worker thread is free: nothing in the slot engine
+    may be bound to the thread that paused (transformers' manager.pause() is, and its stop() then refuses)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, tok = tiny
+    a, b = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+
+    async def go():
+        task = asyncio.ensure_future(engine.generate(_prompt(tok, "t"), SamplingParams(max_tokens=40, ignore_eos=True)))
+        await asyncio.sleep(0.02)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(a, engine.pause)
+        await loop.run_in_executor(b, engine.pause)  # idempotent, from the other thread
+        assert engine.is_paused
+        await loop.run_in_executor(b, engine.resume)
+        assert not engine.is_paused
+        assert len((await task)[0].token_ids) == 40
+        await loop.run_in_executor(b, engine.pause)  # paused at shutdown, closed from the thread that did not pause
+        waiting = asyncio.ensure_future(engine.generate(_prompt(tok, "w"), SamplingParams(max_tokens=4)))
+        await asyncio.sleep(0.02)
+        await loop.run_in_executor(a, engine.close)
+        with pytest.raises(EngineError, match="aborted"):  # a queued request fails instead of hanging
+            await asyncio.wait_for(waiting, 10)
+
+    try:
+        asyncio.run(go())
+        assert not engine._thread.is_alive() and not engine.healthy
+    finally:
+        a.shutdown(), b.shutdown()
+
+
+def test_same_interface_as_the_continuous_batching_engine():
+    public = {n for n in dir(CPUEngine) if not n.startswith("_")} - {"healthy"}
+    missing = {n for n in public if not hasattr(se.SlotEngine, n)}
+    assert not missing, missing

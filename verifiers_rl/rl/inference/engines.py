@@ -1,0 +1,38 @@
+"""Which CPU engine serves a model: the slot engine (slot_engine.py) where its lean forward supports the
+architecture, transformers' continuous batching (engine.py) otherwise, with a log line saying which and why."""
+
+from __future__ import annotations
+
+import logging
+
+from verifiers_rl.rl.inference.engine import CPUEngine
+from verifiers_rl.rl.inference.layout import CPU_ENGINES
+from verifiers_rl.rl.inference.lean_forward import unsupported_reason
+from verifiers_rl.rl.inference.slot_engine import SlotEngine
+
+logger = logging.getLogger(__name__)
+
+
+def create_engine(model, tokenizer, *, impl: str = "auto", max_model_len: int = 4096, max_num_seqs: int = 64):
+    """The slot engine where the lean forward supports the model, transformers' continuous batching otherwise
+    (`impl`: auto | slots | cb)."""
+    if impl not in CPU_ENGINES:
+        raise ValueError(f"cpu engine {impl!r}; allowed: {', '.join(CPU_ENGINES)}")
+    if impl != "cb":
+        reason = unsupported_reason(model)
+        if reason is None:
+            logger.info("CPU engine: slot decode loop (lean forward) for %s", type(model).__name__)
+            return SlotEngine(model, tokenizer, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+        if impl == "slots":
+            raise ValueError(f"the slot engine does not support this model: {reason}")
+        logger.warning(
+            "CPU engine: the slot decode loop does not support %s (%s); using transformers continuous batching",
+            type(model).__name__, reason,
+        )  # fmt: skip
+    return CPUEngine(model, tokenizer, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+
+
+def load_engine(name_or_path: str, *, impl: str = "auto", **kwargs):
+    from verifiers_rl.models import get_model, get_tokenizer
+
+    return create_engine(get_model(name_or_path, device="cpu"), get_tokenizer(name_or_path), impl=impl, **kwargs)

@@ -1,0 +1,123 @@
+"""Server side of a weight sync into the CPU engine: full tensors over the gloo group (`/update_weights`) and
+adapter updates (`/collective_rpc vf_lora_update`), with the same init_info/update_info as our vLLM plugin."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from verifiers_rl.rl.inference.transfer import adapter, gloo
+from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES, UpdateInfo, plan_buckets
+from verifiers_rl.rl.inference.transfer.policy_weights import unsupported_adapter_features
+
+if TYPE_CHECKING:
+    from verifiers_rl.rl.inference.engine import CPUEngine
+    from verifiers_rl.rl.inference.slot_engine import SlotEngine
+
+
+class WeightReceiver:
+    """Server side of the gloo weight transfer (same init_info/update_info as our vLLM plugin)."""
+
+    def __init__(self, engine: CPUEngine | SlotEngine):
+        self.engine = engine
+        self.pg = None
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        self.paused_by_update = False
+
+    def init(self, info: dict[str, Any]) -> None:
+        init = gloo.GlooInitInfo.parse(info)
+        self.bucket_bytes = init.bucket_bytes
+        self.pg = gloo.connect_group(init, rank=init.rank_offset)
+
+    def start(self) -> None:
+        if not self.engine.is_paused:
+            self.engine.pause()
+            self.paused_by_update = True
+
+    def update(self, info: dict[str, Any]) -> int:
+        metas = UpdateInfo.parse(info).metas()  # a malformed body is refused before anything else
+        if self.pg is None:
+            raise ValueError("call /init_weight_transfer_engine before /update_weights")
+        if not self.engine.is_paused:  # vLLM allows updates without /start_weight_update; stay consistent
+            self.start()
+        loaded, error = 0, None
+
+        def on_bucket(named):
+            # After a failure keep receiving (and dropping) the remaining buckets: the trainer is mid-broadcast
+            # and would otherwise block until the gloo timeout.
+            nonlocal loaded, error
+            if error is None:
+                try:
+                    loaded += self.engine.load_weights(named)
+                except (KeyError, ValueError, RuntimeError) as e:
+                    error = e
+
+        gloo.receive_buckets(self.pg, plan_buckets(metas, self.bucket_bytes), on_bucket)
+        if error is not None:
+            raise ValueError(f"weight update failed: {error}") from error
+        return loaded
+
+    def lora_update(self, update_json: str) -> dict[str, Any]:
+        """`vf_lora_update` (transfer/adapter.py): W = W0 + B @ A on the pristine base weights, B pre-scaled."""
+        if self.pg is None:
+            raise ValueError(f"call /init_weight_transfer_engine before {adapter.UPDATE_RPC}")
+        update = adapter.AdapterUpdate.parse(update_json)
+        metas = update.update_info.metas()
+        paused_here = not self.engine.is_paused
+        if paused_here:
+            self.engine.pause()
+        try:
+            pairs: dict[str, dict[str, Any]] = {}
+            problems: list[str] = []
+
+            def keep(named):
+                for name, t in named:
+                    try:
+                        module, kind = adapter.lora_module(name)
+                    except ValueError as e:
+                        problems.append(str(e))
+                        continue
+                    pairs.setdefault(module, {})[kind] = t.clone()  # a view into the next bucket's buffer
+
+            # drain every bucket before refusing anything: the trainer is mid-broadcast
+            gloo.receive_buckets(self.pg, plan_buckets(metas, self.bucket_bytes), keep)
+            problems += unsupported_adapter_features(update.peft_config) + _scaling_problems(update.peft_config)
+            params = dict(self.engine.model.named_parameters())
+            problems += [f"engine model has no parameter {m}.weight" for m in pairs if f"{m}.weight" not in params]
+            problems += [f"{m} lacks lora_A or lora_B" for m, ab in pairs.items() if len(ab) != 2]
+            if problems:  # refused after the data: an answer, as vLLM's extension gives it
+                return {"error": "; ".join(problems[:5])}
+            # Checked first, applied after: a refused update leaves the served weights as they were.
+            named = [(f"{m}.{kind}", t) for m, ab in pairs.items() for kind, t in ab.items()]
+            try:
+                modules = self.engine.load_weights(named, lora_scaling=1.0)
+            except (KeyError, ValueError) as e:
+                return {"error": str(e)}
+        finally:
+            if paused_here:
+                self.engine.resume()
+        return {"tensors": len(metas), "modules": modules}
+
+    def abandon(self) -> None:
+        """A one-call sync that failed: serve on with the weights it has (already partly replaced on error)."""
+        if self.paused_by_update:
+            self.engine.resume()
+            self.paused_by_update = False
+
+    def finish(self, version: int | None) -> int:
+        v = self.engine.finish_update(version)
+        if self.paused_by_update:
+            self.engine.resume()
+            self.paused_by_update = False
+        return v
+
+    def shutdown(self) -> None:
+        self.pg = None
+
+
+def _scaling_problems(config: dict) -> list[str]:
+    # The engine adds B @ A as it comes: only the pre-scaled form (policy_weights.unit_scaling_config) fits.
+    if config.get("use_rslora") or config.get("lora_alpha") != config.get("r"):
+        return ["the CPU engine takes B pre-multiplied by the LoRA scaling (lora_alpha == r, no rsLoRA)"]
+    if (config.get("alpha_pattern") or {}) != (config.get("rank_pattern") or {}):
+        return ["the CPU engine takes B pre-multiplied by the LoRA scaling (alpha_pattern == rank_pattern)"]
+    return []
