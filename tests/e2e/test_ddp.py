@@ -56,5 +56,8 @@ def test_two_process_ddp_matches_single_process(tiny_model_dir, tmp_path):
         assert abs(la - lb) < 1e-5, (la, lb)
     wa, wb = torch.load(single / "lora.pt"), torch.load(ddp / "lora.pt")
     assert wa.keys() == wb.keys()
+    # Adam divides by sqrt(v): an element whose gradient is ~0 (lora_A early on, while B is still ~0) moves by up to
+    # lr either way on float noise from the all-reduce (1e-5 was seen on one element of 512). 1e-4 is 50x below one
+    # step at lr=5e-3, so a wrong gradient still fails here.
     for k in wa:
-        assert torch.allclose(wa[k], wb[k], atol=1e-5), k
+        assert torch.allclose(wa[k], wb[k], atol=1e-4), (k, (wa[k] - wb[k]).abs().max())
