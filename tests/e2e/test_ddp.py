@@ -46,9 +46,9 @@ def test_two_process_ddp_matches_single_process(tiny_model_dir, tmp_path):
     )
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert "WORLD 2" in r2.stdout
-    evals = sorted(line.split()[1:] for line in r2.stdout.splitlines() if line.startswith("EVAL"))
-    assert [e[0] for e in evals] == ["0", "1"] and evals[0][1] == evals[1][1]  # same metrics on both ranks
-    assert [e[2] for e in evals] == ["True", "False"]  # only rank 0 ever held a server
+    evals = [json.loads((ddp / f"eval-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert evals[0]["reward"] == evals[1]["reward"]  # same metrics on both ranks
+    assert [e["has_server"] for e in evals] == [True, False]  # only rank 0 ever held a server
     a, b = _rewards_losses(single), _rewards_losses(ddp)
     assert len(a) == len(b) == 2
     for (ra, la), (rb, lb) in zip(a, b):

@@ -1,5 +1,6 @@
 """Run by tests/e2e/test_ddp.py, once plainly and once under `accelerate launch --num_processes 2 --cpu`."""
 
+import json
 import sys
 
 import torch
@@ -33,7 +34,10 @@ try:
     trainer.train()
     metrics = trainer.evaluate()  # rank 0 talks to the server; every rank gets the same numbers
     has_server = trainer.runtime.client is not None
-    print("EVAL", trainer.accelerator.process_index, round(metrics["eval/reward"], 6), has_server, flush=True)
+    rank = trainer.accelerator.process_index
+    # a file per rank: two ranks printing to one pipe can interleave their lines
+    with open(f"{out}/eval-rank{rank}.json", "w") as f:
+        json.dump({"rank": rank, "reward": round(metrics["eval/reward"], 6), "has_server": has_server}, f)
 finally:
     trainer.close()
 if trainer.is_world_process_zero():
