@@ -454,14 +454,20 @@ def test_base_weights_never_move(lora, tiny_model_dir):
 
 def test_in_flight_request_survives_an_adapter_sync(lora):
     client, peft = lora["client"], lora["peft"]
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(_complete, lora["http"], lora["name"], PROMPTS[0], 200, headers=_auth())
-        time.sleep(0.5)
-        assert not fut.done()  # the sync below lands mid-request
+    # Eight long requests, so that on a quiet machine too the sync lands while they generate (one 200-token request
+    # finished within 0.5 s there); 500 tokens fill the 512-token context.
+    n, length = 8, 500
+    with ThreadPoolExecutor(n) as pool:
+        futs = [
+            pool.submit(_complete, lora["http"], lora["name"], PROMPTS[i % len(PROMPTS)], length, headers=_auth())
+            for i in range(n)
+        ]
+        time.sleep(0.1)
+        assert not all(f.done() for f in futs)  # the sync below lands mid-request
         _set_step(peft, 3)
         client.update_weights(_adapter_weights(peft), version=3)
-        choice, _ = fut.result(timeout=300)
-    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 200
+        choices = [f.result(timeout=300)[0] for f in futs]
+    assert all(c["finish_reason"] == "length" and len(c["token_ids"]) == length for c in choices)
     assert _adapter_diff(lora, prompts=PROMPTS[:1]) < 1e-4
 
 
