@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -296,29 +297,29 @@ class InferenceRuntime:
         for b in range(global_step, global_step + self.args.max_async_level + 1):
             self.orchestrator.submit(b)
 
-    def next_batch(self, global_step: int) -> RolloutBatch:
+    @contextlib.contextmanager
+    def _waiting_on_rollouts(self):
+        """Rollouts that fail or time out while the server died or froze are reported as the server's failure."""
         try:
-            batch = self.orchestrator.get(global_step)
+            yield
         except GenerationError as e:
             self.check_server()
             if e.timed_out:
                 raise self.server_failure(str(e)) from None
             raise
+
+    def next_batch(self, global_step: int) -> RolloutBatch:
+        with self._waiting_on_rollouts():
+            batch = self.orchestrator.get(global_step)
         if any(r.error_kind == "errored" for r in batch.rollouts):
             self.check_server()  # a dead server fails every request: say so now, not after max_empty_steps
         self.last_rollouts = batch.rollouts[: max(self.args.num_completions_to_log, 1)]
         return batch
 
     def rollout_state(self, timeout: float | None = None) -> dict:
-        """The orchestrator's state for a checkpoint (it waits for batches in flight): a server that died or
-        froze meanwhile is named, as next_batch names it."""
-        try:
+        """The orchestrator's state for a checkpoint (it waits for batches in flight)."""
+        with self._waiting_on_rollouts():
             return self.orchestrator.state_dict(timeout=timeout)
-        except GenerationError as e:
-            self.check_server()
-            if e.timed_out:
-                raise self.server_failure(str(e)) from None
-            raise
 
     def sync(self, model, version: int) -> float:
         if self.orchestrator is not None:
