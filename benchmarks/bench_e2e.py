@@ -250,7 +250,7 @@ def time_to_reach(c: list[dict], target: float) -> float:
 # ---------------------------------------------------------------------------------------- the runs
 
 
-def run_trl(model_dir: str, train_rows, eval_rows, s: dict, out_dir: str, log) -> dict:
+def run_trl(model_dir: str, train_rows, eval_rows, s: dict, out_dir: str, log, evaluate: bool = True) -> dict:
     from peft import LoraConfig
     from transformers import set_seed
     from trl import GRPOConfig, GRPOTrainer
@@ -332,7 +332,7 @@ def run_trl(model_dir: str, train_rows, eval_rows, s: dict, out_dir: str, log) -
     trainer.train()
     train_call_s = time.perf_counter() - t_call
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h and "train_runtime" not in h]
-    ev = hf_eval(trainer.model, tok, eval_rows, s["max_tokens"])
+    ev = hf_eval(trainer.model, tok, eval_rows, s["max_tokens"]) if evaluate else None
     return {
         "construct_s": construct_s,
         "train_call_s": train_call_s,
@@ -345,7 +345,9 @@ def run_trl(model_dir: str, train_rows, eval_rows, s: dict, out_dir: str, log) -
     }
 
 
-def run_ours(model_dir: str, env, eval_rows, s: dict, k: int, out_dir: str, log, env_vars=None, threads=None) -> dict:
+def run_ours(
+    model_dir: str, env, eval_rows, s: dict, k: int, out_dir: str, log, env_vars=None, threads=None, evaluate=True
+) -> dict:
     from verifiers_rl.models import get_tokenizer
 
     tok = get_tokenizer(model_dir)
@@ -377,7 +379,7 @@ def run_ours(model_dir: str, env, eval_rows, s: dict, k: int, out_dir: str, log,
     captured: dict = {}
 
     def after(trainer):
-        captured["eval"] = hf_eval(trainer.model, tok, eval_rows, s["max_tokens"])
+        captured["eval"] = hf_eval(trainer.model, tok, eval_rows, s["max_tokens"]) if evaluate else None
 
     res = run_rl(model_dir, env, args, log, after_train=after, env_vars=env_vars, threads=threads)
     # The logged `reward` averages the rollouts that did not error; verifiers marks an empty answer as an error

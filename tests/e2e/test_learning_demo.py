@@ -18,6 +18,7 @@ from procs import ROOT, run_command, survivors
 
 DEMO = ROOT / "configs" / "vf-rl" / "tiny-reverse-text.toml"
 DEMO_SFT = ROOT / "configs" / "vf-sft" / "tiny-reverse-text.toml"
+DEMO_FULL = ROOT / "configs" / "vf-rl" / "tiny-reverse-text-full.toml"
 ALPHABET = ROOT / "configs" / "vf-rl" / "tiny-alphabet-sort.toml"
 
 
@@ -42,6 +43,19 @@ def test_demo_configs_agree_and_plan_sft_first(tmp_path):
     assert "# SFT warm-start (runs first)" in r.stdout and "outputs/sft-tiny-reverse-text/final" in r.stdout
     assert "no CUDA devices: CPU engine" in r.stdout
     assert not (ws / "outputs").exists() or not any((ws / "outputs").rglob("*.safetensors"))  # dry run trains nothing
+
+
+def test_full_finetuning_variant_differs_only_in_the_policy():
+    """The demo trains LoRA; its full fine-tuning alternative must be the same run otherwise (same warm-start,
+    prompts, sampling, eval), or comparing the two says nothing."""
+    lora, full = tomllib.loads(DEMO.read_text()), tomllib.loads(DEMO_FULL.read_text())
+    assert lora["trainer"]["args"]["use_lora"] is True and full["trainer"]["args"]["use_lora"] is False
+    policy_keys = {"use_lora", "learning_rate", "run_name"} | {
+        k for k in lora["trainer"]["args"] if k.startswith("lora")
+    }
+    strip = lambda cfg: {k: v for k, v in cfg["trainer"]["args"].items() if k not in policy_keys}  # noqa: E731
+    assert strip(lora) == strip(full)
+    assert {k: v for k, v in lora.items() if k != "trainer"} == {k: v for k, v in full.items() if k != "trainer"}
 
 
 def test_tiny_alphabet_sort_runs_end_to_end(tmp_path):
