@@ -19,8 +19,9 @@ peak memory of chunked vs full-vocabulary logprobs.
       packed vs padded.
     Variants run interleaved, one warm-up each, median of N rounds.
 (b) `logprobs.chunked_logprobs` vs `logprobs.full_logprobs` forward+backward at Qwen3's vocabulary (V=151936,
-    hidden 512, N=2048 tokens, float32), each in a fresh subprocess: peak RSS (ru_maxrss) minus the RSS right after
-    the inputs (hidden, LM head, targets) are allocated. Also the time of one forward+backward (median of N).
+    hidden 512, N=2048 tokens, float32), each in a fresh subprocess: peak RSS (VmHWM, reset once the inputs exist)
+    minus the RSS right after the inputs (hidden, LM head, targets) are allocated. Also the time of one
+    forward+backward (median of N).
 """
 
 from __future__ import annotations
@@ -189,18 +190,26 @@ def microbatch_throughput(quick: bool, log) -> dict:
 # ---------------------------------------------------------------------------------------- (b) logprobs memory
 
 
-def _rss_bytes() -> int:
+def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
 
+def _rss_bytes() -> int:
+    return _status_bytes("VmRSS")
+
+
+def _peak_rss_bytes() -> int:
+    # VmHWM is this address space's high-water mark. Not getrusage's ru_maxrss: Linux carries that across exec
+    # from the forked copy of the parent, so a child of a 5 GB benchmark process starts with a 5 GB "peak".
+    return _status_bytes("VmHWM")
+
+
 def memory_child(method: str, vocab: int, hidden: int, n: int, repeats: int, chunk_size: int | None = None) -> dict:
     """Runs in a fresh process: peak RSS of one forward+backward of `method` above the RSS of its inputs."""
-    import resource
-
     from verifiers_rl.rl.trainer import logprobs as L
 
     torch.manual_seed(0)
@@ -211,8 +220,13 @@ def memory_child(method: str, vocab: int, hidden: int, n: int, repeats: int, chu
     # materialise the gradient buffers too: both methods need them, they are not what differs
     w.grad = torch.zeros_like(w)
     h.grad = torch.zeros_like(h)
+    try:  # reset the high-water mark to now (Linux >= 4.0), so setup temporaries do not count
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
     base = _rss_bytes()
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_before = _peak_rss_bytes()
     secs = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -220,7 +234,7 @@ def memory_child(method: str, vocab: int, hidden: int, n: int, repeats: int, chu
         lp.sum().backward()
         secs.append(time.perf_counter() - t0)
         del lp
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss_bytes()
     return {
         "method": method,
         "chunk_size": chunk_size or L.auto_chunk_size(vocab),
