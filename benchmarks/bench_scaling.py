@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import RESULTS_DIR, finish, main_for, row, wait_for_quiet  # noqa: E402
+from _common import RESULTS_DIR, finish, main_for, median, row, wait_for_quiet  # noqa: E402
 from bench_async import window_stats  # noqa: E402
 from bench_e2e import run_ours, run_trl  # noqa: E402
 
@@ -131,10 +131,13 @@ def measure(point: dict, model_dir: str, env, train_rows, tmp: str, log) -> dict
             "completion_len": mean(r.get("completion_len") or []),
             "machine_busy": st["machine_busy"],
         }
+    for key in ("gen_s", "train_s", "wait_s"):  # ours' phases (k=1: generation overlaps training)
+        out["ours"][key] = median([x for x in ours[key][1:] if x is not None] or [float("nan")])
     out["speedup"] = out["trl"]["s_per_step"] / out["ours"]["s_per_step"]
     log(
-        f"{tag}: TRL {out['trl']['s_per_step']:.2f} s/step (completions {out['trl']['completion_len']}), ours "
-        f"{out['ours']['s_per_step']:.2f} s/step (completions {out['ours']['completion_len']}): {out['speedup']:.2f}x"
+        f"{tag}: TRL {out['trl']['s_per_step']:.2f} s/step (completions {out['trl']['completion_len'] or 0:.1f}), ours "
+        f"{out['ours']['s_per_step']:.2f} s/step (completions {out['ours']['completion_len'] or 0:.1f}; generation "
+        f"{out['ours']['gen_s']:.2f} s, training {out['ours']['train_s']:.2f} s): {out['speedup']:.2f}x"
     )
     return out
 
@@ -151,6 +154,7 @@ def plot(points: list[dict], path) -> str | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return None
     axes_spec = (
@@ -171,6 +175,8 @@ def plot(points: list[dict], path) -> str | None:
             )
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xticks(xs, [f"{x / 1e6:.1f}M" if x >= 1e5 else str(x) for x in xs])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xlabel(label)
         ax.set_ylabel("s / step")
         ax.grid(True, which="both", alpha=0.3)
