@@ -24,41 +24,25 @@ import torch
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 16, 32
-# Qwen3-0.6B's config, weights random (no model hub here): 596M parameters, 2.4 GB in float32.
+# Qwen3-0.6B's config, weights random (no model hub here): 596M parameters, 2.4 GB in float32. The byte-level
+# tokenizer has 259 ids; the model's vocabulary is larger, as Qwen's is.
 QWEN3_06B = dict(
+    hidden=1024,
+    layers=28,
+    head_dim=128,
     vocab_size=151936,
-    hidden_size=1024,
     intermediate_size=3072,
-    num_hidden_layers=28,
     num_attention_heads=16,
     num_key_value_heads=8,
-    head_dim=128,
     tie_word_embeddings=True,
 )
 
 
 def build_model(label: str):
     """(model, tokenizer) for "tiny" (verifiers_rl.tiny defaults) or "qwen3-0.6b-shape"."""
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from verifiers_rl.tiny import build_tiny_model
 
-    from verifiers_rl.tiny import build_tiny_model, build_tokenizer
-
-    if label == "tiny":
-        return build_tiny_model()
-    tok = build_tokenizer()  # byte-level, 259 ids; the model's vocabulary is larger, as Qwen's is
-    config = Qwen3Config(
-        **QWEN3_06B,
-        max_position_embeddings=4096,
-        bos_token_id=None,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        dtype="float32",
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    return model.eval(), tok
+    return build_tiny_model() if label == "tiny" else build_tiny_model(**QWEN3_06B)
 
 
 def _peft(model):

@@ -35,21 +35,15 @@ NAME = "bench_scaling"
 GOAL = 1.5  # TRL s/step / ours s/step at the goal lengths
 GOAL_LENGTHS = (32, 128)
 LR = 1e-3
-# name -> Qwen3Config fields (all: untied lm_head, byte vocabulary, float32)
+# name -> verifiers_rl.tiny.save_tiny_model arguments (untied lm_head, byte vocabulary, float32); the tiny builder
+# derives heads = hidden / head_dim, KV heads = heads / 2 and MLP = 2 x hidden unless a Qwen3Config field is given
 SHAPES = {
-    "tiny h128x2": dict(
-        hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32,
-    ),
-    "h512x8": dict(
-        hidden_size=512, num_hidden_layers=8, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4,
-        head_dim=64,
-    ),
+    "tiny h128x2": dict(hidden=128, layers=2),
+    "h512x8": dict(hidden=512, layers=8, head_dim=64),
     "Qwen3-0.6B shape": dict(
-        hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
-        head_dim=128,
+        hidden=1024, layers=28, head_dim=128, num_attention_heads=16, num_key_value_heads=8, intermediate_size=3072
     ),
-}  # fmt: skip
+}
 
 
 def grid(quick: bool) -> list[dict]:
@@ -64,34 +58,12 @@ def grid(quick: bool) -> list[dict]:
     return points
 
 
-def build_model(path: str, shape: str, seed: int = 0) -> str:
-    """A random-weight Qwen3 of the given shape with the tiny byte tokenizer, saved like a hub checkpoint."""
-    import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+def build_model(path: str, shape: str) -> str:
+    """A random-weight Qwen3 of the given shape with the tiny byte tokenizer, saved like a hub checkpoint (cached)."""
+    from verifiers_rl.tiny import save_tiny_model
 
-    from verifiers_rl.tiny import build_tokenizer
-
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    tok = build_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(tok),
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        dtype="float32",
-        **SHAPES[shape],
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None
-    )
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        save_tiny_model(path, **SHAPES[shape])
     return path
 
 

@@ -74,11 +74,13 @@ def build_tokenizer():
     )
 
 
-def build_config(tokenizer, spec: TinySpec):
+def build_config(tokenizer, spec: TinySpec, **overrides):
+    """The Qwen3Config of `spec`; `overrides` replace any of its fields (e.g. Qwen3-0.6B's
+    intermediate_size=3072, num_attention_heads=16 for a model of that shape)."""
     from transformers import Qwen3Config
 
     heads = spec.hidden // spec.head_dim
-    return Qwen3Config(
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden,
         intermediate_size=2 * spec.hidden,
@@ -93,15 +95,17 @@ def build_config(tokenizer, spec: TinySpec):
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
+    return Qwen3Config(**{**fields, **overrides})
 
 
-def build_tiny_model(hidden: int = 64, layers: int = 2, seed: int = 0, head_dim: int = 32):
-    """Return (model, tokenizer): same arguments -> bit-identical weights, without touching global RNG."""
+def build_tiny_model(hidden: int = 64, layers: int = 2, seed: int = 0, head_dim: int = 32, **config_overrides):
+    """Return (model, tokenizer): same arguments -> bit-identical weights, without touching global RNG.
+    `config_overrides` go to `build_config` (benchmarks build larger shapes with random weights this way)."""
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
     spec = TinySpec(hidden=hidden, layers=layers, head_dim=head_dim, seed=seed)
     tokenizer = build_tokenizer()
-    config = build_config(tokenizer, spec)
+    config = build_config(tokenizer, spec, **config_overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = Qwen3ForCausalLM(config)
