@@ -208,3 +208,72 @@ def test_merged_sync_matches_trainer_model(server, oai, tiny_model_dir):
     assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
     if server.engine_name == "cpu":
         assert r.model_extra["policy_version"] == 7
+
+
+def _rollout_client_replies(server, model, lean: bool, sampling: dict, n: int = 6):
+    """n seeded rollout requests through RolloutClient (the trainer's client), lean path or the SDK's."""
+    from verifiers_rl.rl.trainer.rollout_client import ROLLOUT_KEY, RolloutClient
+
+    async def go():
+        client = RolloutClient(AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0), 7, lean=lean)
+        try:
+            states = [{"input": {ROLLOUT_KEY: f"0:0:{i}"}} for i in range(n)]
+            replies = await asyncio.gather(*[client.get_native_response(MSG, model, sampling, state=s) for s in states])
+            parsed = [await client.from_native_response(r) for r in replies]
+            return replies, parsed, states, client.sdk_fallbacks
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def test_rollout_client_lean_path_equals_the_sdk_path(server, tiny_model_dir):
+    """The trainer's lean request path sends what the SDK sends and parses to the same verifiers Response: same
+    seeded tokens, logprobs, finish reasons, policy version; and the server's replies need no SDK fallback."""
+    from verifiers_rl.rl.trainer import RLConfig
+    from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY
+
+    args = RLConfig(output_dir="unused", use_cpu=True, max_tokens=10, top_k=50, min_p=0.01, report_to="none")
+    sampling = args.sampling_args
+    lean, lean_parsed, lean_states, fallbacks = _rollout_client_replies(server, tiny_model_dir, True, sampling)
+    sdk, sdk_parsed, _, sdk_fallbacks = _rollout_client_replies(server, tiny_model_dir, False, sampling)
+    assert fallbacks == 0 and sdk_fallbacks == len(sdk)
+    assert type(lean[0]) is type(sdk[0])
+    for a, b in zip(lean_parsed, sdk_parsed):
+        assert a.message.tokens.completion_ids == b.message.tokens.completion_ids
+        assert a.message.tokens.prompt_ids == b.message.tokens.prompt_ids
+        assert a.message.tokens.completion_logprobs == pytest.approx(b.message.tokens.completion_logprobs, abs=1e-4)
+        assert (a.message.content, a.message.finish_reason) == (b.message.content, b.message.finish_reason)
+    assert len({tuple(p.message.tokens.completion_ids) for p in lean_parsed}) > 1  # per-rollout seeds differ
+    if server.engine_name == "cpu":  # vLLM's replies carry no policy version
+        assert all(s[POLICY_VERSIONS_KEY] == [0] for s in lean_states)
+
+
+def test_rollout_client_errors_are_the_sdks(server, tiny_model_dir):
+    """Errors through the lean path are the ones the SDK path raises (verifiers classifies them): a 400 for too many
+    tokens, an over-long prompt (verifiers' OverlongPromptError where the server's text says so), no server."""
+    from openai import APIConnectionError, BadRequestError
+    from verifiers.errors import OverlongPromptError
+
+    from verifiers_rl.rl.inference.launcher import free_port
+    from verifiers_rl.rl.trainer.rollout_client import RolloutClient
+
+    def error(base_url, prompt, sampling, lean):
+        async def go():
+            client = RolloutClient(AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=10), 0, lean=lean)
+            try:
+                await client.get_native_response(prompt, tiny_model_dir, sampling)
+            finally:
+                await client.close()
+
+        with pytest.raises(Exception) as err:
+            asyncio.run(go())
+        return err.value
+
+    url = server.base_url + "/v1"
+    long_prompt = [{"role": "user", "content": "x" * 3000}]
+    for prompt, sampling in ((MSG, {"max_tokens": 5000}), (long_prompt, {"max_tokens": 4})):
+        lean, sdk = error(url, prompt, sampling, True), error(url, prompt, sampling, False)
+        assert isinstance(lean, (BadRequestError, OverlongPromptError))
+        assert (type(lean), str(lean), str(lean.__cause__)) == (type(sdk), str(sdk), str(sdk.__cause__))
+    assert isinstance(error(f"http://127.0.0.1:{free_port()}/v1", MSG, {"max_tokens": 4}, True), APIConnectionError)

@@ -16,7 +16,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import hashlib
 import os
 import threading
 import time
@@ -27,14 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import verifiers as vf
 from openai import AsyncOpenAI
 
 from verifiers_rl.rl.trainer.policy_version import PolicyVersion
 from verifiers_rl.rl.trainer.reward_checks import REWARD_ERRORS_KEY
+from verifiers_rl.rl.trainer.rollout_client import ROLLOUT_KEY, RolloutClient, rollout_seed  # noqa: F401 - public here
 from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY, Rollout, rollouts_from_outputs
-
-ROLLOUT_KEY = "vf_rl_rollout"  # added to each input row; our client derives the sampling seed from it
 
 
 class GenerationError(RuntimeError):
@@ -52,38 +49,6 @@ def _where(error: BaseException) -> str:
         return ""
     last = frames[-1]
     return f" in {last.name} ({os.path.basename(last.filename)}:{last.lineno})"
-
-
-def rollout_seed(base_seed: int, key: str, turn: int) -> int:
-    digest = hashlib.blake2b(f"{base_seed}|{key}|{turn}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF
-
-
-class RolloutClient(vf.OpenAIChatCompletionsClient):
-    """verifiers' chat client plus a per-rollout, per-turn seed and the server's policy version per response."""
-
-    def __init__(self, client: AsyncOpenAI, base_seed: int | None):
-        super().__init__(client)
-        self.base_seed = base_seed
-
-    async def get_native_response(self, prompt, model, sampling_args, tools=None, **kwargs):
-        state = kwargs.get("state")
-        key = _input_value(state, ROLLOUT_KEY) if state is not None else None
-        if self.base_seed is not None and key is not None:
-            turn = len(state.get("trajectory") or [])
-            sampling_args = {**sampling_args, "seed": rollout_seed(self.base_seed, key, turn)}
-        response = await super().get_native_response(prompt, model, sampling_args, tools, **kwargs)
-        if state is not None:
-            version = (getattr(response, "model_extra", None) or {}).get("policy_version")
-            state.setdefault(POLICY_VERSIONS_KEY, []).append(version)
-        return response
-
-
-def _input_value(state, key):
-    inp = state.get("input") if hasattr(state, "get") else None
-    if isinstance(inp, dict) and key in inp:
-        return inp[key]
-    return None
 
 
 @dataclass
