@@ -312,6 +312,8 @@ def test_vf_eval_cli(server_url, tiny_model_dir, tmp_path, env_id, env_args, tur
         "16",
         "-T",
         "1.0",
+        "-S",  # seeded: an unseeded random tiny model answers EOS first now and then (EmptyModelResponseError)
+        json.dumps({"seed": 7}),
         "-a",
         json.dumps(env_args),
         "-d",
