@@ -112,7 +112,9 @@ class RolloutClient(vf.OpenAIChatCompletionsClient):
         if self._session is None or self._session.closed:
             timeout = self.client.timeout
             total = timeout if isinstance(timeout, (int, float)) else getattr(timeout, "read", None)
-            headers = {k: v for k, v in self.client.default_headers.items() if isinstance(v, str)}
+            # the SDK adds its auth headers per request, outside default_headers (a vLLM run with --api-key needs them)
+            sdk_headers = {**self.client.default_headers, **self.client.auth_headers}
+            headers = {k: v for k, v in sdk_headers.items() if isinstance(v, str)}
             self._session = aiohttp.ClientSession(
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=total),
