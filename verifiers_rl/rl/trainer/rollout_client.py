@@ -22,7 +22,6 @@ import verifiers as vf
 from openai import APIConnectionError, APITimeoutError, AsyncOpenAI
 from openai.types.chat import ChatCompletion
 from pydantic import ValidationError
-from verifiers.clients.openai_chat_completions_client import handle_openai_overlong_prompt
 
 from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY
 
@@ -75,7 +74,6 @@ class RolloutClient(vf.OpenAIChatCompletionsClient):
             state.setdefault(POLICY_VERSIONS_KEY, []).append(version)
         return response
 
-    @handle_openai_overlong_prompt
     async def _post(self, prompt, model, sampling_args, tools, extra_headers=None) -> ChatCompletion | None:
         """The reply as the SDK's `ChatCompletion`, or None: let the SDK send it (and raise its own error)."""
         import aiohttp
