@@ -246,7 +246,8 @@ def test_rollout_client_lean_path_equals_the_sdk_path(server, tiny_model_dir):
         assert (a.message.content, a.message.finish_reason) == (b.message.content, b.message.finish_reason)
     assert len({tuple(p.message.tokens.completion_ids) for p in lean_parsed}) > 1  # per-rollout seeds differ
     if server.engine_name == "cpu":  # vLLM's replies carry no policy version
-        assert all(s[POLICY_VERSIONS_KEY] == [0] for s in lean_states)
+        served = sdk[0].model_extra["policy_version"]  # earlier tests in this module may have synced weights
+        assert isinstance(served, int) and all(s[POLICY_VERSIONS_KEY] == [served] for s in lean_states)
 
 
 def test_rollout_client_errors_are_the_sdks(server, tiny_model_dir):
