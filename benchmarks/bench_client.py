@@ -52,27 +52,25 @@ def measure(base_url: str, model: str, concurrency: int, rounds: int) -> dict:
 
     sampling = RLConfig(output_dir="unused", use_cpu=True, max_tokens=8, report_to="none").sampling_args
 
-    def sdk(http_client=None):
-        kw = {"http_client": http_client} if http_client is not None else {}
-        oai = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120, **kw)
-        return RolloutClient(oai, 0, lean=False)
+    def client(lean: bool, **http):
+        return RolloutClient(AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120, **http), 0, lean)
 
     async def go():
         clients = {
-            "sdk": sdk(),
-            "sdk + aiohttp": sdk(openai.DefaultAioHttpClient()),
-            "ours": RolloutClient(AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120), 0),
+            "sdk": client(False),
+            "sdk + aiohttp": client(False, http_client=openai.DefaultAioHttpClient()),
+            "ours": client(True),
         }
         seen = {name: [] for name in clients}
         try:
             for r in range(rounds + 1):
-                for name, client in clients.items():
-                    wall, cpu = await one_round(client, model, sampling, concurrency, f"{r}")
+                for name, c in clients.items():
+                    wall, cpu = await one_round(c, model, sampling, concurrency, f"{r}")
                     if r:  # round 0 warms connections and caches
                         seen[name].append((wall, cpu))
         finally:
-            for client in clients.values():
-                await client.close()
+            for c in clients.values():
+                await c.close()
         return {
             name: {
                 "cpu_ms_per_request": median([c for _, c in xs]) / concurrency * 1e3,

@@ -54,7 +54,7 @@ class RolloutClient(vf.OpenAIChatCompletionsClient):
         super().__init__(client)
         self.base_seed = base_seed
         self.lean = lean
-        self.sdk_fallbacks = 0  # requests that took the SDK's path (tests check the common case takes none)
+        self.sdk_fallbacks = 0  # replies sent or built by the SDK's path (tests check the common case takes none)
         self._session = None
 
     async def get_native_response(self, prompt, model, sampling_args, tools=None, **kwargs):
