@@ -66,6 +66,13 @@ class RLConfig(TrainingArguments):
         default=True,
         metadata=_help("Padding-free packing of micro-batches (block-diagonal attention from position_ids)."),
     )
+    share_prompt_prefix: bool = field(
+        default=True,
+        metadata=_help(
+            "Forward each group's shared prompt once per micro-batch, its rollouts attending to it (same loss and "
+            "gradients); needs pack_sequences and SDPA or eager attention, and is used when it costs fewer FLOPs."
+        ),
+    )
     max_seq_len: int = field(
         default=2048,
         metadata=_help(

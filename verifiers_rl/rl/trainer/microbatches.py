@@ -28,14 +28,16 @@ def plan_microbatches(
     bucket_by_length: bool = True,
     packed: bool = False,
     max_samples: int | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Greedy partition of sample indices into micro-batches whose cost stays <= the budget.
 
     cost(mb) = len(mb) * max_{i in mb} lengths[i]   (padded)   or   sum_{i in mb} lengths[i]   (packed).
     A sample longer than the budget on its own gets a micro-batch to itself; `max_samples` also caps the
-    samples per micro-batch. With bucketing, samples are
-    visited longest first (ties by index), so neighbours have similar lengths and padding stays small; the
-    longest micro-batch also comes first, so an out-of-memory shows at the start of a step, not the end.
+    samples per micro-batch (item i stands for `sizes[i]` samples when given: a shared-prompt unit). With
+    bucketing, samples are visited longest first (ties by index), so neighbours have similar lengths and
+    padding stays small; the longest micro-batch also comes first, so an out-of-memory shows at the start of
+    a step, not the end.
     """
     if max_tokens_per_microbatch < 1:
         raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
@@ -48,16 +50,16 @@ def plan_microbatches(
         order = sorted(order, key=lambda i: (-lengths[i], i))
     plan: list[list[int]] = []
     current: list[int] = []
-    longest = total = 0
+    longest = total = count = 0
     for i in order:
-        n = lengths[i]
+        n, size = lengths[i], (sizes[i] if sizes is not None else 1)
         cost = total + n if packed else (len(current) + 1) * max(longest, n)
-        full = max_samples is not None and len(current) >= max_samples
+        full = max_samples is not None and count + size > max_samples
         if current and (cost > max_tokens_per_microbatch or full):
             plan.append(current)
-            current, longest, total = [], 0, 0
+            current, longest, total, count = [], 0, 0, 0
         current.append(i)
-        longest, total = max(longest, n), total + n
+        longest, total, count = max(longest, n), total + n, count + size
     if current:
         plan.append(current)
     return plan

@@ -14,24 +14,70 @@ import torch
 from verifiers_rl.rl.trainer.forward import output_head, reference_logprobs, token_logprobs
 from verifiers_rl.rl.trainer.losses import policy_loss
 from verifiers_rl.rl.trainer.microbatches import collate_packed, collate_padded, plan_microbatches
+from verifiers_rl.rl.trainer.prefix_sharing import (
+    Unit,
+    additive_mask,
+    collate_shared,
+    layer_costs,
+    plan_cost,
+    plan_units,
+    unit_length,
+)
 from verifiers_rl.rl.trainer.samples import PreparedBatch, shard_samples
 
 _ADDITIVE = ("ratio_mean", "masked_frac", "mismatch_kl", "kl")
 
 
 def microbatches(accelerator, model, prepared: PreparedBatch, args, pad_token_id: int) -> list[dict]:
-    """This rank's share of the step's samples, planned into token-budget micro-batches and collated."""
+    """This rank's share of the step's samples, planned into token-budget micro-batches and collated: with
+    each group's prompt shared (prefix_sharing.py) where the attention allows it and that costs fewer FLOPs."""
     mine = shard_samples(prepared.samples, accelerator.num_processes, accelerator.process_index)
+    unwrapped = accelerator.unwrap_model(model)
     lengths = [len(s["input_ids"]) for s in mine]
     plan = plan_microbatches(lengths, args.token_budget, packed=args.pack_sequences, max_samples=args.micro_batch_size)
+    shared = _shared_plan(mine, plan, args, unwrapped)
+    if shared is not None:
+        return [_collate_shared(mine, units, unwrapped, pad_token_id) for units in shared]
     out = []
     for idx in plan:
         group = [mine[i] for i in idx]
         if args.pack_sequences:
-            out.append(collate_packed(group, packed_row_len(accelerator.unwrap_model(model), group), pad_token_id))
+            out.append(collate_packed(group, packed_row_len(unwrapped, group), pad_token_id))
         else:
             out.append(collate_padded(group, pad_token_id))
     return out
+
+
+def _shared_plan(samples: list[dict], plain: list[list[int]], args, model) -> list[list[Unit]] | None:
+    """Micro-batches of shared-prompt units, or None where the plain packed plan is the better (or the only)
+    layout. Costs are estimated FLOPs of both layouts as the collators would lay them out."""
+    impl = str(getattr(model.config, "_attn_implementation", "") or "")
+    if not (args.pack_sequences and args.share_prompt_prefix and impl in ("sdpa", "eager")) or not samples:
+        return None
+    units = plan_units(samples, args.micro_batch_size, args.token_budget)
+    if all(p == 0 for _, p in units):
+        return None
+    lengths = [len(s["input_ids"]) for s in samples]
+    unit_lengths = [unit_length([lengths[i] for i in idx], p) for idx, p in units]
+    sizes = [len(idx) for idx, _ in units]
+    budget, cap = args.token_budget, args.micro_batch_size
+    plan = plan_microbatches(unit_lengths, budget, packed=True, max_samples=cap, sizes=sizes)
+    per_token, per_pair = layer_costs(model.config)
+    if plan_cost(plan, unit_lengths, per_token, per_pair) >= plan_cost(plain, lengths, per_token, per_pair):
+        return None
+    return [[units[u] for u in mb] for mb in plan]
+
+
+def _collate_shared(samples: list[dict], units: list[Unit], model, pad_token_id: int) -> dict:
+    # collate_shared takes sample indices of one micro-batch: renumber the units' indices into it
+    idx = [i for u, _ in units for i in u]
+    pos = {i: k for k, i in enumerate(idx)}
+    local = [([pos[i] for i in u], p) for u, p in units]
+    lens = [unit_length([len(samples[i]["input_ids"]) for i in u], p) for u, p in units]
+    mb = collate_shared([samples[i] for i in idx], local, max(lens), pad_token_id)
+    if str(getattr(model.config, "_attn_implementation", "")) == "eager":
+        mb["attention_mask"] = additive_mask(mb["attention_mask"], model.dtype)
+    return mb
 
 
 def run_microbatches(accelerator, model, prepared: PreparedBatch, args, pad_token_id: int):
@@ -48,7 +94,7 @@ def run_microbatches(accelerator, model, prepared: PreparedBatch, args, pad_toke
     total = torch.zeros((), device=device)
     sums: dict[str, float] = defaultdict(float)
     extremes = {"ratio_min": float("inf"), "ratio_max": float("-inf")}
-    real = padded = 0
+    real = padded = shared = 0
     for i in range(n):
         mb = mbs[i] if i < len(mbs) else None
         ctx = accelerator.no_sync(model) if i < n - 1 else contextlib.nullcontext()
@@ -94,11 +140,12 @@ def run_microbatches(accelerator, model, prepared: PreparedBatch, args, pad_toke
             sums["trained_tokens"] += float(mask.sum())
             real += int(mb.get("num_real_tokens", mask.numel()))
             padded += int(mb.get("num_padded_tokens", 0))
+            shared += int(mb.get("num_shared_tokens", 0))
     keys = [*_ADDITIVE, "entropy_sum", "trained_tokens"]
-    vec = torch.tensor([sums[k] for k in keys] + [real, padded], dtype=torch.float64, device=device)
+    vec = torch.tensor([sums[k] for k in keys] + [real, padded, shared], dtype=torch.float64, device=device)
     if accelerator.num_processes > 1:
         vec = accelerator.reduce(vec, reduction="sum")
-    red = dict(zip([*keys, "real", "padded"], vec.tolist()))
+    red = dict(zip([*keys, "real", "padded", "shared"], vec.tolist()))
     metrics = {k: red[k] for k in _ADDITIVE if k != "kl" or args.kl_beta > 0}
     metrics["entropy"] = red["entropy_sum"] / max(red["trained_tokens"], 1.0)
     metrics["trained_tokens"] = red["trained_tokens"]
@@ -106,6 +153,7 @@ def run_microbatches(accelerator, model, prepared: PreparedBatch, args, pad_toke
     real, padded = red["real"], red["padded"]
     metrics["tokens"] = float(sum(len(s["input_ids"]) for s in prepared.samples))
     metrics["padding_frac"] = padded / max(real + padded, 1)
+    metrics["shared_prefix_frac"] = red["shared"] / max(metrics["tokens"], 1.0)  # prompt tokens not recomputed
     metrics["microbatches"] = float(len(mbs))
     return total, metrics
 

@@ -48,7 +48,7 @@ def build_samples(
     mask_env_responses: bool = True,
     mask_truncated_completions: bool = False,
 ) -> tuple[list[dict], Counter]:
-    """One sample per turn: {input_ids, loss_mask, sampler_logprobs, advantage, rollout}.
+    """One sample per turn: {input_ids, loss_mask, sampler_logprobs, advantage, rollout, group}.
 
     `sampler_logprobs` is NaN where no sampler logprob exists (environment tokens trained when
     mask_env_responses=False); the loss then treats those tokens as on-policy (ratio 1).
@@ -91,6 +91,7 @@ def build_samples(
                     "sampler_logprobs": logps,
                     "advantage": float(adv),
                     "rollout": idx,
+                    "group": r.group,  # rollouts of a group share their prompt (prefix_sharing.py)
                 }
             )
     counts["samples"] = len(samples)
