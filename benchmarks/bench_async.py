@@ -1,7 +1,7 @@
 """Async-overlap benchmark: RLTrainer (tiny Qwen3, reverse-text, its own CPU inference server) at
 max_async_level k = 0, 1, 2.
 
-    /work/main/.venv/bin/python benchmarks/bench_async.py [--quick]
+    .venv/bin/python benchmarks/bench_async.py [--quick]
 
 Per run: 1 warm-up step (dropped), then N timed steps. Step wall-clock = time between consecutive `on_step_end`
 callbacks (so it includes rollout wait, training, the weight sync and the next submit). Generation and training

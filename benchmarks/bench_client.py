@@ -1,7 +1,7 @@
 """Rollout client benchmark: the trainer-process CPU each rollout request costs, through the OpenAI SDK (what the
 trainer used before, and what verifiers' own client does) vs our RolloutClient's lean request path.
 
-    /work/main/.venv/bin/python benchmarks/bench_client.py [--quick]
+    .venv/bin/python benchmarks/bench_client.py [--quick]
 
 One CPU-engine server on the tiny model; C requests in flight at once, R rounds, each request as the trainer sends
 it (RLConfig's sampling args, max_tokens 8, a per-rollout seed) and parsed into verifiers' Response. Client CPU is

@@ -1,7 +1,7 @@
 """End-to-end benchmark: TRL's GRPOTrainer (transformers generation in-process) vs our RLTrainer (own CPU inference
 server, max_async_level 0 and 1) on reverse-text, from the same checkpoint, with the same data, reward and settings.
 
-    /work/main/.venv/bin/python benchmarks/bench_e2e.py [--quick]
+    .venv/bin/python benchmarks/bench_e2e.py [--quick]
 
 Setup shared by all three runs:
 - model: the tiny Qwen3 (hidden 128, 2 layers, seed 0), warm-started by a short plain supervised loop written here

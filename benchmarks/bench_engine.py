@@ -1,7 +1,7 @@
 """Generation-throughput benchmark: our CPU engine's HTTP server (the slot engine, and transformers' continuous
 batching it replaced) vs real vLLM (CPU build) on the same model directory, and vs in-process HF `generate`.
 
-    /work/main/.venv/bin/python benchmarks/bench_engine.py [--quick] [--no-vllm] [--hidden 128 --layers 4]
+    .venv/bin/python benchmarks/bench_engine.py [--quick] [--no-vllm] [--hidden 128 --layers 4]
 
 Each request: one chat prompt, max_tokens 64 with ignore_eos (every completion is exactly 64 tokens),
 temperature 1, its own seed. Servers are driven with `openai.AsyncOpenAI`, `c` requests in flight at once;
@@ -34,7 +34,10 @@ import torch  # noqa: E402
 from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
 
 NAME = "bench_engine"
-VLLM_PYTHON = os.environ.get("VF_VLLM_PYTHON", "/work/main/.venv-vllm/bin/python")
+# the README's vLLM CPU venv (`bash .ci/vllm-cpu-venv.sh .venv-vllm`) at the repository root
+VLLM_PYTHON = os.environ.get(
+    "VF_VLLM_PYTHON", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-vllm/bin/python")
+)
 MAX_TOKENS = 64
 CONCURRENCY = (1, 8, 32, 64)
 GRPO = (8, 4)  # prompts x rollouts

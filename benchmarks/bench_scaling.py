@@ -1,7 +1,7 @@
 """How the cost of an RL step grows with the work: TRL's GRPOTrainer vs ours (RLTrainer + its own CPU inference
 server), s/step against batch size, completion length and model size, in one run on one machine.
 
-    /work/main/.venv/bin/python benchmarks/bench_scaling.py [--quick]
+    .venv/bin/python benchmarks/bench_scaling.py [--quick]
 
 Every point runs both trainers with bench_e2e's like-for-like settings (same data, reward, LoRA r 8 / alpha 32 on all
 projections, "dapo" loss, temperature 1, AdamW, constant lr, one padded or packed micro-batch per step) for a few

@@ -1,7 +1,7 @@
 """Weight-sync benchmark: bucketed sync (ours) vs one request + one broadcast per tensor (the old design),
 raw gloo bandwidth between two local processes, and adapter vs merged sync of a LoRA model.
 
-    [VF_VLLM_PYTHON=<vLLM venv python>] /work/main/.venv/bin/python benchmarks/bench_sync.py [--quick]
+    [VF_VLLM_PYTHON=<vLLM venv python>] .venv/bin/python benchmarks/bench_sync.py [--quick]
 
 Every sync goes trainer -> a running CPU-engine server (`InferenceServer(engine="cpu")`) over loopback gloo;
 adapter vs merged (`_adapter_sync.py`) also runs against real vLLM when VF_VLLM_PYTHON is set, for the tiny

@@ -1,7 +1,7 @@
 """Training-throughput benchmark: token-budget packed micro-batches (ours) vs naive right-padded micro-batches, and the
 peak memory of chunked vs full-vocabulary logprobs.
 
-    /work/main/.venv/bin/python benchmarks/bench_train.py [--quick]
+    .venv/bin/python benchmarks/bench_train.py [--quick]
 
 (a) One rollout batch of mixed-length samples (seeded; lengths uniform in [min_len, max_len], the last ~60% of
     each sample trained) through a LoRA'd tiny Qwen3: forward (`forward.token_logprobs`, the trainer's path) plus a

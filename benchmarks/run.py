@@ -1,6 +1,6 @@
 """Run every benchmark and print one combined table.
 
-    /work/main/.venv/bin/python benchmarks/run.py [--quick] [--only bench_train,bench_async] [--wait-quiet S]
+    .venv/bin/python benchmarks/run.py [--quick] [--only bench_train,bench_async] [--wait-quiet S]
 
 Imports each benchmark module and calls its `run(quick=..., wait_quiet=...)`; a benchmark that raises is recorded
 as a failed row and the others still run. With --only, the other benchmarks' rows are kept from the previous
@@ -144,10 +144,7 @@ def main(argv=None) -> int:
     for r in results:
         print(f"  {r['name']}: {r['seconds']:.1f}s, machine before: {r.get('machine_before')}")
 
-    cmd = (
-        "/work/main/.venv/bin/python benchmarks/run.py"
-        + (" " + shlex.join(argv if argv is not None else sys.argv[1:])).rstrip()
-    )
+    cmd = ".venv/bin/python benchmarks/run.py" + (" " + shlex.join(argv if argv is not None else sys.argv[1:])).rstrip()
     info = machine()
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -183,7 +180,7 @@ def main(argv=None) -> int:
         json.dumps(info, indent=2),
         "```",
         "",
-        f"Reproduce: `cd /work/main && {cmd}`",
+        f"Reproduce (from the repository root): `{cmd}`",
         f"Written {payload['written_at']}, total {wall:.0f}s.",
         "",
     ]

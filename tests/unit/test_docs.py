@@ -40,3 +40,36 @@ def test_doc_links_resolve():
     for doc in (ROOT / "docs").glob("*.md"):
         for target in re.findall(r"\]\(([^)#:]+\.md)\)", doc.read_text()):
             assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
+
+
+def test_readme_performance_table_is_the_committed_full_run():
+    """The headline multiple of every row in the README's Performance table is a row of
+    benchmarks/results/latest.json (the full run the README cites, by date) at the precision printed, and a row's
+    ✓ / ✗ is that benchmark row's pass / fail."""
+    import json
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Performance", 1)[1].split("\n## ", 1)[0]
+    latest = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())
+    assert not latest["quick"]
+    assert latest["written_at"][:10] in section, "the README's Performance date is not the committed run's"
+    rows = [r for b in latest["benchmarks"] for r in b["rows"]]
+
+    def values(r):  # the ratio as reported, and both ways of dividing the two measurements
+        out = [r["ratio"]] if isinstance(r.get("ratio"), (int, float)) else []
+        if isinstance(r.get("baseline"), (int, float)) and isinstance(r.get("ours"), (int, float)) and r["ours"]:
+            out += [r["baseline"] / r["ours"], r["ours"] / r["baseline"]]
+        return out
+
+    table = [line for line in section.splitlines() if line.startswith("| ") and "×" in line]
+    assert len(table) >= 8
+    for line in table:
+        ours = line.split("|")[3]
+        for number in re.findall(r"(\d+(?:\.\d+)?)×", ours)[:1]:  # the headline (a ceiling may follow it)
+            places = len(number.split(".")[1]) if "." in number else 0
+            matches = [r for r in rows if any(round(v, places) == float(number) for v in values(r))]
+            assert matches, f"README's {number}× is not in benchmarks/results/latest.json: {line}"
+            verdict = "✓" if "✓" in line else "✗" if "✗" in line else None
+            if verdict:
+                judged = [r["pass"] for r in matches if r.get("pass") is not None]
+                assert judged and (verdict == "✓") in judged, f"README's {verdict} disagrees with the run: {line}"
