@@ -171,7 +171,13 @@ def collate_packed(samples: Sequence[dict], row_len: int | None = None, pad_toke
         sampler += [0.0] * pad
         adv += [0.0] * pad
         seq += [seq[-1]] * pad  # any valid id: these targets are untrained
-    ids, pos, mask, sampler, adv, seq = (list(col) for col in zip(*rows))
+    return packed_tensors(rows, real, len(samples))
+
+
+def packed_tensors(rows: Sequence[Sequence[list]], real: int, num_sequences: int) -> dict:
+    """Equal-width rows of per-token lists (ids, positions, loss mask, sampler logprobs, advantages, sample
+    index) -> the packed micro-batch tensors, per-target ones shifted by one (module docstring)."""
+    ids, pos, mask, sampler, adv, seq = (list(col) for col in zip(*(r[:6] for r in rows)))
     loss_mask = torch.tensor(mask, dtype=torch.bool)
     input_ids = torch.tensor(ids, dtype=torch.long)
     return {
@@ -183,9 +189,9 @@ def collate_packed(samples: Sequence[dict], row_len: int | None = None, pad_toke
         "advantages": torch.tensor(adv, dtype=torch.float32)[:, 1:],
         "seq_index": torch.tensor(seq, dtype=torch.long)[:, 1:],
         "num_real_tokens": real,
-        "num_padded_tokens": len(rows) * width - real,
+        "num_padded_tokens": len(rows) * len(ids[0]) - real,
         "num_loss_tokens": int(loss_mask[:, 1:].sum()),
-        "num_sequences": len(samples),
+        "num_sequences": num_sequences,
     }
 
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from verifiers_rl.rl.trainer.microbatches import _untrain_first_token, _validate, plan_rows
+from verifiers_rl.rl.trainer.microbatches import _untrain_first_token, _validate, packed_tensors, plan_rows
 
 # (sample indices, shared prefix length): the samples of one unit, in order
 Unit = tuple[list[int], int]
@@ -141,25 +141,11 @@ def collate_shared(
         seq += [seq[-1]] * pad
         seg += [pad_seg] * pad
         sees += [pad_seg] * pad
-    ids, pos, mask, sampler, adv, seq, seg, sees = (list(col) for col in zip(*rows))
-    input_ids = torch.tensor(ids, dtype=torch.long)
-    loss_mask = torch.tensor(mask, dtype=torch.bool)
-    full = sum(len(s["input_ids"]) for s in samples)
-    return {
-        "input_ids": input_ids,
-        "position_ids": torch.tensor(pos, dtype=torch.long),
-        "attention_mask": attention_mask(torch.tensor(seg), torch.tensor(sees)),
-        "target_ids": input_ids[:, 1:],
-        "loss_mask": loss_mask[:, 1:],
-        "sampler_logprobs": torch.tensor(sampler, dtype=torch.float32)[:, 1:],
-        "advantages": torch.tensor(adv, dtype=torch.float32)[:, 1:],
-        "seq_index": torch.tensor(seq, dtype=torch.long)[:, 1:],
-        "num_real_tokens": real,
-        "num_padded_tokens": len(rows) * width - real,
-        "num_loss_tokens": int(loss_mask[:, 1:].sum()),
-        "num_sequences": len(samples),
-        "num_shared_tokens": full - real,
-    }
+    mb = packed_tensors(rows, real, len(samples))
+    seg, sees = (torch.tensor([r[k] for r in rows]) for k in (6, 7))
+    mb["attention_mask"] = attention_mask(seg, sees)
+    mb["num_shared_tokens"] = sum(len(s["input_ids"]) for s in samples) - real
+    return mb
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
