@@ -161,9 +161,17 @@ def collate_packed(samples: Sequence[dict], row_len: int | None = None, pad_toke
             adv += [float(s["advantage"])] * n
             seq += [i] * n
         rows.append((ids, pos, mask, sampler, adv, seq))
+    return packed_tensors(rows, pad_token_id, len(samples))
+
+
+def packed_tensors(rows: Sequence[Sequence[list]], pad_token_id: int, num_sequences: int) -> dict:
+    """Rows of per-token lists (ids, positions, loss mask, sampler logprobs, advantages, sample index; a row may
+    carry more lists after these) -> the packed micro-batch tensors, per-target ones shifted by one (module
+    docstring). Shorter rows are padded in place to the widest with a segment of their own (positions restart,
+    never trained)."""
     width = max(len(r[0]) for r in rows)
     real = sum(len(r[0]) for r in rows)
-    for ids, pos, mask, sampler, adv, seq in rows:
+    for ids, pos, mask, sampler, adv, seq, *_ in rows:
         pad = width - len(ids)
         ids += [pad_token_id] * pad
         pos += range(pad)
@@ -171,12 +179,6 @@ def collate_packed(samples: Sequence[dict], row_len: int | None = None, pad_toke
         sampler += [0.0] * pad
         adv += [0.0] * pad
         seq += [seq[-1]] * pad  # any valid id: these targets are untrained
-    return packed_tensors(rows, real, len(samples))
-
-
-def packed_tensors(rows: Sequence[Sequence[list]], real: int, num_sequences: int) -> dict:
-    """Equal-width rows of per-token lists (ids, positions, loss mask, sampler logprobs, advantages, sample
-    index) -> the packed micro-batch tensors, per-target ones shifted by one (module docstring)."""
     ids, pos, mask, sampler, adv, seq = (list(col) for col in zip(*(r[:6] for r in rows)))
     loss_mask = torch.tensor(mask, dtype=torch.bool)
     input_ids = torch.tensor(ids, dtype=torch.long)
@@ -189,7 +191,7 @@ def packed_tensors(rows: Sequence[Sequence[list]], real: int, num_sequences: int
         "advantages": torch.tensor(adv, dtype=torch.float32)[:, 1:],
         "seq_index": torch.tensor(seq, dtype=torch.long)[:, 1:],
         "num_real_tokens": real,
-        "num_padded_tokens": len(rows) * len(ids[0]) - real,
+        "num_padded_tokens": len(rows) * width - real,
         "num_loss_tokens": int(loss_mask[:, 1:].sum()),
         "num_sequences": num_sequences,
     }

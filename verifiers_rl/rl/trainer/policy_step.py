@@ -51,8 +51,8 @@ def microbatches(accelerator, model, prepared: PreparedBatch, args, pad_token_id
 def _shared_plan(samples: list[dict], plain: list[list[int]], args, model) -> list[list[Unit]] | None:
     """Micro-batches of shared-prompt units, or None where the plain packed plan is the better (or the only)
     layout. Costs are estimated FLOPs of both layouts as the collators would lay them out."""
-    impl = str(getattr(model.config, "_attn_implementation", "") or "")
-    if not (args.pack_sequences and args.share_prompt_prefix and impl in ("sdpa", "eager")) or not samples:
+    dense_mask = attn_implementation(model) in ("sdpa", "eager")
+    if not (args.pack_sequences and args.share_prompt_prefix and dense_mask) or not samples:
         return None
     units = plan_units(samples, args.micro_batch_size, args.token_budget)
     if all(p == 0 for _, p in units):
@@ -75,7 +75,7 @@ def _collate_shared(samples: list[dict], units: list[Unit], model, pad_token_id:
     local = [([pos[i] for i in u], p) for u, p in units]
     lens = [unit_length([len(samples[i]["input_ids"]) for i in u], p) for u, p in units]
     mb = collate_shared([samples[i] for i in idx], local, max(lens), pad_token_id)
-    if str(getattr(model.config, "_attn_implementation", "")) == "eager":
+    if attn_implementation(model) == "eager":
         mb["attention_mask"] = additive_mask(mb["attention_mask"], model.dtype)
     return mb
 
@@ -162,8 +162,11 @@ def packed_row_len(model, group: list[dict]) -> int | None:
     # flash-attention runs a packed row as varlen (cost ~ sum of len^2): one row is best. Any other attention
     # builds a dense [N, N] block-diagonal mask, so rows are as wide as the micro-batch's longest sample:
     # the cost of the padded layout, with short samples filling the gaps instead of padding.
-    impl = str(getattr(model.config, "_attn_implementation", "") or "")
-    return None if "flash" in impl else max(len(s["input_ids"]) for s in group)
+    return None if "flash" in attn_implementation(model) else max(len(s["input_ids"]) for s in group)
+
+
+def attn_implementation(model) -> str:
+    return str(getattr(model.config, "_attn_implementation", "") or "")
 
 
 def empty_microbatch(packed: bool) -> dict:

@@ -48,7 +48,7 @@ def shared_prefix_len(samples: Sequence[dict]) -> int:
     common = 0
     while common < n and all(s["input_ids"][common] == first[common] for s in samples):
         common += 1
-    return max(common, 0)
+    return common
 
 
 def unit_length(lengths: Sequence[int], prefix: int) -> int:
@@ -121,27 +121,20 @@ def collate_shared(
                 own = max(seg, default=-1) + 1
                 ids += s["input_ids"][p:]
                 pos += range(p, n)
-                mask += _untrain_first_token(s["loss_mask"][p:]) if p else _untrain_first_token(s["loss_mask"])
+                mask += _untrain_first_token(s["loss_mask"][p:])
                 sampler += s["sampler_logprobs"][p:]
                 adv += [float(s["advantage"])] * (n - p)
                 seq += [i] * (n - p)
                 seg += [own] * (n - p)
                 sees += [prefix_seg if p else own] * (n - p)
         rows.append([ids, pos, mask, sampler, adv, seq, seg, sees])
-    width = max(len(r[0]) for r in rows)
     real = sum(len(r[0]) for r in rows)
-    for ids, pos, mask, sampler, adv, seq, seg, sees in rows:
-        pad = width - len(ids)
-        pad_seg = max(seg) + 1  # padding is a segment of its own: it attends to itself, never trained
-        ids += [pad_token_id] * pad
-        pos += range(pad)
-        mask += [False] * pad
-        sampler += [0.0] * pad
-        adv += [0.0] * pad
-        seq += [seq[-1]] * pad
-        seg += [pad_seg] * pad
-        sees += [pad_seg] * pad
-    mb = packed_tensors(rows, real, len(samples))
+    mb = packed_tensors(rows, pad_token_id, len(samples))
+    width = mb["input_ids"].shape[1]
+    for *_, seg, sees in rows:  # padding is a segment of its own: it attends to itself
+        pad_seg = max(seg) + 1
+        sees += [pad_seg] * (width - len(seg))
+        seg += [pad_seg] * (width - len(seg))
     seg, sees = (torch.tensor([r[k] for r in rows]) for k in (6, 7))
     mb["attention_mask"] = attention_mask(seg, sees)
     mb["num_shared_tokens"] = sum(len(s["input_ids"]) for s in samples) - real
