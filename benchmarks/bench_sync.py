@@ -120,7 +120,7 @@ def _gloo_peer(host: str, port: int, nbytes: int, reps: int, fresh: bool = False
 def raw_gloo_bandwidth(nbytes: int, repeats: int, fresh: bool = False) -> dict:
     """One flat `nbytes` broadcast between two local processes; the clock covers the broadcast and a 1-byte
     ack from the receiver (so it measures delivery, not only the sender's buffer hand-off)."""
-    from verifiers_rl.rl.inference.launcher import free_port
+    from verifiers_rl.rl.inference.net import free_port
     from verifiers_rl.rl.inference.transfer import gloo
 
     host, port = "127.0.0.1", free_port()

@@ -131,7 +131,7 @@ def microbatch_throughput(quick: bool, log) -> dict:
     from peft import LoraConfig, get_peft_model
 
     from verifiers_rl.rl.trainer.config import DEFAULT_LORA_TARGETS
-    from verifiers_rl.rl.trainer.forward import output_head
+    from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
     from verifiers_rl.tiny import build_tiny_model
 
     hidden, layers = (128, 2) if quick else (256, 4)
@@ -143,7 +143,7 @@ def microbatch_throughput(quick: bool, log) -> dict:
         model, LoraConfig(r=8, lora_alpha=32, target_modules=DEFAULT_LORA_TARGETS, task_type="CAUSAL_LM")
     )
     model.train()
-    head = output_head(model)
+    head = ReplicatedExport(model)  # the trainer's path to the output head
     pad = tok.pad_token_id
     samples = make_samples(n, min_len, max_len, 256, seed=0)
     real = sum(len(s["input_ids"]) for s in samples)

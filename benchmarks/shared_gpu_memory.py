@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from verifiers_rl.rl.shared_gpu import ModelShape, trainer_bytes  # noqa: E402
+from verifiers_rl.rl.plan.memory import ModelShape, trainer_bytes  # noqa: E402
 
 GIB = 1 << 30
 
@@ -52,7 +52,8 @@ def qwen3_06b(layers: int = 28):
 def measure(use_lora: bool, tokens: int, checkpointing: bool, seq_len: int = 1024, steps: int = 3) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from verifiers_rl.rl.trainer.forward import output_head, token_logprobs
+    from verifiers_rl.rl.trainer.forward import token_logprobs
+    from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -69,7 +70,7 @@ def measure(use_lora: bool, tokens: int, checkpointing: bool, seq_len: int = 102
     opt = torch.optim.AdamW(params, lr=1e-5)
     rows = max(tokens // seq_len, 1)
     static = torch.cuda.memory_allocated()
-    head = output_head(model)
+    head = ReplicatedExport(model)
     for _ in range(steps):
         ids = torch.randint(0, cfg.vocab_size, (rows, seq_len), device="cuda")
         mask = torch.zeros(rows, seq_len - 1, dtype=torch.bool, device="cuda")

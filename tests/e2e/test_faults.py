@@ -206,7 +206,7 @@ def test_user_started_server_has_a_control_token(tiny_model_dir, tmp_path):
     import httpx
 
     from verifiers_rl.rl.inference.control_auth import read_token_file
-    from verifiers_rl.rl.inference.launcher import free_port
+    from verifiers_rl.rl.inference.net import free_port
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "VF_CONTROL_TOKEN"}
@@ -419,7 +419,8 @@ def test_wrong_types_name_the_key_and_are_fast(tmp_path, body, args, message):
 def test_control_routes_answer_bad_values_with_400(tiny_model_dir, tmp_path):
     import httpx
 
-    from verifiers_rl.rl.inference.launcher import InferenceServer, free_port
+    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.rl.inference.net import free_port
 
     with InferenceServer(tiny_model_dir, engine="cpu", output_dir=tmp_path) as client:
         auth = {"Authorization": f"Bearer {client.control_token}"}

@@ -256,7 +256,7 @@ def test_rollout_client_errors_are_the_sdks(server, tiny_model_dir):
     from openai import APIConnectionError, BadRequestError
     from verifiers.errors import OverlongPromptError
 
-    from verifiers_rl.rl.inference.launcher import free_port
+    from verifiers_rl.rl.inference.net import free_port
     from verifiers_rl.rl.trainer.rollout_client import RolloutClient
 
     def error(base_url, prompt, sampling, lean):

@@ -100,7 +100,7 @@ def test_single_turn_steps_log_sync_and_checkpoint(tiny_model_dir, tmp_path):
         assert eval_metrics["eval/rollouts"] == 4 and "eval/reward" in eval_metrics
     finally:
         trainer.close()
-    assert trainer.runtime.server is None
+    assert trainer.runtime.session.process is None
     assert (Path(args.output_dir) / "logs" / "inference.log").exists()
 
 
@@ -112,7 +112,7 @@ def test_adapter_sync_on_the_cpu_engine_serves_the_policy(tiny_model_dir, tmp_pa
     trainer = RLTrainer(model=tiny_model_dir, env=reverse_env(), args=args)
     try:
         trainer.train()
-        assert trainer.runtime.model_name == "policy" and trainer.runtime.client.weight_version() == "2"
+        assert trainer.runtime.session.model_name == "policy" and trainer.runtime.client.weight_version() == "2"
     finally:
         trainer.close()
     metrics = _metrics(args.output_dir)
@@ -183,8 +183,9 @@ def test_trainer_and_engine_logprobs_agree_at_temperature(tiny_model_dir, tmp_pa
     from transformers import AutoModelForCausalLM
 
     from verifiers_rl.rl.inference.launcher import InferenceServer
-    from verifiers_rl.rl.trainer.forward import output_head, token_logprobs
+    from verifiers_rl.rl.trainer.forward import token_logprobs
     from verifiers_rl.rl.trainer.microbatches import collate_packed
+    from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     samples = []
@@ -212,7 +213,7 @@ def test_trainer_and_engine_logprobs_agree_at_temperature(tiny_model_dir, tmp_pa
             )
     mb = collate_packed(samples)
     with torch.no_grad():
-        lp, _ = token_logprobs(model, output_head(model), mb, temperature=0.7)
+        lp, _ = token_logprobs(model, ReplicatedExport(model), mb, temperature=0.7)
     mask = mb["loss_mask"]
     assert torch.allclose(lp[mask], mb["sampler_logprobs"][mask], atol=1e-4)
 
@@ -276,12 +277,12 @@ def test_notebook_lifecycle_releases_the_server(tiny_model_dir, tmp_path):
 
     with RLTrainer(model=tiny_model_dir, env=reverse_env(), args=_args(tmp_path / "a", max_steps=1)) as first:
         first.train()
-        assert first.runtime.server is None and not survivors(os.getpid())  # nothing held after train()
+        assert first.runtime.session.process is None and not survivors(os.getpid())  # nothing held after train()
         second = RLTrainer(model=tiny_model_dir, env=reverse_env(), args=_args(tmp_path / "b", max_steps=1))
         second.train()
         assert not survivors(os.getpid())
         metrics = first.evaluate()  # a new server, with the trained weights
-        assert 0.0 <= metrics["eval/reward"] <= 1.1 and first.runtime.server is not None
+        assert 0.0 <= metrics["eval/reward"] <= 1.1 and first.runtime.session.process is not None
         assert second.evaluate()["eval/rollouts"] > 0
         second.close()
-    assert first.runtime.server is None and not survivors(os.getpid())
+    assert first.runtime.session.process is None and not survivors(os.getpid())

@@ -19,7 +19,7 @@ import pytest
 from procs import BIN, ROOT, run_command, survivors
 
 from verifiers_rl.rl.inference.control_auth import read_token_file
-from verifiers_rl.rl.inference.launcher import port_in_use
+from verifiers_rl.rl.inference.net import port_in_use
 
 UPSTREAM_SCRIPT = """
 import verifiers as vf

@@ -162,8 +162,8 @@ def _engine_names(weights):
 
 @pytest.fixture(params=["slots", "cb"])
 def engine_cls(request):
-    from verifiers_rl.rl.inference.engine import CPUEngine
-    from verifiers_rl.rl.inference.slot_engine import SlotEngine
+    from verifiers_rl.rl.inference.cpu.cb_engine import CPUEngine
+    from verifiers_rl.rl.inference.cpu.slot_engine import SlotEngine
 
     return SlotEngine if request.param == "slots" else CPUEngine
 

@@ -40,8 +40,8 @@ def test_no_module_under_inference_imports_the_trainer():
 def test_serving_a_model_loads_no_training_stack(tiny_model_dir):
     code = f"""
 import sys
-import verifiers_rl.rl.inference.cpu_server, verifiers_rl.rl.inference.server, verifiers_rl.rl.inference.client
-from verifiers_rl.rl.inference.engine import CPUEngine
+import verifiers_rl.rl.inference.cpu.app, verifiers_rl.rl.inference.server, verifiers_rl.rl.inference.client
+from verifiers_rl.rl.inference.cpu.cb_engine import CPUEngine
 engine = CPUEngine.from_pretrained({tiny_model_dir!r}, max_model_len=64, max_num_seqs=2)
 engine.close()
 bad = ("verifiers", "trl", "peft", "datasets", "wandb", "transformers.trainer", "verifiers_rl.rl.trainer",

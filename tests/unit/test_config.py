@@ -116,22 +116,3 @@ def test_lora_fields_reach_peft():
     assert layer.scaling["default"] == pytest.approx(12 / 4**0.5)
     assert not hasattr(peft.base_model.model.model.layers[0].self_attn.k_proj, "lora_A")
     assert RLTrainer._wrap_lora(build_tiny_model()[0], _cfg(use_lora=False)).__class__.__name__ == "Qwen3ForCausalLM"
-
-
-def test_cpu_thread_split(monkeypatch):
-    """The CPU engine and an overlapping trainer split the cores instead of both taking all of them."""
-    from verifiers_rl.rl.trainer import RLConfig
-    from verifiers_rl.rl.trainer.runtime import cpu_thread_split
-
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-
-    def cfg(**kw):
-        return RLConfig(output_dir="/tmp/x", use_cpu=True, **{"server_engine": "cpu", **kw})
-
-    assert cpu_thread_split(cfg(max_async_level=1), cores=2) == (1, 1)
-    assert cpu_thread_split(cfg(max_async_level=2), cores=7) == (3, 4)
-    assert cpu_thread_split(cfg(max_async_level=0), cores=8) is None  # no overlap: each phase gets every core
-    assert cpu_thread_split(cfg(max_async_level=1), cores=1) is None
-    assert cpu_thread_split(cfg(max_async_level=1, vllm_server_host="10.0.0.5"), cores=8) is None  # another machine
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert cpu_thread_split(cfg(max_async_level=1), cores=8) is None  # the user's setting wins

@@ -11,7 +11,7 @@ import pytest
 import torch
 from peft_models import lora_model
 
-from verifiers_rl.rl.trainer.forward import output_head, token_logprobs
+from verifiers_rl.rl.trainer.forward import token_logprobs
 from verifiers_rl.rl.trainer.losses import LOSS_TYPES, policy_loss
 from verifiers_rl.rl.trainer.microbatches import collate_packed
 from verifiers_rl.rl.trainer.prefix_sharing import (
@@ -24,6 +24,7 @@ from verifiers_rl.rl.trainer.prefix_sharing import (
     shared_prefix_len,
     unit_length,
 )
+from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
 
 
 def _sample(prompt, completion, group=0, advantage=1.0, trained=None):
@@ -117,7 +118,7 @@ def policy():
 
 
 def _trained_logprobs(model, mb):
-    lp, _ = token_logprobs(model, output_head(model), mb, temperature=0.8)
+    lp, _ = token_logprobs(model, ReplicatedExport(model), mb, temperature=0.8)
     return lp
 
 

@@ -1,4 +1,4 @@
-"""The slot engine (verifiers_rl.rl.inference.slot_engine) and its parts: tensor-level checks of the lean forward's
+"""The slot engine (verifiers_rl.rl.inference.cpu.slot_engine) and its parts: tensor-level checks of the lean forward's
 math against transformers' modules, the slot KV cache, and the engine's outputs against a teacher-forced HF
 forward pass (exactness, seeds, n > 1, stop strings, weight updates, slot reuse, preemption, failures)."""
 
@@ -9,11 +9,12 @@ import asyncio
 import pytest
 import torch
 
-from verifiers_rl.rl.inference import slot_engine as se
-from verifiers_rl.rl.inference.engine import CPUEngine, EngineError
-from verifiers_rl.rl.inference.engines import create_engine
-from verifiers_rl.rl.inference.kv_cache import SlotKVCache
-from verifiers_rl.rl.inference.lean_forward import (
+from verifiers_rl.rl.inference.cpu import slot_engine as se
+from verifiers_rl.rl.inference.cpu.cb_engine import CPUEngine
+from verifiers_rl.rl.inference.cpu.engine_api import EngineError
+from verifiers_rl.rl.inference.cpu.engines import create_engine
+from verifiers_rl.rl.inference.cpu.kv_cache import SlotKVCache
+from verifiers_rl.rl.inference.cpu.lean_forward import (
     LeanDecoder,
     apply_rope,
     cache_rows,
@@ -22,7 +23,7 @@ from verifiers_rl.rl.inference.lean_forward import (
     rope_tables,
     unsupported_reason,
 )
-from verifiers_rl.rl.inference.sampling import SamplingParams, UniformStream, request_generator
+from verifiers_rl.rl.inference.cpu.sampling import SamplingParams, UniformStream, request_generator
 from verifiers_rl.tiny import build_tiny_model, build_tokenizer
 
 # ------------------------------------------------------------------------------------------ pure functions
@@ -164,7 +165,7 @@ def test_unsupported_models_fall_back_to_continuous_batching(caplog):
     cfg = Qwen3Config(vocab_size=261, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=32, use_sliding_window=True, sliding_window=16,
                       layer_types=["sliding_attention", "full_attention"])  # fmt: skip
-    with caplog.at_level("WARNING", logger="verifiers_rl.rl.inference.engines"):
+    with caplog.at_level("WARNING", logger="verifiers_rl.rl.inference.cpu.engines"):
         eng = create_engine(Qwen3ForCausalLM(cfg).eval(), build_tokenizer(), max_model_len=64, max_num_seqs=2)
     try:
         assert isinstance(eng, CPUEngine) and "sliding-window layers" in caplog.text
@@ -271,7 +272,7 @@ def test_weight_update_then_generation_uses_new_weights(engine, tiny):
     _run(engine, [(p, SamplingParams(max_tokens=4, seed=0))])  # the prompt is now cached for sharing
     engine.pause()
     assert engine.load_weights(new.named_parameters()) == len(list(new.parameters()))
-    assert engine.finish_update() == 1
+    assert engine.finish_update(1) == 1  # the trainer names the version; the engine never counts
     engine.resume()
     c = _run(engine, [(p, SamplingParams(max_tokens=12, temperature=0.8, seed=3))])[0][0]
     ref, _ = _teacher_forced(new, p, c.token_ids, 0.8)

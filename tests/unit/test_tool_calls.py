@@ -1,7 +1,7 @@
 import json
 
-from verifiers_rl.rl.inference.protocol import ChatCompletionRequest, chat_response, parse_tool_calls
-from verifiers_rl.rl.inference.sampling import Completion
+from verifiers_rl.rl.inference.cpu.protocol import ChatCompletionRequest, chat_response, parse_tool_calls
+from verifiers_rl.rl.inference.cpu.sampling import Completion
 from verifiers_rl.tiny import build_tokenizer
 
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from verifiers_rl.rl.inference import vllm_command
-from verifiers_rl.rl.inference.vllm_command import build_vllm_command, check_vllm
+from verifiers_rl.rl.inference.vllm import command as vllm_command
+from verifiers_rl.rl.inference.vllm.command import build_vllm_command, check_vllm
 
 
 def _values(argv: list[str], flag: str) -> list[str]:
@@ -112,7 +112,7 @@ def test_check_vllm_compares_numerically(monkeypatch, version):
 
 
 def test_plugin_module_imports_without_vllm():
-    from verifiers_rl.rl.inference import vllm_plugin
+    from verifiers_rl.rl.inference.vllm import plugin as vllm_plugin
 
     info = vllm_plugin.UpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[2, 3]])
     assert info.shapes == [[2, 3]]
@@ -127,7 +127,7 @@ def test_plugin_module_imports_without_vllm():
 def test_worker_rank_numbers_tp_and_dp_workers_apart():
     from types import SimpleNamespace
 
-    from verifiers_rl.rl.inference.vllm_plugin import _worker_rank
+    from verifiers_rl.rl.inference.vllm.plugin import _worker_rank
 
     # what the workers of a TP2 x DP2 server report: DP engines differ only in data_parallel_index
     ranks = [

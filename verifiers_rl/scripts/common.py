@@ -66,10 +66,11 @@ def load_env(cfg: dict[str, Any]):
     return load_environment(cfg["env"]["id"], cfg["env"].get("args", {}))
 
 
-def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None) -> int:
+def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, serving=None) -> int:
     """RLTrainer with the config's [eval] before/after (every process runs it: evaluate() talks to the server on
     the main process only and hands the metrics to the others), resuming from the last checkpoint of output_dir
-    unless trainer.args.resume_from_checkpoint = false; the main process writes the report."""
+    unless trainer.args.resume_from_checkpoint = false; the main process writes the report. `server` and `serving`:
+    the server vf-rl started and the plan it started it by."""
     from transformers.trainer_utils import get_last_checkpoint
 
     from verifiers_rl.rl.trainer import RLTrainer
@@ -85,7 +86,9 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None) 
         if Path(args.output_dir).is_dir() and get_last_checkpoint(args.output_dir):
             resume = True
     trainer = RLTrainer(model=model, env=env, args=args)
-    trainer.runtime.watched = server  # the server vf-rl started: a dead or stuck one is named at once
+    trainer.runtime.session.watched = server  # the server vf-rl started: a dead or stuck one is named at once
+    if serving is not None:
+        trainer.runtime.session.plan = serving  # vf-rl planned that server: the trainer syncs by the same plan
     try:
         before = trainer.evaluate(metric_key_prefix="eval_before") if ev.get("before", False) else None
         trainer.train(resume_from_checkpoint=resume)

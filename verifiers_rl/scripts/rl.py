@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from verifiers_rl.errors import ConfigError
+from verifiers_rl.rl.plan.devices import assign_gpus, plan_memory
+from verifiers_rl.rl.plan.serving import PLAN_ENV
 from verifiers_rl.scripts.common import (
     flags_from_args,
     load_env,
@@ -26,9 +29,7 @@ from verifiers_rl.scripts.common import (
     split_argv,
     train_and_evaluate,
 )
-from verifiers_rl.scripts.devices import assign_gpus, plan_memory
 from verifiers_rl.scripts.toml_config import (
-    ConfigError,
     apply_overrides,
     load,
     resolve_path,
@@ -43,14 +44,17 @@ class Plan:
     config_path: str
     overrides: list[str]
     model: str
-    engine: str
-    gpus: Any
+    gpus: Any  # plan.devices.GpuPlan
+    serving: Any  # plan.serving.ServingPlan
     output_dir: str
     server: Any  # InferenceServer, not started
     sft: dict[str, Any] | None = None
     trainer_cmd: list[str] = field(default_factory=list)
-    memory: Any = None  # shared_gpu.SharedGpuPlan of a one-GPU layout
-    trainer_overrides: dict[str, Any] = field(default_factory=dict)  # what the layout decides for [trainer.args]
+    trainer_overrides: dict[str, Any] = field(default_factory=dict)  # [trainer.args] values the plan pins
+
+    @property
+    def engine(self) -> str:
+        return self.serving.engine
 
     @property
     def server_cmd(self) -> list[str]:
@@ -74,7 +78,7 @@ def build_plan(
     cuda: int | None = None,
     gpu_memory_gib: float | None = None,
 ) -> Plan:
-    from verifiers_rl.rl.inference.layout import resolve_engine
+    from verifiers_rl.rl.plan.serving import plan_serving, resolve_engine
     from verifiers_rl.scripts.sft import sft_plan
 
     sft = None
@@ -93,68 +97,48 @@ def build_plan(
         raise ConfigError("inference.engine='vllm' needs CUDA devices; none are visible (use engine = \"cpu\")")
     # validates [trainer.args] now, before anything starts (precision checks need the real hardware)
     args = rl_config(cfg, cuda=cuda > 0 and real_cuda > 0, quiet=cuda > real_cuda, server_engine=engine)
-    layout = {}
-    if gpus.shared:
-        # no NCCL between two ranks on one device: weights go through host memory, adapters by default
-        layout["sync_backend"] = "gloo"
-        if (
-            args.use_lora
-            and "lora_sync" not in cfg.get("trainer", {}).get("args", {})
-            and not args.lora_modules_to_save
-        ):
-            layout["lora_sync"] = "adapter"
-        args = rl_config(cfg, cuda=cuda > 0 and real_cuda > 0, quiet=True, server_engine=engine, **layout)
+    gpu_bytes = int((gpu_memory_gib or _gpu_gib(real_cuda)) * (1 << 30))
+    serving = plan_serving(
+        args,
+        mode="spawn",
+        engine=engine,
+        cuda_count=cuda,
+        trainer_devices=gpus.trainer,
+        server_gpus=gpus.inference or None,
+        data_parallel=gpus.data_parallel,
+        memory=lambda: plan_memory(cfg, args, model, gpu_bytes, base=sft["cfg"]["model"] if sft else None),
+    )
+    pinned = serving.trainer_args(args.use_lora)
+    args = rl_config(cfg, cuda=cuda > 0 and real_cuda > 0, quiet=True, **pinned)
     procs = gpus.trainer_processes
     if args.batch_size % (args.micro_batch_size * procs):
         raise ConfigError(
             f"trainer.args.batch_size={args.batch_size} must be divisible by micro_batch_size * trainer processes "
             f"= {args.micro_batch_size} * {procs} (trainer.gpus)"
         )
-    memory = None
-    if gpus.shared and engine == "vllm":
-        gpu_bytes = int((gpu_memory_gib or _gpu_gib(real_cuda)) * (1 << 30))
-        memory = plan_memory(cfg, args, model, gpu_bytes, base=sft["cfg"]["model"] if sft else None)
-    plan = Plan(
-        cfg,
-        config_path,
-        overrides,
-        model,
-        engine,
-        gpus,
-        args.output_dir,
-        make_server(cfg, args, model, gpus, memory),
-        sft,
-        memory=memory,
-        trainer_overrides=layout,
-    )
-    n_trainer = len(gpus.trainer)
-    if n_trainer > 1:
+    server = make_server(cfg, args, model, serving)
+    plan = Plan(cfg, config_path, overrides, model, gpus, serving, args.output_dir, server, sft)
+    plan.trainer_overrides = pinned
+    if len(gpus.trainer) > 1:
         plan.trainer_cmd = [
             sys.executable,
             "-m",
             "accelerate.commands.launch",
             "--multi_gpu",
             "--num_processes",
-            str(n_trainer),
+            str(len(gpus.trainer)),
             "-m",
             "verifiers_rl.scripts.train",
             "@",
             str(Path(config_path).resolve()),
             *overrides,
-            *[a for key, value in layout.items() for a in (f"--trainer.args.{key}", str(value))],
+            *[a for key, value in pinned.items() for a in (f"--trainer.args.{key}", str(value))],
             "--inference.host",
             inf.get("host", "127.0.0.1"),
             "--inference.port",
             "<server port>",
         ]
     return plan
-
-
-def _server_flags(inference_args: dict[str, Any], memory) -> list[str]:
-    flags = flags_from_args(inference_args)
-    if memory is not None and "gpu_memory_utilization" not in inference_args:
-        flags += ["--gpu-memory-utilization", f"{memory.gpu_memory_utilization:.2f}"]
-    return flags
 
 
 def _gpu_gib(real_cuda: int) -> float:
@@ -166,24 +150,24 @@ def _gpu_gib(real_cuda: int) -> float:
     return 80.0
 
 
-def make_server(cfg: dict[str, Any], args, model: str, gpus, memory=None):
-    """The inference server of a vf-rl run (one definition for the plan and the run)."""
+def make_server(cfg: dict[str, Any], args, model: str, serving):
+    """The inference server of a vf-rl run, as its serving plan says (one definition for the plan and the run)."""
     from verifiers_rl.rl.inference.launcher import InferenceServer
-    from verifiers_rl.rl.trainer.runtime import cpu_thread_split, server_thread_env
 
     inf = cfg.get("inference", {})
     return InferenceServer(
         model,
-        engine=args.server_engine,
+        engine=serving.engine,
         host=inf.get("host", "127.0.0.1"),
         port=inf.get("port"),
         output_dir=args.output_dir,
-        gpus=gpus.inference or None,
+        gpus=list(serving.server_gpus) if serving.server_gpus else None,
         max_model_len=args.server_max_len,
-        data_parallel_size=gpus.data_parallel,
-        extra_args=_server_flags(inf.get("args", {}), memory),
+        data_parallel_size=serving.data_parallel,
+        extra_args=serving.server_args(flags_from_args(inf.get("args", {}))),
         startup_timeout=inf.get("startup_timeout", args.vllm_server_timeout),
-        env=server_thread_env(cpu_thread_split(args)),
+        env=serving.server_env(),
+        weight_backend=serving.server_weight_backend,
     )
 
 
@@ -195,14 +179,11 @@ def print_plan(plan: Plan) -> None:
     if plan.sft:
         state = "done, reused" if plan.sft["done"] else "runs first"
         print(f"\n# SFT warm-start ({state})\nvf-sft @ {plan.sft['config_path']}  ->  {plan.sft['final_dir']}")
+    print("\n# serving plan\n" + "\n".join(plan.serving.describe()))
     dev = f"CUDA_VISIBLE_DEVICES={','.join(map(str, plan.gpus.inference))} " if plan.gpus.inference else ""
     print(f"\n# inference server (engine: {plan.engine})\n{dev}{shlex.join(plan.server_cmd)}")
-    if plan.memory is not None:
-        print("\n# one GPU\n" + "\n".join(plan.memory.describe()))
-    if plan.trainer_overrides:
-        why = "server and trainer share a GPU: weights go through host memory"
-        decided = ", ".join(f"{k} = {v!r}" for k, v in plan.trainer_overrides.items())
-        print(f"\n# layout decides\n[trainer.args] {decided} ({why})")
+    decided = ", ".join(f"{k} = {v!r}" for k, v in sorted(plan.trainer_overrides.items()))
+    print(f"\n# the plan pins\n[trainer.args] {decided}")
     if plan.trainer_cmd:
         dev = f"CUDA_VISIBLE_DEVICES={','.join(map(str, plan.gpus.trainer))} "
         print(f"\n# trainer ({len(plan.gpus.trainer)} processes)\n{dev}{shlex.join(plan.trainer_cmd)}")
@@ -220,8 +201,8 @@ def run(plan: Plan) -> int:
         run_sft(plan.sft["cfg"], plan.sft["config_path"])
     env = load_env(cfg)
     server = plan.server
-    layout = plan.trainer_overrides
-    if plan.engine == "vllm" and rl_config(cfg, **layout).lora_sync == "adapter" and not plan.trainer_cmd:
+    pinned = plan.trainer_overrides
+    if plan.engine == "vllm" and plan.serving.lora_sync == "adapter" and not plan.trainer_cmd:
         # vLLM registers the served adapter at startup from the trainer's step-0 LoRA weights: the trainer
         # (one process) starts this server itself, with the same flags, once its model is wrapped
         spec = server.spec
@@ -231,13 +212,12 @@ def run(plan: Plan) -> int:
         args = rl_config(
             cfg,
             server_mode="spawn",
-            server_engine="vllm",
             server_gpus=spec.gpus,
             server_args=server_args,
             server_max_model_len=spec.max_model_len,
             vllm_server_host=spec.host,
             vllm_server_port=spec.port,
-            **layout,
+            **pinned,
         )
         print("vf-rl: the trainer starts the vllm inference server (adapter sync)", flush=True)
         return train_and_evaluate(plan.model, env, args, cfg)
@@ -251,10 +231,9 @@ def run(plan: Plan) -> int:
             vllm_server_host=server.host,
             vllm_server_port=server.port,
             server_control_token=server.token,
-            server_engine=plan.engine,
-            **layout,
+            **pinned,
         )
-        return train_and_evaluate(plan.model, env, args, cfg, server)
+        return train_and_evaluate(plan.model, env, args, cfg, server, plan.serving)
 
 
 def _run_accelerate(plan: Plan, server) -> int:
@@ -263,6 +242,7 @@ def _run_accelerate(plan: Plan, server) -> int:
         **os.environ,
         "VF_CONTROL_TOKEN": server.token,
         "CUDA_VISIBLE_DEVICES": ",".join(map(str, plan.gpus.trainer)),
+        PLAN_ENV: plan.serving.to_json(),  # the trainer processes run by this plan, not one of their own
     }
     print(f"vf-rl: {shlex.join(cmd)}", flush=True)
     return subprocess.call(cmd, env=env)

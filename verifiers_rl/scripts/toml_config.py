@@ -19,12 +19,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from verifiers_rl.rl.inference.layout import ENGINES
-
-
-class ConfigError(ValueError):
-    """A config problem the user can fix; the message is the whole story (no traceback is shown)."""
-
+from verifiers_rl.errors import ConfigError
+from verifiers_rl.rl.plan.serving import ENGINES
 
 SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "": {"model": str, "output_dir": str, "run_name": str},

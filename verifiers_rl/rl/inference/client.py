@@ -1,4 +1,5 @@
-"""VLLMClient: the trainer's handle on an inference server — vLLM or our CPU engine, same routes.
+"""InferenceClient: the trainer's handle on an inference server — vLLM or our CPU engine, same routes.
+(`VLLMClient`, its name in verifiers 0.1.14's shim, is the same class.)
 
 HTTP is public (`get`, `post`, `models`, `health`) so that weight senders and tools never reach into the
 client. A weight sync is pause -> sender.send(tensors, version) -> resume; what a sender does in between
@@ -14,14 +15,12 @@ from collections.abc import Iterator
 import httpx
 
 from verifiers_rl.rl.inference.control_auth import ADAPTER_ROUTES, CONTROL_ROUTES, TOKEN_HEADER
-from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats, WeightSender, create_sender
+from verifiers_rl.rl.inference.errors import ServerError
+from verifiers_rl.rl.inference.transfer.backends import create_sender
+from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats, WeightSender
 
 
-class ServerError(RuntimeError):
-    """The inference server failed, or never came up; the message carries its log tail when known."""
-
-
-class VLLMClient:
+class InferenceClient:
     def __init__(
         self,
         host: str = "127.0.0.1",
@@ -126,11 +125,15 @@ class VLLMClient:
         host: str = "127.0.0.1",
         bucket_bytes: int | None = None,
         timeout_s: float | None = None,
+        server_pauses: bool = False,
     ) -> WeightSender:
-        """Join the server's workers in a weight-transfer group (`transfer.sender.create_sender` backends)."""
+        """Join the server's workers in a weight-transfer group (`transfer.backends.create_sender` backends).
+        `server_pauses`: the server pauses and resumes itself around a sync (our CPU engine, gloo)."""
         self.close_weight_transfer()
         timeout_s = self.sync_timeout if timeout_s is None else timeout_s
         sender = create_sender(backend, self, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        if server_pauses:
+            sender.pauses_itself = True
         sender.init()
         self.sender = sender
         return sender
@@ -157,3 +160,9 @@ class VLLMClient:
         """`polite=False`: the server is known to be dead or stuck; tell it nothing."""
         self.close_weight_transfer(polite)
         self._http.close()
+
+
+# The name verifiers 0.1.14's shim imports (`verifiers_rl.rl.inference.client:VLLMClient`), and upstream's.
+VLLMClient = InferenceClient
+
+__all__ = ["InferenceClient", "ServerError", "VLLMClient"]

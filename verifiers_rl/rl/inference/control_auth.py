@@ -13,11 +13,12 @@ header, `X-VF-Control-Token`.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import secrets
 from pathlib import Path
+
+from verifiers_rl.rl.inference.net import is_loopback
 
 CONTROL_ROUTES = frozenset(
     {
@@ -66,15 +67,6 @@ def write_token_file(port: int, token: str) -> Path:
     with os.fdopen(fd, "w") as f:
         f.write(token)
     return path
-
-
-def is_loopback(host: str | None) -> bool:
-    if host in (None, "testclient", "localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class ControlGuard:

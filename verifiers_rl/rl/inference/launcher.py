@@ -13,38 +13,23 @@ import ctypes
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from verifiers_rl.rl.inference.client import ServerError, VLLMClient
+from verifiers_rl.rl.inference.client import InferenceClient
 from verifiers_rl.rl.inference.control_auth import TOKEN_ENV
-from verifiers_rl.rl.inference.layout import AdapterServing, ServerSpec, resolve_engine
+from verifiers_rl.rl.inference.errors import ServerError
+from verifiers_rl.rl.inference.layout import AdapterServing, ServerSpec
+from verifiers_rl.rl.inference.net import free_port, port_in_use
 
 PARENT_ENV = "VF_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
 
 
 # ---------------------------------------------------------------------- process helpers
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
 
 
 def log_tail(path: str | os.PathLike | None, lines: int = 20) -> str:
@@ -66,8 +51,8 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class InferenceServer:
     """`with InferenceServer(model, output_dir=...) as client:` — a healthy server and a client for it.
 
-    `engine="auto"` is resolved here, once (`layout.resolve_engine`): `self.engine` is what was started, and
-    the trainer derives its sync backend from it."""
+    `engine="auto"` is resolved by the serving plan's rule (`plan.serving.resolve_engine`): `self.engine` is what
+    was started, and the trainer's plan syncs by it."""
 
     def __init__(
         self,
@@ -82,10 +67,13 @@ class InferenceServer:
         data_parallel_size: int = 1,
         extra_args: list[str] | tuple[str, ...] = (),
         adapter: AdapterServing | None = None,
+        weight_backend: str | None = None,
         startup_timeout: float = 600.0,
         env: dict[str, str] | None = None,
         python: str = sys.executable,
     ):
+        from verifiers_rl.rl.plan.serving import resolve_engine
+
         self.spec = ServerSpec(
             model,
             resolve_engine(engine),
@@ -96,6 +84,7 @@ class InferenceServer:
             data_parallel_size=data_parallel_size,
             extra_args=list(extra_args),
             adapter=adapter,
+            weight_backend=weight_backend,
         )
         self.startup_timeout = startup_timeout
         self.log_path = Path(output_dir) / "logs" / "inference.log"
@@ -103,7 +92,7 @@ class InferenceServer:
         self.extra_env = dict(env or {})
         self.python = python  # another interpreter, e.g. a venv that holds vLLM
         self.process: subprocess.Popen | None = None
-        self.client: VLLMClient | None = None
+        self.client: InferenceClient | None = None
         self.client_kwargs: dict = {}  # e.g. the control / sync timeouts of the trainer's client
         self._lock = threading.Lock()
 
@@ -133,7 +122,7 @@ class InferenceServer:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.spec.gpus)
         return env
 
-    def start(self) -> VLLMClient:
+    def start(self) -> InferenceClient:
         from verifiers_rl.models import resolve_model_path
 
         resolve_model_path(self.spec.model)  # a missing local path fails here, in one line, not in a log
@@ -157,7 +146,7 @@ class InferenceServer:
         )
         log.close()
         atexit.register(self.stop)
-        self.client = VLLMClient(self.spec.host, self.spec.port, control_token=self.token, **self.client_kwargs)
+        self.client = InferenceClient(self.spec.host, self.spec.port, control_token=self.token, **self.client_kwargs)
         try:
             self._wait_healthy()
         except BaseException:
@@ -240,7 +229,7 @@ class InferenceServer:
             except ProcessLookupError:
                 pass
 
-    def __enter__(self) -> VLLMClient:
+    def __enter__(self) -> InferenceClient:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,73 +1,22 @@
-"""Which engine serves, which weight-sync backend follows from it, and the flags a server is started with.
+"""How a server is started: the `vf-vllm` command of a `ServerSpec`, the adapter-serving flags, and flag
+helpers that read a user's vLLM flags the way vLLM does.
 
-One owner for these rules: `RLConfig`, `vf-rl`'s plan, the launcher, `vf-vllm` and the trainer's runtime all
-ask this module, so the engine a server was started with and the backend the trainer syncs with can never
-disagree (a CUDA host without vLLM gets the CPU engine *and* gloo, not the CPU engine and an NCCL sender).
+What to start (engine, backend, memory split) is decided by the serving plan (`verifiers_rl.rl.plan.serving`);
+this module only turns those decisions into a command line.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-ENGINES = ("auto", "cpu", "vllm")
-# The CPU engine's loop: our slot engine (Llama-family models), transformers' continuous batching, or auto
-# (slots where the lean forward supports the model; engines.create_engine decides and logs why).
-CPU_ENGINES = ("auto", "slots", "cb")
-SYNC_BACKENDS = ("auto", "gloo", "nccl")
 SERVER_MODULE = "verifiers_rl.rl.inference.server"
 # Adapter sync (lora_sync="adapter") into vLLM: the served adapter's name and the worker extension that installs it.
 ADAPTER_NAME = "policy"
-LORA_EXTENSION = "verifiers_rl.rl.inference.vllm_lora.LoraSyncExtension"
+LORA_EXTENSION = "verifiers_rl.rl.inference.vllm.lora.LoraSyncExtension"
 # vLLM accepts only these --max-lora-rank values.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
-def cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # noqa: BLE001 - a broken CUDA setup is no CUDA here
-        return False
-
-
-def resolve_engine(requested: str, *, cuda: bool | None = None, vllm: bool | None = None) -> str:
-    """'auto' -> 'vllm' when CUDA and vLLM are both present, else 'cpu'; 'cpu'/'vllm' stay as asked."""
-    if requested not in ENGINES:
-        raise ValueError(f"engine={requested!r}; allowed: {', '.join(ENGINES)}")
-    if requested != "auto":
-        return requested
-    cuda = cuda_available() if cuda is None else cuda
-    vllm = vllm_installed() if vllm is None else vllm
-    return "vllm" if cuda and vllm else "cpu"
-
-
-def resolve_sync_backend(requested: str, engine: str, shared_gpu: bool = False) -> str:
-    """The weight-sync backend for a server running `engine` (already resolved).
-
-    The CPU engine only speaks gloo. vLLM defaults to NCCL (GPU to GPU); gloo reaches it through our plugin
-    (the vLLM CPU build, or a trainer without a GPU of its own).
-    """
-    if requested not in SYNC_BACKENDS:
-        raise ValueError(f"sync_backend={requested!r}; allowed: {', '.join(SYNC_BACKENDS)}")
-    if engine not in ("cpu", "vllm"):
-        raise ValueError(f"engine={engine!r} is not resolved; call resolve_engine first")
-    if engine == "cpu":
-        if requested == "nccl":
-            raise ValueError("sync_backend='nccl' needs a vLLM server; the CPU engine syncs over gloo")
-        return "gloo"
-    if shared_gpu:
-        if requested == "nccl":
-            raise ValueError("sync_backend='nccl' cannot sync a server on the trainer's own GPU; use gloo")
-        return "gloo"
-    return "nccl" if requested == "auto" else requested
 
 
 def engine_of_models(models: list[dict]) -> str:
@@ -126,6 +75,7 @@ class ServerSpec:
     data_parallel_size: int = 1
     extra_args: list[str] = field(default_factory=list)  # user flags, passed through (vLLM flags for vLLM)
     adapter: AdapterServing | None = None  # vLLM serves the policy as this LoRA adapter (adapter sync)
+    weight_backend: str | None = None  # vLLM's --weight-transfer-backend (the plan's; None: vf-vllm's default)
 
     def __post_init__(self):
         if self.engine not in ("cpu", "vllm"):
@@ -152,9 +102,11 @@ class ServerSpec:
             argv += ["--max-model-len", str(self.max_model_len)]
         if self.data_parallel_size > 1 and not has_flag(self.extra_args, "data-parallel-size"):
             argv += ["--data-parallel-size", str(self.data_parallel_size)]
-        if self.adapter is not None and self.engine == "vllm":  # the CPU engine takes adapter syncs as it is
-            # adapter sync moves its tensors over our gloo group, on GPU hosts too (vf-vllm's default is NCCL)
-            if not any(has_flag(self.extra_args, f) for f in ("weight-transfer-backend", "weight-transfer-config")):
-                argv += ["--weight-transfer-backend", "gloo"]
-            argv += self.adapter.vllm_args(self.extra_args)
+        if self.engine == "vllm":  # the CPU engine takes every sync as it is
+            backend = self.weight_backend or ("gloo" if self.adapter is not None else None)
+            user_set = any(has_flag(self.extra_args, f) for f in ("weight-transfer-backend", "weight-transfer-config"))
+            if backend and not user_set:  # the trainer's sender and the server's receiver must be one backend
+                argv += ["--weight-transfer-backend", backend]
+            if self.adapter is not None:
+                argv += self.adapter.vllm_args(self.extra_args)
         return argv + self.extra_args

@@ -19,9 +19,10 @@ import threading
 import time
 from typing import NoReturn
 
-from verifiers_rl.rl.inference.control_auth import is_loopback
+from verifiers_rl.rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 from verifiers_rl.rl.inference.launcher import PARENT_ENV
-from verifiers_rl.rl.inference.layout import CPU_ENGINES, ENGINES, resolve_engine
+from verifiers_rl.rl.inference.net import DEFAULT_PORT, is_loopback
+from verifiers_rl.rl.plan.serving import CPU_ENGINES, ENGINES, resolve_engine
 
 logger = logging.getLogger("verifiers_rl.server")
 
@@ -37,12 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host", default="127.0.0.1", help="bind address (default loopback; control routes stay loopback-only)"
     )
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: --model)")
     p.add_argument(
-        "--max-model-len", type=int, default=None, help="prompt + completion token limit (CPU engine default: 4096)"
+        "--max-model-len",
+        type=int,
+        default=None,
+        help=f"prompt + completion token limit (CPU engine default: {DEFAULT_MAX_MODEL_LEN})",
     )
-    p.add_argument("--max-num-seqs", type=int, default=64, help="CPU engine: sequences per batch")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help=f"sequences per batch (CPU engine default: {DEFAULT_MAX_NUM_SEQS})",
+    )
     p.add_argument(
         "--cpu-engine",
         choices=CPU_ENGINES,
@@ -128,7 +137,7 @@ def _start_watchdog(stop) -> None:
 
 
 def run_vllm(args, passthrough: list[str]) -> int:
-    from verifiers_rl.rl.inference.vllm_command import build_vllm_command, check_vllm
+    from verifiers_rl.rl.inference.vllm.command import build_vllm_command, check_vllm
 
     try:
         version = check_vllm()
@@ -167,7 +176,7 @@ def run_vllm(args, passthrough: list[str]) -> int:
 
 def run_cpu(args, passthrough: list[str]) -> int:
     from verifiers_rl.rl.inference.control_auth import TOKEN_ENV
-    from verifiers_rl.rl.inference.cpu_server import serve
+    from verifiers_rl.rl.inference.cpu.app import serve
 
     if passthrough:
         logger.warning("CPU engine ignores vLLM-only flags: %s", " ".join(passthrough))
@@ -178,8 +187,8 @@ def run_cpu(args, passthrough: list[str]) -> int:
             args.host,
             args.port,
             served_model_name=args.served_model_name,
-            max_model_len=args.max_model_len or 4096,
-            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
+            max_num_seqs=args.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             cpu_engine=args.cpu_engine,
             control_token=os.environ.get(TOKEN_ENV) or None,
             api_key=args.api_key,

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from verifiers_rl.rl.inference.layout import ENGINES, SYNC_BACKENDS
+from verifiers_rl.rl.plan.serving import ENGINES, LORA_SYNC, SERVER_MODES, SYNC_BACKENDS
 
 LOSS_TYPES = ("is", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
-LORA_SYNC = ("auto", "merged", "adapter")
-SERVER_MODES = ("auto", "spawn", "connect")
 
 # sampling_args keys that are RLConfig fields: a user's sampling_args sets the field, so the trainer scores
 # with exactly what the server samples with (temperature above all)
@@ -68,16 +66,23 @@ def check_config(cfg) -> list[str]:
         if not ok:
             errors.append(f"{name}={getattr(cfg, name)!r}: {rule}")
 
-    def allowed(name: str, choices) -> None:
+    for name, choices in (
+        ("loss_type", LOSS_TYPES),
+        ("scale_rewards", SCALE_REWARDS),
+        ("lora_sync", LORA_SYNC),
+        ("server_mode", SERVER_MODES),
+        ("server_engine", ENGINES),
+        ("sync_backend", SYNC_BACKENDS),
+        ("overlong_policy", ("truncate", "drop")),
+    ):
         check(getattr(cfg, name) in choices, name, f"allowed: {', '.join(choices)}")
+    _batch_rules(cfg, check)
+    _length_rules(cfg, check)
+    _loss_and_lora_rules(cfg, check)
+    return errors
 
-    allowed("loss_type", LOSS_TYPES)
-    allowed("scale_rewards", SCALE_REWARDS)
-    allowed("lora_sync", LORA_SYNC)
-    allowed("server_mode", SERVER_MODES)
-    allowed("server_engine", ENGINES)
-    allowed("sync_backend", SYNC_BACKENDS)
-    allowed("overlong_policy", ("truncate", "drop"))
+
+def _batch_rules(cfg, check) -> None:
     check(cfg.rollouts_per_example >= 2, "rollouts_per_example", "must be >= 2 (advantages are relative to the group)")
     check(
         cfg.batch_size >= 1 and cfg.batch_size % max(cfg.rollouts_per_example, 1) == 0,
@@ -90,6 +95,17 @@ def check_config(cfg) -> list[str]:
     check(cfg.top_k is None or cfg.top_k == -1 or cfg.top_k > 0, "top_k", "must be None, -1 or > 0")
     check(cfg.min_p is None or 0 <= cfg.min_p <= 1, "min_p", "must be in [0, 1]")
     check(cfg.max_steps >= 1, "max_steps", "must be >= 1")
+    check(cfg.max_async_level >= 0, "max_async_level", "must be >= 0")
+    check(cfg.max_concurrent >= 1, "max_concurrent", "must be >= 1")
+    check(cfg.max_empty_steps >= 1, "max_empty_steps", "must be >= 1")
+    check(cfg.sync_bucket_mb >= 1, "sync_bucket_mb", "must be >= 1")
+    check(cfg.generation_timeout > 0, "generation_timeout", "must be > 0")
+    check(cfg.eval_rollouts_per_example >= 1, "eval_rollouts_per_example", "must be >= 1")
+    port = cfg.vllm_server_port
+    check(port is None or 0 < port < 65536, "vllm_server_port", "must be a TCP port in 1..65535")
+
+
+def _length_rules(cfg, check) -> None:
     check(cfg.max_seq_len >= 2, "max_seq_len", "must be >= 2")
     check(cfg.max_tokens is None or cfg.max_tokens >= 1, "max_tokens", "must be None or >= 1")
     limit = cfg.server_max_model_len or cfg.max_seq_len
@@ -110,9 +126,9 @@ def check_config(cfg) -> list[str]:
         f"plus max_tokens={cfg.max_tokens} exceeds the server's context of {limit} tokens: the server would reject "
         "those requests; lower one of them or raise max_seq_len / server_max_model_len",
     )
-    check(cfg.max_async_level >= 0, "max_async_level", "must be >= 0")
-    check(cfg.max_concurrent >= 1, "max_concurrent", "must be >= 1")
-    check(cfg.max_empty_steps >= 1, "max_empty_steps", "must be >= 1")
+
+
+def _loss_and_lora_rules(cfg, check) -> None:
     check(
         0 < cfg.mask_ratio_low < 1 < cfg.mask_ratio_high,
         "mask_ratio_low",
@@ -136,9 +152,3 @@ def check_config(cfg) -> list[str]:
         "lora_config",
         "must be a peft.LoraConfig (or None to build one from the lora_* fields)",
     )
-    check(cfg.sync_bucket_mb >= 1, "sync_bucket_mb", "must be >= 1")
-    check(cfg.generation_timeout > 0, "generation_timeout", "must be > 0")
-    check(cfg.eval_rollouts_per_example >= 1, "eval_rollouts_per_example", "must be >= 1")
-    port = cfg.vllm_server_port
-    check(port is None or 0 < port < 65536, "vllm_server_port", "must be a TCP port in 1..65535")
-    return errors

@@ -1,8 +1,9 @@
 """One micro-batch through the policy: per-token logprobs of the sampled tokens, at trained positions only.
 
 The model runs with `logits_to_keep=1`, so it never builds [B, T, V] logits; the final hidden states go
-through the output head in checkpointed chunks (`logprobs.chunked_logprobs`), and only at positions whose
-token is trained. Temperature is applied exactly as the inference engine applies it.
+through the output head in checkpointed chunks (`logprobs.chunked_logprobs`, reached through the weight export,
+which knows how the head is laid out across ranks), and only at positions whose token is trained. Temperature
+is applied exactly as the inference engine applies it.
 """
 
 from __future__ import annotations
@@ -11,16 +12,7 @@ import contextlib
 
 import torch
 
-from verifiers_rl.rl.trainer.logprobs import chunked_logprobs
-
-
-def output_head(model) -> torch.nn.Module:
-    head = model.get_output_embeddings()
-    # peft `modules_to_save` wraps the head; the trained copy is the active one
-    if hasattr(head, "modules_to_save") and hasattr(head, "active_adapter"):
-        active = head.active_adapter
-        head = head.modules_to_save[active[0] if isinstance(active, (list, tuple)) else active]
-    return head
+from verifiers_rl.rl.trainer.weight_export import WeightExport
 
 
 def model_inputs(mb: dict) -> dict:
@@ -34,7 +26,7 @@ def model_inputs(mb: dict) -> dict:
 
 def token_logprobs(
     model,
-    head: torch.nn.Module,
+    export: WeightExport,
     mb: dict,
     temperature: float,
     *,
@@ -47,14 +39,8 @@ def token_logprobs(
     mask = mb["loss_mask"]
     targets = mb["target_ids"][mask]
     sel = hidden[mask]
-    lp, ent = chunked_logprobs(
-        sel,
-        head.weight,
-        targets,
-        bias=getattr(head, "bias", None),
-        temperature=temperature,
-        chunk_size=chunk_size,
-        with_entropy=with_entropy,
+    lp, ent = export.head_logprobs(
+        sel, targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
     )
     logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=lp.device).masked_scatter(mask, lp)
     entropy = None
@@ -63,10 +49,10 @@ def token_logprobs(
     return logprobs, entropy
 
 
-def reference_logprobs(model, mb: dict, temperature: float) -> torch.Tensor:
+def reference_logprobs(model, export: WeightExport, mb: dict, temperature: float) -> torch.Tensor:
     """Logprobs under the reference policy: the same model with its LoRA adapter disabled."""
     disable = getattr(model, "disable_adapter", None)
     ctx = disable() if callable(disable) else contextlib.nullcontext()
     with torch.no_grad(), ctx:
-        lp, _ = token_logprobs(model, output_head(model), mb, temperature, with_entropy=False)
+        lp, _ = token_logprobs(model, export, mb, temperature, with_entropy=False)
     return lp

@@ -29,7 +29,7 @@ class StartInference(TrainerCallback):
             path = os.path.join(t.resume_from, ORCHESTRATOR_STATE)
             if os.path.exists(path):
                 saved = torch.load(path, weights_only=False)
-        t.runtime.start(t.accelerator.unwrap_model(t.model), t.processing_class, t.train_rows, saved)
+        t.runtime.start(t.accelerator.unwrap_model(t.model), t.processing_class, t.train_rows, state.global_step, saved)
 
 
 class SyncWeights(TrainerCallback):
@@ -46,7 +46,6 @@ class SyncWeights(TrainerCallback):
         if not state.is_world_process_zero:
             return
         metrics = self.trainer.step_metrics
-        self.trainer.runtime.pristine = False  # the weights are no longer those of the model's files
         sync_s = self.trainer.sync_weights(changed=self.trainer.trained_last_step)
         step_s = metrics.get("timing/step_s", 0.0) + sync_s
         metrics["timing/sync_s"] = sync_s

@@ -112,7 +112,7 @@ class Orchestrator:
         self.group_size, self.prompts_per_batch = rollouts_per_example, prompts_per_batch
         self.max_concurrent, self.timeout = max_concurrent, generation_timeout
         self.seed, self.shuffle = seed if seed is not None else 0, shuffle
-        self.policy_version = policy_version or PolicyVersion()
+        self.policy_version = policy_version or PolicyVersion(0)
         self.max_async_level = max_async_level
         self._required: dict[int, int] = {}  # batch index -> the policy version it must be generated with
         self._futures: dict[int, Future] = {}
@@ -177,7 +177,7 @@ class Orchestrator:
     async def _generate(self, index: int, required: int) -> RolloutBatch:
         # Waits for the version it needs; the trainer, in turn, syncs a newer version only once every batch that
         # needs an older one has finished (`wait_for_batches_before`): no sync lands inside a batch.
-        while self.policy_version.value < required:
+        while not self.policy_version.reached(required):
             await asyncio.sleep(0.005)
         version = self.policy_version.value
         inputs, groups = self.inputs_for(index)
@@ -261,7 +261,7 @@ class Orchestrator:
         self.start()
         rows = [_row(dataset, j) for j in range(len(dataset))]
         inputs, groups = expand_groups(rows, rollouts_per_example, "eval")
-        version = self.policy_version.value
+        version = self.policy_version.value or 0  # evaluate() syncs first; a bare orchestrator serves version 0
         fut = asyncio.run_coroutine_threadsafe(self._run(inputs, sampling_args), self._loop)
         try:
             out = fut.result(timeout=self.timeout)

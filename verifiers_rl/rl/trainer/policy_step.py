@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import torch
 
-from verifiers_rl.rl.trainer.forward import output_head, reference_logprobs, token_logprobs
+from verifiers_rl.rl.trainer.forward import reference_logprobs, token_logprobs
 from verifiers_rl.rl.trainer.losses import policy_loss
 from verifiers_rl.rl.trainer.microbatches import collate_packed, collate_padded, plan_microbatches
 from verifiers_rl.rl.trainer.prefix_sharing import (
@@ -24,6 +24,7 @@ from verifiers_rl.rl.trainer.prefix_sharing import (
     unit_length,
 )
 from verifiers_rl.rl.trainer.samples import PreparedBatch, shard_samples
+from verifiers_rl.rl.trainer.weight_export import weight_export
 
 _ADDITIVE = ("ratio_mean", "masked_frac", "mismatch_kl", "kl")
 
@@ -90,7 +91,7 @@ def run_microbatches(accelerator, model, prepared: PreparedBatch, args, pad_toke
     if accelerator.num_processes > 1:
         n = int(accelerator.gather(torch.tensor([n], device=device)).max())
     unwrapped = accelerator.unwrap_model(model)
-    head = output_head(unwrapped)
+    export = weight_export(model, accelerator)
     total = torch.zeros((), device=device)
     sums: dict[str, float] = defaultdict(float)
     extremes = {"ratio_min": float("inf"), "ratio_max": float("-inf")}
@@ -102,9 +103,9 @@ def run_microbatches(accelerator, model, prepared: PreparedBatch, args, pad_toke
             if mb is None:  # this rank has fewer micro-batches: a zero-weight pass keeps DDP in step
                 mb = empty_microbatch(args.pack_sequences)
             batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
-            logprobs, entropy = token_logprobs(model, head, batch, args.temperature)
+            logprobs, entropy = token_logprobs(model, export, batch, args.temperature)
             sampler = torch.where(torch.isnan(batch["sampler_logprobs"]), logprobs.detach(), batch["sampler_logprobs"])
-            ref = reference_logprobs(unwrapped, batch, args.temperature) if args.kl_beta > 0 else None
+            ref = reference_logprobs(unwrapped, export, batch, args.temperature) if args.kl_beta > 0 else None
             loss, m = policy_loss(
                 logprobs,
                 sampler,

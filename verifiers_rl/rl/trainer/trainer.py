@@ -41,6 +41,7 @@ from verifiers_rl.rl.trainer.prompts import filter_prompts
 from verifiers_rl.rl.trainer.reward_checks import check_dataset, check_reward_inputs, guard_rewards
 from verifiers_rl.rl.trainer.runtime import InferenceRuntime
 from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch
+from verifiers_rl.rl.trainer.weight_export import WeightExport, weight_export
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ class RLTrainer(Trainer):
         self.step_metrics: dict[str, float] = {}
         self._empty_steps = 0
         self._seen_failures: set[str | None] = set()
-        self.runtime.pristine = model_path is not None and isinstance(model_arg, str)
+        # a server started from the model path holds the trainer's weights until the first step
+        self.runtime.from_files = model_path is not None and isinstance(model_arg, str)
         self.trained_last_step = True
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self._guard: PreemptionGuard | None = None
@@ -151,8 +153,6 @@ class RLTrainer(Trainer):
         `True`), and SIGTERM / Ctrl-C checkpoint the last completed step before the run ends (preemption.py)."""
         resume = self._resume_point(resume_from_checkpoint)
         self.resume_from = resume
-        if resume or self.state.global_step:
-            self.runtime.pristine = False
         guard = self._guard = PreemptionGuard(on_second_signal=self.runtime.kill_server)
         try:
             with guard:
@@ -207,13 +207,12 @@ class RLTrainer(Trainer):
         self.close()
 
     def sync_weights(self, changed: bool = True) -> float:
-        """Send the weights to the server as policy version = global step; no transfer when the server already
-        holds them (started from the trainer's own weights, or a step that trained nothing)."""
-        runtime, version = self.runtime, self.state.global_step
-        first = runtime.synced_version is None
-        if (first and runtime.server_has_trainer_weights and version == 0) or (not first and not changed):
-            return runtime.mark_synced(version)
-        return runtime.sync(self.accelerator.unwrap_model(self.model), version=version)
+        """Make the server serve policy version = global step (`PolicySync` decides whether weights move)."""
+        return self.runtime.sync(self.weight_export(), self.state.global_step, changed)
+
+    def weight_export(self) -> WeightExport:
+        """The training model as the server and the loss read it, for its parallel layout (weight_export.py)."""
+        return weight_export(self.model, self.accelerator)
 
     # ------------------------------------------------------------------ one step
 
@@ -323,7 +322,10 @@ class RLTrainer(Trainer):
         payload = [None]
         if self.is_world_process_zero():
             model = self.accelerator.unwrap_model(self.model)
-            payload = [self.runtime.evaluate(model, self.processing_class, metric_key_prefix, self.state.global_step)]
+            metrics = self.runtime.evaluate(
+                model, self.processing_class, self.weight_export(), metric_key_prefix, self.state.global_step
+            )
+            payload = [metrics]
         if self.accelerator.num_processes > 1:
             broadcast_object_list(payload, from_process=0)
         metrics = payload[0]

@@ -26,10 +26,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from verifiers_rl.rl.inference.client import ServerError
-from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, UpdateInfo, plan_buckets
+from verifiers_rl.rl.inference.errors import ServerError
+from verifiers_rl.rl.inference.transfer.buckets import UpdateInfo, plan_buckets
 from verifiers_rl.rl.inference.transfer.gloo import GlooSender, run_in_thread, send_buckets
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
+from verifiers_rl.rl.inference.transfer.stream import as_stream
 
 UPDATE_RPC = "vf_lora_update"
 INFO_RPC = "vf_lora_info"
@@ -110,7 +111,7 @@ class AdapterSender(GlooSender):
             raise RuntimeError(
                 "adapter sync (lora_sync='adapter') needs a server that takes LoRA updates: our CPU engine, or vLLM "
                 "started with --enable-lora --lora-modules <name>=<dir> --worker-extension-cls "
-                f"verifiers_rl.rl.inference.vllm_lora.LoraSyncExtension (layout.AdapterServing); the server said: {e}"
+                f"verifiers_rl.rl.inference.vllm.lora.LoraSyncExtension (layout.AdapterServing); the server said: {e}"
             ) from e
         super().init()
 
@@ -127,8 +128,8 @@ class AdapterSender(GlooSender):
                 "larger one (layout.AdapterServing derives it from the adapter)"
             )
         t0 = time.perf_counter()
-        tensors = dict(named_tensors)
-        metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+        tensors = as_stream(named_tensors)
+        metas = tensors.metas
         buckets = plan_buckets(metas, self.bucket_bytes)
         update = AdapterUpdate(UpdateInfo.from_metas(metas), config)
         body = {"method": UPDATE_RPC, "args": [update.to_json()]}

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import ipaddress
 import secrets
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +31,7 @@ from verifiers_rl.rl.inference.transfer.buckets import (
     unpack,
 )
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
+from verifiers_rl.rl.inference.transfer.stream import as_stream, bucket_tensors
 
 _PREFIX = "verifiers_rl_weights"
 _LISTEN_SOCKETS: dict[int, socket.socket] = {}
@@ -123,19 +124,6 @@ def open_store(host: str, port: int = 0, world_size: int = 2, timeout_s: float =
     return store
 
 
-def store_host_for(server_host: str) -> str:
-    """The address the trainer's store listens on: loopback for a local server (nothing else can reach it),
-    else the one interface this machine uses to reach the server."""
-    try:
-        if ipaddress.ip_address(socket.gethostbyname(server_host)).is_loopback:
-            return "127.0.0.1"
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((server_host, 9))  # no packet is sent: this only picks the route's source address
-            return probe.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
 def close_store(store) -> None:
     sock = _LISTEN_SOCKETS.pop(id(store), None)
     if sock is not None:
@@ -181,23 +169,23 @@ def broadcast_async(group: WeightGroup, tensor: torch.Tensor, root: int = 0):
     return group.pg.broadcast([tensor], opts)
 
 
-def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors_by_name: dict[str, torch.Tensor]) -> int:
-    """Trainer side: pack bucket i+1 while bucket i is on the wire (gloo runs collectives on its own
-    threads); a bucket holding one contiguous tensor is sent straight from that tensor, no copy."""
+def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Trainer side: pack bucket i+1 while bucket i is on the wire (gloo runs collectives on its own threads),
+    pulling each bucket's tensors from `tensors` (a stream in bucket order) only when it is packed; a bucket
+    holding one contiguous tensor is sent straight from that tensor, no copy."""
     if not buckets:
         return 0
     bufs = group.staging(max(b.nbytes for b in buckets))
     in_flight: list = [None, None]
     sent = 0
-    for i, bucket in enumerate(buckets):
+    for i, (bucket, ts) in enumerate(bucket_tensors(buckets, tensors)):
         slot = i % 2
         if in_flight[slot] is not None:
             in_flight[slot][0].wait()  # this staging buffer is free again
-        tensors = [tensors_by_name[m.name] for m in bucket.metas]
-        if len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].dtype == bucket.metas[0].dtype:
-            payload = tensors[0].detach().reshape(-1).view(torch.uint8)
+        if len(ts) == 1 and ts[0].is_contiguous() and ts[0].dtype == bucket.metas[0].dtype:
+            payload = ts[0].detach().reshape(-1).view(torch.uint8)
         else:
-            payload = pack(bucket, tensors, out=bufs[slot][: bucket.nbytes])
+            payload = pack(bucket, ts, out=bufs[slot][: bucket.nbytes])
         in_flight[slot] = (broadcast_async(group, payload), payload)
         sent += bucket.nbytes
     for item in in_flight:
@@ -256,8 +244,8 @@ class GlooSender:
         if self.group is None:
             raise RuntimeError("call init() before send()")
         t0 = time.perf_counter()
-        tensors = dict(named_tensors)
-        metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+        tensors = as_stream(named_tensors)
+        metas = tensors.metas
         buckets = plan_buckets(metas, self.bucket_bytes)
         info = self.update_info(metas).to_dict()
         if self.pauses_itself:  # our CPU engine: the whole sync is one request (vLLM keeps its own routes)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from verifiers_rl.rl.inference.net import free_port
 from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
 
@@ -81,8 +82,6 @@ class NCCLSender:
             ) from e
         if not torch.cuda.is_available():
             raise RuntimeError("NCCL weight sync needs a CUDA device in the trainer process; use gloo on CPU")
-        from verifiers_rl.rl.inference.launcher import free_port
-
         info = NCCLTrainerInitInfo(
             master_address=self.host,
             master_port=free_port(self.host),

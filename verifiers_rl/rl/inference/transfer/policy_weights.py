@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verifiers_rl.rl.inference.transfer.buckets import TensorMeta
+from verifiers_rl.rl.inference.transfer.stream import WeightStream
+
 
 def _unwrap(model):
     # PeftModel -> LoraModel -> the transformers model whose parameter names the engine knows.
@@ -40,6 +43,23 @@ def engine_name(name: str, adapter: str = "default") -> str | None:
     if ".lora_" in name or ".original_module." in name:
         return None
     return name.replace(f".modules_to_save.{adapter}.", ".").replace(".base_layer.", ".")
+
+
+def merged_metas(model, dtype: torch.dtype | None = None) -> list[TensorMeta]:
+    """What `merged_weights` yields, described without computing a merge: names, dtypes and shapes, in order."""
+    inner, peft_base = _unwrap(model)
+    adapter = _active_adapter(peft_base) if peft_base is not None else "default"
+    metas = []
+    for name, p in inner.named_parameters():
+        out = engine_name(name, adapter)
+        if out is not None:
+            metas.append(TensorMeta(out, dtype or p.dtype, tuple(p.shape)))
+    return metas
+
+
+def merged_stream(model, dtype: torch.dtype | None = None) -> WeightStream:
+    """The merged weights as a stream: each merge is computed when the sender reaches its bucket."""
+    return WeightStream(merged_metas(model, dtype), lambda: merged_weights(model, dtype))
 
 
 def merged_weights(model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -80,6 +100,10 @@ class AdapterWeights:
     @property
     def rank(self) -> int:
         return max(self.ranks.values(), default=0)
+
+    def stream(self) -> WeightStream:
+        metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors]
+        return WeightStream(metas, lambda: iter(self.tensors), self.peft_config, self.rank)
 
 
 def unsupported_adapter_features(config: dict) -> list[str]:

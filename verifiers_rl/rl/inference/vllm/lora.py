@@ -1,7 +1,7 @@
 """vLLM worker extension for adapter sync: install the trainer's LoRA tensors in the policy adapter's slot.
 
 Start vLLM with `--enable-lora --max-loras 1 --lora-modules policy=<step-0 adapter dir> --worker-extension-cls
-verifiers_rl.rl.inference.vllm_lora.LoraSyncExtension` (`layout.AdapterServing.vllm_args`) and our gloo
+verifiers_rl.rl.inference.vllm.lora.LoraSyncExtension` (`layout.AdapterServing.vllm_args`) and our gloo
 weight-transfer backend. vLLM mixes this class into every worker; `/collective_rpc` calls its methods on all
 workers of all data-parallel engines. The protocol is in `transfer/adapter.py`.
 

@@ -4,7 +4,7 @@ Inference first, then the trainer. `[inference] gpus = N` runs vLLM data-paralle
 tensor-parallel size tp (`[inference.args] tensor_parallel_size`), as upstream `vf-rl` did; the weight sync
 reaches every DP x TP worker (the server reports its world size). With one visible GPU, or
 `[inference] gpus = 0`, the server shares the trainer's first GPU: vLLM gets the memory the planner leaves
-it (`rl/shared_gpu.py`), weights travel through host memory (gloo; NCCL cannot put two ranks on one device),
+it (`memory.py`), weights travel through host memory (gloo; NCCL cannot put two ranks on one device),
 and LoRA runs sync adapters by default.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from verifiers_rl.scripts.toml_config import ConfigError
+from verifiers_rl.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -68,10 +68,10 @@ def assign_gpus(cfg: dict[str, Any], available: int) -> GpuPlan:
 
 
 def plan_memory(cfg: dict[str, Any], args, model: str, gpu_bytes: int, base: str | None = None):
-    """The shared GPU's split (rl/shared_gpu.py) for this run; ConfigError when the model's shape is unknown
+    """The shared GPU's split (memory.py) for this run; ConfigError when the model's shape is unknown
     or the two do not fit. `base`: where the shape comes from while `model` does not exist yet (an SFT
     warm-start's output has its base model's shape)."""
-    from verifiers_rl.rl.shared_gpu import ModelShape, plan_shared_gpu, shape_of
+    from verifiers_rl.rl.plan.memory import ModelShape, plan_shared_gpu, shape_of
 
     shape = shape_of(model) or (shape_of(base) if base else None)
     if shape is None and cfg.get("model") == "tiny":

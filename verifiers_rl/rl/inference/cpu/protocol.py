@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from verifiers_rl.rl.inference.sampling import Completion, SamplingParams
+from verifiers_rl.rl.inference.cpu.sampling import Completion, SamplingParams
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -175,7 +175,7 @@ def _logprob_content(tokenizer, c: Completion) -> list[dict[str, Any]]:
     return out
 
 
-def _usage(prompt_ids: list[int], completions: list[Completion]) -> dict[str, int]:
+def usage(prompt_ids: list[int], completions: list[Completion]) -> dict[str, int]:
     n = sum(len(c.token_ids) for c in completions)
     return {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}
 
@@ -209,7 +209,7 @@ def chat_response(
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": _usage(prompt_ids, completions),
+        "usage": usage(prompt_ids, completions),
         "policy_version": min(c.policy_version for c in completions),
     }
     if req.return_token_ids:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from verifiers_rl.rl.inference.layout import resolve_sync_backend
-from verifiers_rl.rl.shared_gpu import GIB, ModelShape, plan_shared_gpu, shape_of, trainer_bytes
-from verifiers_rl.scripts.devices import assign_gpus
+from verifiers_rl.rl.plan.devices import assign_gpus
+from verifiers_rl.rl.plan.memory import GIB, ModelShape, plan_shared_gpu, shape_of, trainer_bytes
+from verifiers_rl.rl.plan.serving import resolve_sync_backend
 
 MEASURED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "shared_gpu_memory.json"
 

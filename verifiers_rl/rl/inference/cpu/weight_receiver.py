@@ -10,14 +10,13 @@ from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES, Upd
 from verifiers_rl.rl.inference.transfer.policy_weights import unsupported_adapter_features
 
 if TYPE_CHECKING:
-    from verifiers_rl.rl.inference.engine import CPUEngine
-    from verifiers_rl.rl.inference.slot_engine import SlotEngine
+    from verifiers_rl.rl.inference.cpu.engine_api import Engine
 
 
 class WeightReceiver:
     """Server side of the gloo weight transfer (same init_info/update_info as our vLLM plugin)."""
 
-    def __init__(self, engine: CPUEngine | SlotEngine):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.pg = None
         self.bucket_bytes = DEFAULT_BUCKET_BYTES

@@ -152,7 +152,7 @@ def engine_class():
 
 
 def __getattr__(name: str):
-    # `from verifiers_rl.rl.inference.vllm_plugin import GlooWeightTransferEngine` works where vLLM is installed.
+    # `from verifiers_rl.rl.inference.vllm.plugin import GlooWeightTransferEngine` works where vLLM is installed.
     if name == "GlooWeightTransferEngine":
         return engine_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

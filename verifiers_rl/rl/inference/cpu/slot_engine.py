@@ -8,7 +8,7 @@ running sequence by one token in one decode forward (`lean_forward.LeanDecoder`)
 do not depend on batch neighbours. Requests arrive from the server's event loop and get their results through
 `call_soon_threadsafe`.
 
-Compared with transformers' continuous batching (engine.CPUEngine, still used for other architectures) this
+Compared with transformers' continuous batching (cb_engine.CPUEngine, still used for other architectures) this
 drops its per-step scheduling, paged-cache bookkeeping and generic modeling code, which dominated on small
 models. Failures stay local: a forward or sampling error retries the batch row by row and fails only the rows
 that fail alone; a dead loop makes `healthy` false and new requests fail at once instead of hanging.
@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verifiers_rl.rl.inference.engine import CPUEngine, EngineError, _eos_ids
-from verifiers_rl.rl.inference.kv_cache import SlotKVCache
-from verifiers_rl.rl.inference.lean_forward import LeanDecoder
-from verifiers_rl.rl.inference.sampling import (
+from verifiers_rl.rl.inference.cpu.cb_engine import eos_ids
+from verifiers_rl.rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS, EngineError
+from verifiers_rl.rl.inference.cpu.kv_cache import SlotKVCache
+from verifiers_rl.rl.inference.cpu.lean_forward import LeanDecoder
+from verifiers_rl.rl.inference.cpu.sampling import (
     Completion,
     SamplingParams,
     UniformStream,
@@ -35,13 +36,15 @@ from verifiers_rl.rl.inference.sampling import (
     request_generator,
     sample_inverse_cdf,
 )
-from verifiers_rl.rl.inference.validation import check_prompt
+from verifiers_rl.rl.inference.cpu.stop_strings import find_stop, stop_tail
+from verifiers_rl.rl.inference.cpu.validation import check_prompt
+from verifiers_rl.rl.inference.cpu.weights import ServedWeights
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class _Request:  # what the choices of one generate() call share; `_find_stop` reads params and stop_tail
+class _Request:  # what the choices of one generate() call share
     params: SamplingParams
     prompt_ids: list[int]
     eos_ids: set[int]
@@ -63,22 +66,16 @@ class _Seq:
     done: bool = False
 
 
-class SlotEngine:
-    """Same interface as engine.CPUEngine (the server cannot tell them apart)."""
-
-    # Weight loading and stop-string matching are CPUEngine's, unchanged (they touch no batching state).
-    _merge_adapter = CPUEngine._merge_adapter
-    _find_stop = CPUEngine._find_stop
-    finish_update = CPUEngine.finish_update
-    from_pretrained = classmethod(CPUEngine.from_pretrained.__func__)
+class SlotEngine(ServedWeights):
+    """An `engine_api.Engine`, like cb_cb_engine.CPUEngine (the server cannot tell them apart)."""
 
     def __init__(
         self,
         model,
         tokenizer,
         *,
-        max_model_len: int = 4096,
-        max_num_seqs: int = 64,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         kv_cache_tokens: int | None = None,
         max_prefill_tokens: int = 8192,
     ):
@@ -87,16 +84,13 @@ class SlotEngine:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
-        self.version = 0
-        self._pristine: dict[str, torch.Tensor] = {}
-        self._overwritten: set[str] = set()
         self.decoder = LeanDecoder(model, max_model_len)  # packs projections: parameters become views
-        self._params = dict(model.named_parameters())
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self._init_weights()  # after packing: the parameters it looks up are the packed views
+        self.eos_token_ids = eos_ids(model, tokenizer)
         d = self.decoder
         self.cache = SlotKVCache(
             len(d.layers), d.num_kv_heads, d.head_dim, max_slots=max_num_seqs, max_length=max_model_len,
-            # same default memory as transformers' continuous batching in engine.CPUEngine: a quarter of the maximum
+            # same default memory as transformers' continuous batching in cb_engine.CPUEngine: a quarter of the maximum
             budget_tokens=kv_cache_tokens or max_num_seqs * max_model_len // 4, dtype=d.dtype,
         )  # fmt: skip
         self._cond = threading.Condition()
@@ -129,7 +123,7 @@ class SlotEngine:
             max_tokens=max_tokens,
             policy_version=self.version,
             loop=loop,
-            stop_tail=max((len(s.encode()) for s in params.stop), default=0) + 8,
+            stop_tail=stop_tail(params.stop),
         )
         streams = [UniformStream(request_generator(params.seed, i)) for i in range(params.n)]
         seqs = [_Seq(req, loop.create_future(), u) for u in streams]
@@ -182,7 +176,7 @@ class SlotEngine:
 
     def load_weights(self, named_tensors, *, lora_scaling: float | None = None) -> int:
         with self._step_lock:  # never between two layers of a step
-            n = CPUEngine.load_weights(self, named_tensors, lora_scaling=lora_scaling)
+            n = super().load_weights(named_tensors, lora_scaling=lora_scaling)
             self._shared.clear()
             return n
 
@@ -367,7 +361,7 @@ class SlotEngine:
         if s.done:
             return
         if req.params.stop:
-            hit = self._find_stop(req, s.tokens)
+            hit = find_stop(self.tokenizer, req.params.stop, req.params.skip_special_tokens, s.tokens, req.stop_tail)
             if hit is not None:
                 n, stop = hit
                 return self._finish(s, Completion(s.tokens[:n], s.logprobs[:n], "stop", stop, req.policy_version))

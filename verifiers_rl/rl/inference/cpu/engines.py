@@ -5,26 +5,30 @@ from __future__ import annotations
 
 import logging
 
-from verifiers_rl.rl.inference.engine import CPUEngine
-from verifiers_rl.rl.inference.layout import CPU_ENGINES
-from verifiers_rl.rl.inference.lean_forward import unsupported_reason
-from verifiers_rl.rl.inference.slot_engine import SlotEngine
+from verifiers_rl.rl.inference.cpu.cb_engine import CPUEngine
+from verifiers_rl.rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
+from verifiers_rl.rl.inference.cpu.lean_forward import unsupported_reason
+from verifiers_rl.rl.inference.cpu.slot_engine import SlotEngine
+from verifiers_rl.rl.plan.serving import resolve_cpu_engine
 
 logger = logging.getLogger(__name__)
 
 
-def create_engine(model, tokenizer, *, impl: str = "auto", max_model_len: int = 4096, max_num_seqs: int = 64):
+def create_engine(
+    model,
+    tokenizer,
+    *,
+    impl: str = "auto",
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+):
     """The slot engine where the lean forward supports the model, transformers' continuous batching otherwise
     (`impl`: auto | slots | cb)."""
-    if impl not in CPU_ENGINES:
-        raise ValueError(f"cpu engine {impl!r}; allowed: {', '.join(CPU_ENGINES)}")
-    if impl != "cb":
-        reason = unsupported_reason(model)
-        if reason is None:
-            logger.info("CPU engine: slot decode loop (lean forward) for %s", type(model).__name__)
-            return SlotEngine(model, tokenizer, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
-        if impl == "slots":
-            raise ValueError(f"the slot engine does not support this model: {reason}")
+    reason = unsupported_reason(model)
+    if resolve_cpu_engine(impl, reason) == "slots":
+        logger.info("CPU engine: slot decode loop (lean forward) for %s", type(model).__name__)
+        return SlotEngine(model, tokenizer, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    if reason:
         logger.warning(
             "CPU engine: the slot decode loop does not support %s (%s); using transformers continuous batching",
             type(model).__name__, reason,

@@ -4,7 +4,7 @@ in-flight request down with it)."""
 
 from __future__ import annotations
 
-from verifiers_rl.rl.inference.sampling import SamplingParams
+from verifiers_rl.rl.inference.cpu.sampling import SamplingParams
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int) -> int:

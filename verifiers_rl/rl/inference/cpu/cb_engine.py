@@ -17,14 +17,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verifiers_rl.rl.inference.sampling import (
+from verifiers_rl.rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS, EngineError
+from verifiers_rl.rl.inference.cpu.sampling import (
     Completion,
     SamplingParams,
     process_logits,
     request_generator,
     sample_inverse_cdf,
 )
-from verifiers_rl.rl.inference.validation import check_prompt
+from verifiers_rl.rl.inference.cpu.stop_strings import find_stop, stop_tail
+from verifiers_rl.rl.inference.cpu.validation import check_prompt
+from verifiers_rl.rl.inference.cpu.weights import ServedWeights
 
 
 @dataclass
@@ -43,18 +46,16 @@ class _Request:
 _RETIRED = _Request(SamplingParams(temperature=0.0), [], None, set(), 0, done=True)
 
 
-class EngineError(RuntimeError):
-    pass
+class CPUEngine(ServedWeights):
+    """transformers' continuous batching as an `engine_api.Engine` (architectures the slot engine does not cover)."""
 
-
-class CPUEngine:
     def __init__(
         self,
         model,
         tokenizer,
         *,
-        max_model_len: int = 4096,
-        max_num_seqs: int = 64,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_batch_tokens: int | None = None,
         page_size: int = 64,
         num_blocks: int | None = None,
@@ -67,15 +68,12 @@ class CPUEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.version = 0
+        self._init_weights()
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._pause_holder: _PauseHolder | None = None
-        self._pristine: dict[str, torch.Tensor] = {}  # base weights kept for adapter-only LoRA sync
-        self._overwritten: set[str] = set()  # weights replaced by full tensors before any pristine copy
-        self._params = dict(model.named_parameters())  # looked up per received tensor on every sync
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.eos_token_ids = eos_ids(model, tokenizer)
 
         blocks = num_blocks or max(16, (max_num_seqs * max_model_len) // page_size // 4)
         cb_config = ContinuousBatchingConfig(
@@ -94,7 +92,7 @@ class CPUEngine:
         )
         self.manager = model.init_continuous_batching(gen_config, cb_config)
         if attention == "varlen":  # per-request attention instead of one block-diagonal mask over the whole batch
-            from verifiers_rl.rl.inference.varlen_attention import install
+            from verifiers_rl.rl.inference.cpu.varlen_attention import install
 
             install(model)
         self.manager.warmup()  # creates the batch processor so the hook is in place before the first batch
@@ -104,14 +102,6 @@ class CPUEngine:
         runner._sample = self._sample_hook
         self._runner = runner
         self.manager.start()
-
-    @classmethod
-    def from_pretrained(cls, name_or_path: str, **kwargs) -> CPUEngine:
-        from verifiers_rl.models import get_model, get_tokenizer
-
-        tokenizer = get_tokenizer(name_or_path)
-        model = get_model(name_or_path, device="cpu")
-        return cls(model, tokenizer, **kwargs)
 
     # ------------------------------------------------------------------ sampling (generation thread)
 
@@ -160,7 +150,7 @@ class CPUEngine:
                 policy_version=self.version,
                 future=loop.create_future(),
                 loop=loop,
-                stop_tail=max((len(s.encode()) for s in params.stop), default=0) + 8,
+                stop_tail=stop_tail(params.stop),
             )
             self._requests[rid] = req
             futures.append(req.future)
@@ -191,7 +181,7 @@ class CPUEngine:
             return
         tokens, logprobs = list(out.generated_tokens), list(out.logprobs)
         if req.params.stop:
-            hit = self._find_stop(req, tokens)
+            hit = find_stop(self.tokenizer, req.params.stop, req.params.skip_special_tokens, tokens, req.stop_tail)
             if hit is not None:
                 n_tokens, stop = hit
                 req.done = True
@@ -209,19 +199,6 @@ class CPUEngine:
         else:
             finish, reason = "length", None
         req.future.set_result(Completion(tokens, logprobs, finish, reason, req.policy_version))
-
-    def _find_stop(self, req: _Request, tokens: list[int]) -> tuple[int, str] | None:
-        """Shortest token prefix whose text contains a stop string (checked on the tail, so O(1) per token)."""
-        skip = req.params.skip_special_tokens  # matched on the text the client sees, as vLLM does
-        tail = self.tokenizer.decode(tokens[-req.stop_tail :], skip_special_tokens=skip)
-        if not any(s in tail for s in req.params.stop):
-            return None
-        for n in range(1, len(tokens) + 1):
-            text = self.tokenizer.decode(tokens[:n], skip_special_tokens=skip)
-            for s in req.params.stop:
-                if s in text:
-                    return n, s
-        return None
 
     def abort_all(self) -> int:
         """Cancel every in-flight request (vLLM's /pause?mode=abort); their callers get an EngineError."""
@@ -256,50 +233,6 @@ class CPUEngine:
             if self._pause_holder is not None:
                 self._pause_holder.release()
                 self._pause_holder = None
-
-    def load_weights(self, named_tensors, *, lora_scaling: float | None = None) -> int:
-        """Copy tensors into the model (HF names). With `lora_scaling`, `X.lora_A`/`X.lora_B` pairs become
-        X.weight = X0 + scaling * B @ A against pristine base weights; other names are copied as they are."""
-        params = self._params
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        count = 0
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if lora_scaling is not None and (name.endswith(".lora_A") or name.endswith(".lora_B")):
-                    module, kind = name.rsplit(".", 1)
-                    pending.setdefault(module, {})[kind] = tensor.clone()
-                    if len(pending[module]) == 2:
-                        self._merge_adapter(params, module, pending.pop(module), lora_scaling)
-                        count += 1
-                    continue
-                if name not in params:
-                    raise KeyError(f"engine model has no parameter {name!r}")
-                params[name].copy_(tensor)
-                if name not in self._pristine:
-                    self._overwritten.add(name)
-                count += 1
-        if pending:
-            raise ValueError(f"LoRA update is missing lora_A or lora_B for {sorted(pending)}")
-        return count
-
-    def _merge_adapter(self, params, module: str, ab: dict[str, torch.Tensor], scaling: float) -> None:
-        name = f"{module}.weight"
-        if name not in params:
-            raise KeyError(f"engine model has no parameter {name!r} for LoRA module {module!r}")
-        w = params[name]
-        if name not in self._pristine and name in self._overwritten:
-            raise ValueError(
-                f"{name} was replaced by a merged (full-weight) sync, so its pristine base is gone; adapter-only "
-                "sync cannot follow merged sync on one server: keep one lora_sync mode per run"
-            )
-        base = self._pristine.setdefault(name, w.detach().clone())
-        delta = (ab["lora_B"].float() @ ab["lora_A"].float()) * scaling
-        w.copy_((base.float() + delta).to(w.dtype))
-
-    def finish_update(self, version: int | None = None) -> int:
-        self.version = self.version + 1 if version is None else int(version)
-        self.reset_prefix_cache()
-        return self.version
 
     def reset_prefix_cache(self) -> None:
         # Blocks cached for prefix sharing hold keys/values computed with the old weights.
@@ -349,7 +282,7 @@ def _fail(future: asyncio.Future, error: Exception) -> None:
         future.set_exception(error)
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def eos_ids(model, tokenizer) -> set[int]:
     ids: set[int] = set()
     for src in (getattr(model, "generation_config", None), model.config, tokenizer):
         v = getattr(src, "eos_token_id", None)

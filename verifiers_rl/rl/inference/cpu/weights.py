@@ -1,0 +1,79 @@
+"""The served weights of a CPU engine, and how a sync replaces them: full tensors copied in place, or LoRA A/B
+pairs applied as W = W0 + scaling * B @ A against the pristine base weights (adapter sync).
+
+Both CPU engines inherit this; each wraps `load_weights` in its own lock so a sync never lands between two
+layers of a forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ServedWeights:
+    """Mixin for an engine that holds `self.model` and serves policy `self.version`."""
+
+    model: torch.nn.Module
+    version: int
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, **kwargs):
+        from verifiers_rl.models import get_model, get_tokenizer
+
+        return cls(get_model(name_or_path, device="cpu"), get_tokenizer(name_or_path), **kwargs)
+
+    def _init_weights(self) -> None:
+        self.version = 0
+        self._pristine: dict[str, torch.Tensor] = {}  # base weights kept for adapter-only LoRA sync
+        self._overwritten: set[str] = set()  # weights replaced by full tensors before any pristine copy
+        self._params = dict(self.model.named_parameters())  # looked up per received tensor on every sync
+
+    def load_weights(self, named_tensors, *, lora_scaling: float | None = None) -> int:
+        """Copy tensors into the model (HF names). With `lora_scaling`, `X.lora_A`/`X.lora_B` pairs become
+        X.weight = X0 + scaling * B @ A against pristine base weights; other names are copied as they are."""
+        params = self._params
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        count = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if lora_scaling is not None and (name.endswith(".lora_A") or name.endswith(".lora_B")):
+                    module, kind = name.rsplit(".", 1)
+                    pending.setdefault(module, {})[kind] = tensor.clone()
+                    if len(pending[module]) == 2:
+                        self._merge_adapter(params, module, pending.pop(module), lora_scaling)
+                        count += 1
+                    continue
+                if name not in params:
+                    raise KeyError(f"engine model has no parameter {name!r}")
+                params[name].copy_(tensor)
+                if name not in self._pristine:
+                    self._overwritten.add(name)
+                count += 1
+        if pending:
+            raise ValueError(f"LoRA update is missing lora_A or lora_B for {sorted(pending)}")
+        return count
+
+    def _merge_adapter(self, params, module: str, ab: dict[str, torch.Tensor], scaling: float) -> None:
+        name = f"{module}.weight"
+        if name not in params:
+            raise KeyError(f"engine model has no parameter {name!r} for LoRA module {module!r}")
+        w = params[name]
+        if name not in self._pristine and name in self._overwritten:
+            raise ValueError(
+                f"{name} was replaced by a merged (full-weight) sync, so its pristine base is gone; adapter-only "
+                "sync cannot follow merged sync on one server: keep one lora_sync mode per run"
+            )
+        base = self._pristine.setdefault(name, w.detach().clone())
+        delta = (ab["lora_B"].float() @ ab["lora_A"].float()) * scaling
+        w.copy_((base.float() + delta).to(w.dtype))
+
+    def finish_update(self, version: int | None = None) -> int:
+        """A sync is complete: serve it as `version` (the trainer's; None keeps the version, as vLLM does) from a
+        prefix cache emptied of keys and values computed with the old weights."""
+        if version is not None:
+            self.version = int(version)
+        self.reset_prefix_cache()
+        return self.version
+
+    def reset_prefix_cache(self) -> None:  # pragma: no cover - every engine has its own cache
+        raise NotImplementedError

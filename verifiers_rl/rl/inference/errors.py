@@ -1,0 +1,6 @@
+"""Errors shared by every part of inference (client, launcher, weight senders): they sit below all of them, so
+nothing has to import the client to raise or catch one."""
+
+
+class ServerError(RuntimeError):
+    """The inference server failed, or never came up; the message carries its log tail when known."""

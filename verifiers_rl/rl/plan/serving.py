@@ -1,0 +1,266 @@
+"""The serving plan: every decision about how the policy is served and synced, made once.
+
+Inputs are the run's settings (some of them "auto"), the machine, and, for a server the trainer connects to,
+what that server says it runs. The output is a frozen `ServingPlan`: `vf-rl --dry-run` prints it, `vf-rl` and
+the trainer's runtime start the server from it, and the trainer syncs by it. This module is the only place an
+"auto" is resolved (`tests/unit/test_plan.py` fails if another module compares a setting with "auto").
+
+    engine        cpu | vllm         auto: vLLM where CUDA and vLLM are both present, else our CPU engine
+    mode          spawn | connect    auto: the RL server already answering at host:port, else spawn one
+    shared_gpu    bool               the server's GPU is one of the trainer's (NCCL cannot sync them)
+    lora_sync     merged | adapter   auto: adapter for a LoRA policy on a shared GPU, merged otherwise
+    sync_backend  gloo|nccl|adapter  auto: NCCL between separate GPUs, gloo through host memory otherwise
+    server_pauses bool               the server pauses itself around a sync (our CPU engine: one request)
+    memory        SharedGpuPlan      the split of a shared GPU (vLLM's --gpu-memory-utilization)
+    threads       (server, trainer)  CPU threads when the CPU engine and an overlapping trainer share cores
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from verifiers_rl.rl.inference.layout import has_flag
+from verifiers_rl.rl.plan.memory import SharedGpuPlan
+
+# A trainer process started by vf-rl finds the plan vf-rl made in this variable (ServingPlan.to_json).
+PLAN_ENV = "VF_SERVING_PLAN"
+ENGINES = ("auto", "cpu", "vllm")
+# The CPU engine's loop: our slot engine (Llama-family models), transformers' continuous batching, or auto
+# (slots where the lean forward supports the model).
+CPU_ENGINES = ("auto", "slots", "cb")
+SYNC_BACKENDS = ("auto", "gloo", "nccl")
+LORA_SYNC = ("auto", "merged", "adapter")
+SERVER_MODES = ("auto", "spawn", "connect")
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - a broken CUDA setup is no CUDA here
+        return False
+
+
+# ---------------------------------------------------------------------------------------------- the rules
+
+
+def resolve_engine(requested: str, *, cuda: bool | None = None, vllm: bool | None = None) -> str:
+    """'auto' -> 'vllm' when CUDA and vLLM are both present, else 'cpu'; 'cpu'/'vllm' stay as asked."""
+    if requested not in ENGINES:
+        raise ValueError(f"engine={requested!r}; allowed: {', '.join(ENGINES)}")
+    if requested != "auto":
+        return requested
+    cuda = cuda_available() if cuda is None else cuda
+    vllm = vllm_installed() if vllm is None else vllm
+    return "vllm" if cuda and vllm else "cpu"
+
+
+def resolve_cpu_engine(requested: str, unsupported: str | None) -> str:
+    """The CPU engine's loop: 'slots' unless the lean forward cannot run the model (`unsupported` says why)."""
+    if requested not in CPU_ENGINES:
+        raise ValueError(f"cpu engine {requested!r}; allowed: {', '.join(CPU_ENGINES)}")
+    if requested == "auto":
+        return "cb" if unsupported else "slots"
+    if requested == "slots" and unsupported:
+        raise ValueError(f"the slot engine does not support this model: {unsupported}")
+    return requested
+
+
+def resolve_mode(requested: str, discover: Callable[[], str]) -> str:
+    """'auto' asks `discover()` ('connect' when an RL server answers where the trainer looks, else 'spawn')."""
+    if requested not in SERVER_MODES:
+        raise ValueError(f"server_mode={requested!r}; allowed: {', '.join(SERVER_MODES)}")
+    return discover() if requested == "auto" else requested
+
+
+def shares_gpu(engine: str, server_devices: Sequence[int] | None, trainer_devices: Sequence[int]) -> bool:
+    """Does a vLLM server run on one of the trainer's GPUs? (The CPU engine uses none.) Devices are indices in
+    one namespace; None: the server's devices are not known (a server someone else started)."""
+    if engine != "vllm" or server_devices is None:
+        return False
+    return bool(set(server_devices) & set(trainer_devices))
+
+
+def server_devices(mode: str, server_gpus: Sequence[int] | None, cuda_count: int, local: bool) -> list[int] | None:
+    """The GPUs a server uses, as far as the trainer knows: the ones it was given (`server_gpus`); a spawned
+    server without them inherits the trainer's devices and vLLM takes the first; a local server we only connect
+    to is known on a one-GPU machine (it can only be on that GPU)."""
+    if server_gpus is not None:
+        return list(server_gpus)
+    if mode == "spawn" or (local and cuda_count == 1):
+        return [0] if cuda_count else []
+    return None
+
+
+def resolve_lora_sync(requested: str, *, use_lora: bool, modules_to_save, shared_gpu: bool) -> str:
+    """'merged' for full fine-tuning; 'auto': adapter for a LoRA policy on a shared GPU (no NCCL there, and 1-2%
+    of the bytes) unless modules are trained in full beside the adapter, merged otherwise."""
+    if requested not in LORA_SYNC:
+        raise ValueError(f"lora_sync={requested!r}; allowed: {', '.join(LORA_SYNC)}")
+    if not use_lora:
+        return "merged"
+    if requested == "auto":
+        return "adapter" if shared_gpu and not modules_to_save else "merged"
+    return requested
+
+
+def resolve_sync_backend(requested: str, engine: str, *, shared_gpu: bool = False, lora_sync: str = "merged") -> str:
+    """How the weights travel: 'adapter' (LoRA A/B over gloo into the served adapter), 'gloo' (host memory: the
+    CPU engine, or a server on the trainer's own GPU) or 'nccl' (GPU to GPU, vLLM's own engine)."""
+    if requested not in SYNC_BACKENDS:
+        raise ValueError(f"sync_backend={requested!r}; allowed: {', '.join(SYNC_BACKENDS)}")
+    if engine not in ("cpu", "vllm"):
+        raise ValueError(f"engine={engine!r} is not resolved; call resolve_engine first")
+    if engine == "cpu" and requested == "nccl":
+        raise ValueError("sync_backend='nccl' needs a vLLM server; the CPU engine syncs over gloo")
+    if shared_gpu and requested == "nccl":
+        raise ValueError("sync_backend='nccl' cannot sync a server on the trainer's own GPU; use gloo")
+    if lora_sync == "adapter":
+        return "adapter"
+    if engine == "cpu" or shared_gpu:
+        return "gloo"
+    return "nccl" if requested == "auto" else requested
+
+
+def cpu_thread_split(
+    engine: str, *, local: bool, max_async_level: int, cuda: bool, cores: int | None = None
+) -> tuple[int, int] | None:
+    """(server threads, trainer threads) when the CPU engine and an overlapping trainer share this machine's cores.
+
+    With max_async_level >= 1 generation and training run at the same time; each process defaulting to every
+    core oversubscribes them (measured on 2 cores: 1.17 s/step at 2+2 threads vs 0.68 s at 1+1, benchmarks/
+    bench_async.py). None when they do not share cores or do not overlap (each phase then gets every core), or
+    when OMP_NUM_THREADS is set (the user's choice wins).
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = cores or os.cpu_count() or 1
+    if cores < 2 or max_async_level < 1 or engine == "vllm" or not local or cuda:
+        return None
+    server = cores // 2
+    return server, cores - server
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    engine: str  # "cpu" | "vllm"
+    mode: str  # "spawn" | "connect"
+    shared_gpu: bool
+    lora_sync: str  # "merged" | "adapter" (full fine-tuning: "merged")
+    sync_backend: str  # "gloo" | "nccl" | "adapter"
+    server_pauses: bool  # the server pauses, finishes and resumes by itself around a sync
+    server_gpus: tuple[int, ...] | None = None  # CUDA_VISIBLE_DEVICES of a server we start (None: inherited)
+    data_parallel: int = 1
+    memory: SharedGpuPlan | None = None  # the split of a GPU that the server shares with the trainer
+    threads: tuple[int, int] | None = None  # (server, trainer) CPU threads
+
+    @property
+    def weights(self) -> str:
+        """What the trainer sends each sync: 'adapter' (LoRA A/B only) or 'merged' (every weight, LoRA merged)."""
+        return "adapter" if self.lora_sync == "adapter" else "merged"
+
+    @property
+    def server_weight_backend(self) -> str | None:
+        """vLLM's --weight-transfer-backend for a server we start: gloo for our gloo group (merged or adapter),
+        vLLM's own default (NCCL) otherwise; None for the CPU engine (it only speaks gloo)."""
+        if self.engine != "vllm":
+            return None
+        return "nccl" if self.sync_backend == "nccl" else "gloo"
+
+    def server_args(self, user_args: Sequence[str] = ()) -> list[str]:
+        """The user's server flags, plus vLLM's share of a GPU it shares with the trainer (unless the user set it)."""
+        extra = [str(a) for a in user_args]
+        if self.memory is not None and not has_flag(extra, "gpu-memory-utilization"):
+            extra += ["--gpu-memory-utilization", f"{self.memory.gpu_memory_utilization:.2f}"]
+        return extra
+
+    def server_env(self) -> dict[str, str] | None:
+        """The server's share of the CPU threads, as environment for its process."""
+        return {"OMP_NUM_THREADS": str(self.threads[0])} if self.threads else None
+
+    def trainer_args(self, use_lora: bool) -> dict[str, object]:
+        """RLConfig values that pin this plan's decisions, for trainer processes that build their own RLConfig
+        (they then resolve nothing differently)."""
+        # adapter sync travels over our gloo group: "gloo" is its RLConfig spelling
+        args: dict[str, object] = {"server_engine": self.engine, "sync_backend": self.server_weight_backend or "gloo"}
+        if use_lora:
+            args["lora_sync"] = self.lora_sync
+        return args
+
+    def to_json(self) -> str:
+        """For a trainer process that another process planned for (vf-rl's `accelerate launch` ranks): every
+        decision but the memory split, which only the server's start needed."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "memory"}
+        return json.dumps(fields)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServingPlan:
+        fields = json.loads(text)
+        for key in ("server_gpus", "threads"):
+            if fields.get(key) is not None:
+                fields[key] = tuple(fields[key])
+        return cls(**fields)
+
+    def describe(self) -> list[str]:
+        where = "on a GPU it shares with the trainer" if self.shared_gpu else ""
+        gpus = f" on GPU {','.join(map(str, self.server_gpus))}" if self.server_gpus and not self.shared_gpu else ""
+        lines = [f"engine {self.engine}, {self.mode}ed{gpus} {where}".rstrip()]
+        how = {"nccl": "NCCL (GPU to GPU)", "gloo": "gloo (host memory)", "adapter": "gloo, LoRA A/B only"}
+        lines.append(f"weight sync: {self.weights} weights over {how[self.sync_backend]}")
+        lines.append("pauses: " + ("the server, inside one sync request" if self.server_pauses else "the trainer"))
+        if self.threads:
+            lines.append(f"CPU threads: server {self.threads[0]}, trainer {self.threads[1]}")
+        if self.memory is not None:
+            lines += self.memory.describe()
+        return lines
+
+
+def plan_serving(
+    args,
+    *,
+    mode: str,
+    engine: str,
+    cuda_count: int,
+    trainer_devices: Sequence[int] = (0,),
+    server_gpus: Sequence[int] | None = None,
+    data_parallel: int = 1,
+    memory: Callable[[], SharedGpuPlan | None] | None = None,
+) -> ServingPlan:
+    """The plan for `args` (an RLConfig) once the mode and the engine are known (`resolve_mode`, and
+    `resolve_engine` or, for a server the trainer connects to, what it says it runs). `memory()` computes the
+    shared GPU's split; it is called only when the server shares the trainer's GPU."""
+    from verifiers_rl.rl.inference.net import is_local
+
+    local = is_local(args.vllm_server_host)
+    devices = server_devices(mode, server_gpus, cuda_count, local)
+    shared = shares_gpu(engine, devices, trainer_devices)
+    lora_sync = resolve_lora_sync(
+        args.lora_sync, use_lora=args.use_lora, modules_to_save=args.lora_modules_to_save, shared_gpu=shared
+    )
+    backend = resolve_sync_backend(args.sync_backend, engine, shared_gpu=shared, lora_sync=lora_sync)
+    threads = cpu_thread_split(engine, local=local, max_async_level=args.max_async_level, cuda=cuda_count > 0)
+    return ServingPlan(
+        engine=engine,
+        mode=mode,
+        shared_gpu=shared,
+        lora_sync=lora_sync,
+        sync_backend=backend,
+        server_pauses=engine == "cpu" and backend == "gloo",  # our engine folds the sync into one request
+        server_gpus=tuple(server_gpus) if server_gpus is not None else None,
+        data_parallel=data_parallel,
+        memory=memory() if shared and memory is not None else None,
+        threads=threads,
+    )

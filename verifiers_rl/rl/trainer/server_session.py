@@ -1,0 +1,242 @@
+"""Getting a server: the trainer's rank 0 spawns one (and owns it) or connects to one, by the serving plan.
+
+`open()` resolves the server mode (a server already answering where the trainer looks, or a new one), makes the
+plan (`verifiers_rl.rl.plan.serving`), starts or reaches the server, and joins its weight-transfer group. What
+to send and when is `PolicySync`'s business; rollouts are the orchestrator's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from verifiers_rl.rl.inference.client import InferenceClient
+from verifiers_rl.rl.inference.control_auth import TOKEN_ENV, read_token_file
+from verifiers_rl.rl.inference.discovery import probe_server
+from verifiers_rl.rl.inference.errors import ServerError
+from verifiers_rl.rl.inference.launcher import InferenceServer
+from verifiers_rl.rl.inference.layout import ADAPTER_NAME, LORA_EXTENSION, engine_of_models
+from verifiers_rl.rl.inference.net import DEFAULT_PORT, store_host_for
+from verifiers_rl.rl.inference.transfer.adapter import adapter_serving
+from verifiers_rl.rl.inference.transfer.policy_weights import merged_weights
+from verifiers_rl.rl.plan.memory import ModelShape, plan_shared_gpu
+from verifiers_rl.rl.plan.serving import PLAN_ENV, ServingPlan, plan_serving, resolve_engine, resolve_mode
+
+logger = logging.getLogger(__name__)
+
+
+class ServerSession:
+    def __init__(self, args, model_path: str | None):
+        self.args, self.model_path = args, model_path
+        # vf-rl planned the server it started: in its process it hands the plan over, to its trainer processes
+        # through the environment
+        self.plan: ServingPlan | None = ServingPlan.from_json(os.environ[PLAN_ENV]) if PLAN_ENV in os.environ else None
+        self.process: InferenceServer | None = None  # spawned here: owned, stopped by close()
+        self.watched: InferenceServer | None = None  # started by the caller (vf-rl): only watched for failures
+        self.client: InferenceClient | None = None
+        self.model_name: str | None = None
+        self.max_model_len: int | None = None  # the server's context limit, as it reports it
+        self.started_from: int | None = None  # the version of the trainer's weights the server was started from
+
+    @property
+    def engine(self) -> str | None:
+        return self.plan.engine if self.plan is not None and self.client is not None else None
+
+    def open(self, model, tokenizer, version: int, from_files: bool) -> InferenceClient:
+        """A healthy server with a weight sender. `version`: the trainer's current policy version; `from_files`:
+        the trainer's weights are still its model path's (so a server started from that path holds them)."""
+        if self.client is not None:
+            return self.client
+        args = self.args
+        token = args.server_control_token or os.environ.get(TOKEN_ENV) or None
+        port = args.vllm_server_port
+        mode = "connect" if self.plan is not None else resolve_mode(args.server_mode, lambda: self._discover(token))
+        if mode == "spawn":
+            client = self._spawn(model, tokenizer, version, from_files)
+        else:
+            port = port or DEFAULT_PORT
+            client = InferenceClient(
+                args.vllm_server_host,
+                port,
+                control_token=token or read_token_file(port),
+                api_key=args.server_api_key,
+                **self.client_timeouts(),
+            )
+            client.wait_for_health(args.vllm_server_timeout)
+        models = client.models()
+        if self.plan is None:  # connected: the server says what it runs
+            self.plan = self._plan("connect", engine_of_models(models), model)
+        self._read_models(models)
+        client.init_weight_transfer(
+            self.plan.sync_backend,
+            host=store_host_for(args.vllm_server_host),
+            bucket_bytes=args.sync_bucket_mb << 20,
+            server_pauses=self.plan.server_pauses,
+        )
+        self.client = client
+        return client
+
+    def _plan(self, mode: str, engine: str, model) -> ServingPlan:
+        args, cuda = self.args, torch.cuda.is_available()
+        return plan_serving(
+            args,
+            mode=mode,
+            engine=engine,
+            cuda_count=torch.cuda.device_count() if cuda else 0,
+            trainer_devices=[torch.cuda.current_device()] if cuda else [],
+            server_gpus=args.server_gpus,
+            memory=lambda: self._memory(model),
+        )
+
+    def _memory(self, model):
+        args = self.args
+        plan = plan_shared_gpu(
+            ModelShape.from_config(getattr(model, "config", model)),
+            torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
+            use_lora=args.use_lora,
+            lora_rank=args.lora_rank,
+            micro_batch_tokens=args.token_budget,
+            max_seq_len=args.max_seq_len,
+            gradient_checkpointing=bool(args.gradient_checkpointing),
+        )
+        for line in plan.describe():
+            logger.info(line)
+        return plan
+
+    def _spawn(self, model, tokenizer, version: int, from_files: bool) -> InferenceClient:
+        args = self.args
+        self.plan = plan = self._plan("spawn", resolve_engine(args.server_engine), model)
+        serving = None
+        if plan.lora_sync == "adapter":  # vLLM registers the policy as a LoRA adapter at startup (CPU: ignored)
+            serving = adapter_serving(model, os.path.join(args.output_dir, "adapter_step0"))
+        path, self.started_from = self._served_path(model, tokenizer, version, from_files)
+        self.process = InferenceServer(
+            path,
+            engine=plan.engine,
+            host=args.vllm_server_host,
+            port=args.vllm_server_port,
+            output_dir=args.output_dir,
+            gpus=args.server_gpus,
+            max_model_len=args.server_max_len,
+            extra_args=plan.server_args(args.server_args or []),
+            startup_timeout=args.vllm_server_timeout,
+            env=plan.server_env(),
+            adapter=serving,
+            weight_backend=plan.server_weight_backend,
+        )
+        self.process.client_kwargs = self.client_timeouts()
+        return self.process.start()
+
+    def _served_path(self, model, tokenizer, version: int, from_files: bool) -> tuple[str, int | None]:
+        """Where the server loads its weights from, and the trainer version those weights are (None: not one)."""
+        from verifiers_rl.models import resolve_model_path
+
+        if self.model_path:
+            try:
+                path = resolve_model_path(self.model_path)
+                return path, (version if from_files and version == 0 else None)
+            except (FileNotFoundError, NotADirectoryError, ValueError):
+                pass
+        # An in-memory model: write its current (merged, adapter-free) weights where the server can load them.
+        path = os.path.join(self.args.output_dir, "served_base")
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.save_pretrained(path, state_dict=dict(merged_weights(model)))
+        tokenizer.save_pretrained(path)
+        return path, version
+
+    def _read_models(self, models: list[dict]) -> None:
+        args = self.args
+        self.model_name = models[0]["id"]
+        if self.plan.lora_sync == "adapter":
+            self.model_name = self._adapter_name(models)
+        self.max_model_len = models[0].get("max_model_len") or args.server_max_len
+        if self.max_model_len < args.server_max_len:
+            logger.warning(
+                "the server's context is %d tokens, shorter than the %d the config plans for (max_seq_len / "
+                "server_max_model_len): requests longer than that will be rejected",
+                self.max_model_len,
+                args.server_max_len,
+            )
+
+    def _adapter_name(self, models: list[dict]) -> str:
+        """Adapter sync: rollouts name the served adapter. Our CPU engine serves any name; vLLM must list it."""
+        if self.plan.engine == "cpu" or any(m.get("id") == ADAPTER_NAME for m in models):
+            return ADAPTER_NAME
+        raise ServerError(
+            f"lora_sync='adapter' needs the server to serve the policy as the LoRA adapter {ADAPTER_NAME!r}, but it "
+            f"lists {[m.get('id') for m in models]}: start vf-vllm with --enable-lora --lora-modules "
+            f"{ADAPTER_NAME}=<adapter dir> --worker-extension-cls {LORA_EXTENSION} --weight-transfer-backend gloo, "
+            "or let the trainer spawn it (server_mode='spawn')"
+        )
+
+    def client_timeouts(self) -> dict:
+        # a control request answers in milliseconds unless the server is stuck; a sync may move gigabytes
+        return {"request_timeout": 30.0, "sync_timeout": self.args.generation_timeout}
+
+    def _discover(self, token: str | None) -> str:
+        """server_mode="auto": connect to the RL server that answers at host:port (8000 when unset), else spawn.
+
+        Something else listening on a port the user named is an error: spawning elsewhere would hide that the
+        user's server is not the one being trained."""
+        args = self.args
+        where = args.vllm_server_port or DEFAULT_PORT
+        probe = probe_server(
+            args.vllm_server_host, where, api_key=args.server_api_key, control_token=token or read_token_file(where)
+        )
+        if probe.state == "server":
+            note = ""
+            if self.model_path and Path(str(probe.model)).name != Path(self.model_path).name:
+                note = f"; it serves {probe.model!r}, the trainer's model is {self.model_path!r}"
+            print(
+                f"verifiers-rl: using the {probe.engine} inference server already running at {probe.detail} "
+                f"(server_mode='auto'; set server_mode='spawn' to start a dedicated one){note}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return "connect"
+        if probe.state == "foreign" and args.vllm_server_port is not None:
+            port = args.vllm_server_port
+            raise ServerError(
+                f"vllm_server_port={port}: {probe.detail}; with server_mode='auto' the trainer trains against the "
+                "server at that port: stop what listens there, or set server_mode='spawn' and another port"
+            )
+        return "spawn"
+
+    # ------------------------------------------------------------------ failures and shutdown
+
+    def failure(self, what: str) -> ServerError:
+        """A ServerError that says what failed, whether the server process is dead or stopped, and where its
+        log is (spawned servers); for a server we only connected to, where it is."""
+        process = self.process or self.watched
+        if process is not None:
+            return ServerError(process.describe_failure(what))
+        url = self.client.base_url if self.client is not None else "the inference server"
+        alive = self.client is not None and self.client.health(timeout=5)
+        state = "it answers /health" if alive else "it does not answer /health"
+        return ServerError(f"{what}; server {url} ({state})")
+
+    def check(self) -> None:
+        """Raise at once when a spawned server died or is stopped, instead of failing rollout by rollout."""
+        process = self.process or self.watched
+        if process is not None and process.status():
+            raise self.failure("the inference server is gone")
+
+    def kill(self) -> None:
+        """A second signal: take the spawned server down now, without waiting for it."""
+        if self.process is not None:
+            self.process.kill()
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+        elif self.client is not None:
+            watched_ok = self.watched is None or self.watched.status() is None
+            self.client.close(polite=watched_ok)  # no goodbye requests to a dead or stopped server
+        self.process = self.client = None
+        self.started_from = None
+        if self.watched is None and PLAN_ENV not in os.environ:
+            self.plan = None  # a next server (spawned or found) is planned again
