@@ -146,7 +146,7 @@ def shared_gpu_sync() -> dict:
     group = join_group(store, 0, 2, 120, key)
     metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
     t0 = time.perf_counter()
-    sent = send_buckets(group, plan_buckets(metas, 64 << 20), tensors)
+    sent = send_buckets(group, plan_buckets(metas, 64 << 20), tensors.items())
     send_s = time.perf_counter() - t0
     recv_s, sums = parent.recv()
     proc.join(60)

@@ -287,7 +287,7 @@ def _sync(client, pg, pool, model, version: int, bucket_bytes: int) -> int:
     t0 = time.monotonic()
     _ok(client.post("/start_weight_update"))
     fut = pool.submit(client.post, "/update_weights", json={"update_info": UpdateInfo.from_metas(metas).to_dict()})
-    send_buckets(pg, buckets, tensors)
+    send_buckets(pg, buckets, tensors.items())
     _ok(fut.result(timeout=120))
     _ok(client.post("/finish_weight_update", json={"weight_version": str(version)}))
     _ok(client.post("/reset_prefix_cache"))
@@ -389,12 +389,17 @@ def _set_step(peft, step: int, scale: float = 0.05) -> None:
 
 @pytest.fixture(scope="module")
 def lora(tiny_model_dir, tmp_path_factory):
-    """One vLLM server in adapter mode, started as the trainer starts it: AdapterServing flags, the step-0
-    adapter on disk, our worker extension, an API key, and the launcher's control token."""
+    """One vLLM server in adapter mode, started as vf-rl starts it: AdapterServing flags with a zero adapter of the
+    trainer's layout (`lora.write_zero_adapter`; the trainer is another process), our worker extension, an API
+    key, and the launcher's control token. The trainer-spawned path writes its real step-0 adapter with the same
+    `write_adapter` (tests/e2e/test_trainer.py runs it on our engine)."""
+    from types import SimpleNamespace
+
     from peft import LoraConfig, get_peft_model
 
     from verifiers_rl.rl.inference.client import VLLMClient
-    from verifiers_rl.rl.inference.transfer.adapter import adapter_serving
+    from verifiers_rl.rl.inference.layout import ADAPTER_NAME, AdapterServing
+    from verifiers_rl.rl.trainer.lora import lora_ranks, write_zero_adapter
     from verifiers_rl.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("vllm_lora")
@@ -402,7 +407,9 @@ def lora(tiny_model_dir, tmp_path_factory):
     config = LoraConfig(r=8, lora_alpha=16, use_rslora=True, rank_pattern={"v_proj": 4}, target_modules=LORA_TARGETS)
     peft = get_peft_model(build_tiny_model(seed=0)[0], config).eval()
     _set_step(peft, 0)
-    serving = adapter_serving(peft, root / "adapter0")
+    args = SimpleNamespace(lora_config=config)
+    write_zero_adapter(tiny_model_dir, args, root / "adapter0")
+    serving = AdapterServing(ADAPTER_NAME, str(root / "adapter0"), lora_ranks(args))
     # Runtime LoRA routes mounted only so that the guard test can show a request with the control token gets
     # through to vLLM; adapter sync itself does not need them.
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
@@ -425,9 +432,17 @@ def _adapter_diff(lora, temperature=0.0, prompts=PROMPTS) -> float:
 
 
 def test_adapter_is_served_by_name_next_to_the_base(lora, tiny_model_dir):
+    from verifiers_rl.rl.inference.vllm.extension import reported_gpus
+    from verifiers_rl.tiny import build_tiny_model
+
     models = {m["id"]: m for m in lora["client"].models()}
     assert models[lora["name"]]["parent"] == tiny_model_dir
-    assert _adapter_diff(lora) < 1e-4  # the step-0 adapter, read from the files adapter_serving wrote
+    # the zero adapter vf-rl registers serves the base model, the step-0 policy, until the trainer's first sync
+    assert _max_diff(lora["http"], lora["name"], build_tiny_model(seed=0)[0], headers=_auth()) < 1e-4
+    lora["client"].update_weights(_adapter_weights(lora["peft"]), version=0)
+    assert _adapter_diff(lora) < 1e-4
+    # the workers say which GPUs they run on (vf_device_uuids, for the trainer's plan): none, on the CPU build
+    assert reported_gpus(lora["client"]) == []
 
 
 def test_adapter_syncs_match_peft_and_advance_the_version(lora):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from verifiers_rl.rl.plan.devices import assign_gpus
+from verifiers_rl.rl.plan.devices import assign_gpus, planned_uuids
 from verifiers_rl.rl.plan.serving import (
     ServingPlan,
     cpu_thread_split,
@@ -160,22 +160,26 @@ def test_vf_rl_and_the_runtime_make_the_same_plan_for_a_shared_gpu_on_two_gpus()
     the same object, so its sync backend and LoRA sync agree with the server vf-rl starts."""
     gpus = assign_gpus({"inference": {"gpus": 0}, "trainer": {"gpus": 1}}, 2)
     args = _cfg(server_engine="vllm")
+    names = planned_uuids(gpus.inference, real=False), planned_uuids(gpus.trainer, real=False)
     plan = plan_serving(
-        args, mode="spawn", engine="vllm", cuda_count=2, trainer_devices=gpus.trainer, server_gpus=gpus.inference
-    )
+        args, mode="spawn", engine="vllm", cuda_count=2, server_uuids=names[0], trainer_uuids=names[1],
+        server_gpus=gpus.inference,
+    )  # fmt: skip
     assert gpus.shared and plan.shared_gpu
     assert (plan.lora_sync, plan.sync_backend, plan.server_weight_backend) == ("adapter", "adapter", "gloo")
     pinned = _cfg(**plan.trainer_args(use_lora=True))  # a trainer process's own config, built from the pins
-    again = plan_serving(pinned, mode="connect", engine="vllm", cuda_count=2, trainer_devices=[1])
+    again = plan_serving(pinned, mode="connect", engine="vllm", cuda_count=2, trainer_uuids=["cuda:1"])
     assert (again.lora_sync, again.sync_backend) == (plan.lora_sync, plan.sync_backend)
     assert ServingPlan.from_json(plan.to_json()) == ServingPlan(**{**plan.__dict__, "memory": None})
 
 
 def test_full_fine_tuning_on_a_shared_gpu_starts_the_server_with_the_trainers_backend():
     args = _cfg(server_engine="vllm", use_lora=False)
-    plan = plan_serving(args, mode="spawn", engine="vllm", cuda_count=1, trainer_devices=[0])
+    plan = plan_serving(args, mode="spawn", engine="vllm", cuda_count=1, server_uuids=["G0"], trainer_uuids=["G0"])
     assert plan.shared_gpu and plan.sync_backend == "gloo" and plan.server_weight_backend == "gloo"
-    separate = plan_serving(args, mode="spawn", engine="vllm", cuda_count=2, trainer_devices=[1], server_gpus=[0])
+    separate = plan_serving(
+        args, mode="spawn", engine="vllm", cuda_count=2, server_uuids=["G0"], trainer_uuids=["G1"], server_gpus=[0]
+    )
     assert not separate.shared_gpu and separate.sync_backend == "nccl" and separate.server_weight_backend == "nccl"
 
 

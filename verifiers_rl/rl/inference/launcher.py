@@ -24,6 +24,7 @@ from verifiers_rl.rl.inference.control_auth import TOKEN_ENV
 from verifiers_rl.rl.inference.errors import ServerError
 from verifiers_rl.rl.inference.layout import AdapterServing, ServerSpec
 from verifiers_rl.rl.inference.net import free_port, port_in_use
+from verifiers_rl.rl.plan.devices import child_visible_devices
 
 PARENT_ENV = "VF_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
@@ -118,8 +119,8 @@ class InferenceServer:
     def environment(self) -> dict[str, str]:
         env = {**os.environ, **self.extra_env, TOKEN_ENV: self.token, PARENT_ENV: str(os.getpid())}
         env.setdefault("PYTHONUNBUFFERED", "1")
-        if self.spec.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.spec.gpus)
+        if self.spec.gpus is not None:  # indices of our visible GPUs, as the child must see them
+            env["CUDA_VISIBLE_DEVICES"] = child_visible_devices(self.spec.gpus)
         return env
 
     def start(self) -> InferenceClient:

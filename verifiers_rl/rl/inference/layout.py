@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 SERVER_MODULE = "verifiers_rl.rl.inference.server"
 # Adapter sync (lora_sync="adapter") into vLLM: the served adapter's name and the worker extension that installs it.
 ADAPTER_NAME = "policy"
-LORA_EXTENSION = "verifiers_rl.rl.inference.vllm.lora.LoraSyncExtension"
+# the worker extension vf-vllm starts vLLM with (adapter sync, and the workers' GPUs for the plan)
+WORKER_EXTENSION = "verifiers_rl.rl.inference.vllm.extension.WorkerExtension"
+LORA_EXTENSION = WORKER_EXTENSION
 # vLLM accepts only these --max-lora-rank values.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 

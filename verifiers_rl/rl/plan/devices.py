@@ -11,6 +11,8 @@ and LoRA runs sync adapters by default.
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Sequence
 from typing import Any
 
 from verifiers_rl.errors import ConfigError
@@ -42,6 +44,52 @@ class GpuPlan:
     @property
     def trainer_processes(self) -> int:
         return max(len(self.trainer), 1)
+
+
+def visible_devices() -> list[str] | None:
+    """This process's CUDA_VISIBLE_DEVICES as a list (indices, UUIDs or MIG ids); None when unset (every GPU)."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [d.strip() for d in value.split(",") if d.strip()]
+
+
+def child_visible_devices(indices: Sequence[int]) -> str:
+    """CUDA_VISIBLE_DEVICES for a child process that must see `indices` of THIS process's visible GPUs.
+
+    Every GPU index in a plan (`[inference] gpus`, `server_gpus`, the trainer's GPUs) counts this process's
+    visible devices. A child's CUDA_VISIBLE_DEVICES replaces its parent's rather than narrowing it, so index i
+    becomes the parent's i-th entry: under CUDA_VISIBLE_DEVICES=2,3 the plan's GPU 1 is physical GPU 3."""
+    parent = visible_devices()
+    if parent is None:
+        return ",".join(str(int(i)) for i in indices)
+    missing = [i for i in indices if not 0 <= int(i) < len(parent)]
+    if missing:
+        raise ConfigError(
+            f"GPU index {missing[0]} is not among this process's CUDA_VISIBLE_DEVICES={','.join(parent)} "
+            f"(indices count the visible devices, from 0 to {len(parent) - 1})"
+        )
+    return ",".join(parent[int(i)] for i in indices)
+
+
+def gpu_uuids(indices: Sequence[int]) -> tuple[str, ...] | None:
+    """The UUIDs of `indices` (this process's visible GPUs), or None without CUDA: they name a GPU the same way
+    in every process, whatever each one's CUDA_VISIBLE_DEVICES."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return tuple(str(torch.cuda.get_device_properties(int(i)).uuid) for i in indices)
+    except Exception:  # noqa: BLE001 - a broken CUDA setup: nothing to compare
+        return None
+
+
+def planned_uuids(indices: Sequence[int], real: bool) -> tuple[str, ...]:
+    """GPU names for a plan: the UUIDs on this machine (`real`), else, planning for GPUs it does not have
+    (`vf-rl --dry-run --gpus N`), their indices, which are one namespace there."""
+    found = gpu_uuids(indices) if real else None
+    return found if found is not None else tuple(f"cuda:{int(i)}" for i in indices)
 
 
 def assign_gpus(cfg: dict[str, Any], available: int) -> GpuPlan:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from verifiers_rl.rl.inference.layout import has_flag
+from verifiers_rl.rl.plan.devices import visible_devices
 from verifiers_rl.rl.plan.memory import SharedGpuPlan
 
 # A trainer process started by vf-rl finds the plan vf-rl made in this variable (ServingPlan.to_json).
@@ -83,22 +84,24 @@ def resolve_mode(requested: str, discover: Callable[[], str]) -> str:
     return discover() if requested == "auto" else requested
 
 
-def shares_gpu(engine: str, server_devices: Sequence[int] | None, trainer_devices: Sequence[int]) -> bool:
-    """Does a vLLM server run on one of the trainer's GPUs? (The CPU engine uses none.) Devices are indices in
-    one namespace; None: the server's devices are not known (a server someone else started)."""
-    if engine != "vllm" or server_devices is None:
+def shares_gpu(engine: str, server_uuids: Sequence[str] | None, trainer_uuids: Sequence[str]) -> bool:
+    """Does a vLLM server run on one of the trainer's GPUs? (The CPU engine uses none.) GPUs are compared by UUID,
+    the one name a GPU has in every process whatever its CUDA_VISIBLE_DEVICES; None: the server's are not known."""
+    if engine != "vllm" or server_uuids is None:
         return False
-    return bool(set(server_devices) & set(trainer_devices))
+    return bool(set(server_uuids) & set(trainer_uuids))
 
 
-def server_devices(mode: str, server_gpus: Sequence[int] | None, cuda_count: int, local: bool) -> list[int] | None:
-    """The GPUs a server uses, as far as the trainer knows: the ones it was given (`server_gpus`); a spawned
-    server without them inherits the trainer's devices and vLLM takes the first; a local server we only connect
-    to is known on a one-GPU machine (it can only be on that GPU)."""
-    if server_gpus is not None:
-        return list(server_gpus)
-    if mode == "spawn" or (local and cuda_count == 1):
-        return [0] if cuda_count else []
+def connected_server_uuids(
+    reported: Sequence[str] | None, *, local: bool, cuda_count: int, trainer_uuids: Sequence[str]
+) -> tuple[str, ...] | None:
+    """The GPUs of a server the trainer connects to: what it reports (vf-vllm's workers answer `vf_device_uuids`);
+    for a server that does not say, a local one on a machine whose only GPU the trainer sees without narrowing
+    (CUDA_VISIBLE_DEVICES unset) can only be on that GPU; otherwise they are not known."""
+    if reported is not None:
+        return tuple(reported)
+    if local and cuda_count == 1 and visible_devices() is None:
+        return tuple(trainer_uuids)
     return None
 
 
@@ -162,7 +165,8 @@ class ServingPlan:
     lora_sync: str  # "merged" | "adapter" (full fine-tuning: "merged")
     sync_backend: str  # "gloo" | "nccl" | "adapter"
     server_pauses: bool  # the server pauses, finishes and resumes by itself around a sync
-    server_gpus: tuple[int, ...] | None = None  # CUDA_VISIBLE_DEVICES of a server we start (None: inherited)
+    server_gpus: tuple[int, ...] | None = None  # GPUs of a server we start, as indices of our visible GPUs
+    server_uuids: tuple[str, ...] | None = None  # the same GPUs by UUID: one name in every process
     data_parallel: int = 1
     memory: SharedGpuPlan | None = None  # the split of a GPU that the server shares with the trainer
     threads: tuple[int, int] | None = None  # (server, trainer) CPU threads
@@ -209,7 +213,7 @@ class ServingPlan:
     @classmethod
     def from_json(cls, text: str) -> ServingPlan:
         fields = json.loads(text)
-        for key in ("server_gpus", "threads"):
+        for key in ("server_gpus", "server_uuids", "threads"):
             if fields.get(key) is not None:
                 fields[key] = tuple(fields[key])
         return cls(**fields)
@@ -234,19 +238,20 @@ def plan_serving(
     mode: str,
     engine: str,
     cuda_count: int,
-    trainer_devices: Sequence[int] = (0,),
+    server_uuids: Sequence[str] | None = None,
+    trainer_uuids: Sequence[str] = (),
     server_gpus: Sequence[int] | None = None,
     data_parallel: int = 1,
     memory: Callable[[], SharedGpuPlan | None] | None = None,
 ) -> ServingPlan:
     """The plan for `args` (an RLConfig) once the mode and the engine are known (`resolve_mode`, and
-    `resolve_engine` or, for a server the trainer connects to, what it says it runs). `memory()` computes the
-    shared GPU's split; it is called only when the server shares the trainer's GPU."""
+    `resolve_engine` or, for a server the trainer connects to, what it says it runs). GPUs by UUID: the server's
+    (None: not known) and this trainer's; `server_gpus` are the server's as indices of our visible GPUs, for its
+    CUDA_VISIBLE_DEVICES. `memory()` computes a shared GPU's split; it is called only when the GPU is shared."""
     from verifiers_rl.rl.inference.net import is_local
 
     local = is_local(args.vllm_server_host)
-    devices = server_devices(mode, server_gpus, cuda_count, local)
-    shared = shares_gpu(engine, devices, trainer_devices)
+    shared = shares_gpu(engine, server_uuids, trainer_uuids)
     lora_sync = resolve_lora_sync(
         args.lora_sync, use_lora=args.use_lora, modules_to_save=args.lora_modules_to_save, shared_gpu=shared
     )
@@ -260,7 +265,23 @@ def plan_serving(
         sync_backend=backend,
         server_pauses=engine == "cpu" and backend == "gloo",  # our engine folds the sync into one request
         server_gpus=tuple(server_gpus) if server_gpus is not None else None,
+        server_uuids=tuple(server_uuids) if server_uuids is not None and engine == "vllm" else None,
         data_parallel=data_parallel,
         memory=memory() if shared and memory is not None else None,
         threads=threads,
+    )
+
+
+def placement_problem(plan: ServingPlan, trainer_uuid: str | None) -> str | None:
+    """Why this trainer process cannot sync by `plan`, or None. NCCL cannot put the trainer and a server worker
+    on one GPU: when the trainer's own GPU (by UUID, whatever each process's CUDA_VISIBLE_DEVICES) is one of the
+    server's while the plan syncs over NCCL, the first sync would fail deep inside NCCL."""
+    if plan.sync_backend != "nccl" or not plan.server_uuids or trainer_uuid is None:
+        return None
+    if trainer_uuid not in plan.server_uuids:
+        return None
+    return (
+        f"the trainer runs on GPU {trainer_uuid}, which the inference server uses too, but weights would travel "
+        "over NCCL, which cannot put two ranks on one GPU: give the trainer its own GPU (CUDA_VISIBLE_DEVICES, "
+        '[trainer] gpus / server_gpus), or share it on purpose with sync_backend = "gloo"'
     )

@@ -182,7 +182,11 @@ class RLConfig(TrainingArguments):
         default="auto", metadata=_help("Engine of a spawned server: 'auto' (vLLM if CUDA, else CPU), 'cpu', 'vllm'.")
     )
     server_gpus: list[int] | None = field(
-        default=None, metadata=_help("CUDA devices of a spawned server (CUDA_VISIBLE_DEVICES).")
+        default=None,
+        metadata=_help(
+            "GPUs of a spawned server, as indices of this process's visible GPUs (default: the first; the "
+            "server's CUDA_VISIBLE_DEVICES is derived from them)."
+        ),
     )
     server_args: list[str] | None = field(
         default=None, metadata=_help("Extra flags for a spawned server (vLLM flags pass through).")
@@ -290,6 +294,13 @@ class RLConfig(TrainingArguments):
                 f"invalid RLConfig: batch_size={self.batch_size}: must be divisible by micro_batch_size * processes "
                 f"= {self.micro_batch_size} * {world}"
             )
+
+    @property
+    def n_gpu(self) -> int:
+        """At most one GPU per process: Trainer would wrap the policy in `nn.DataParallel` over every visible GPU
+        (the inference server's included) and count each step's batch once per GPU. Several GPUs train as several
+        processes (`accelerate launch`, which `vf-rl` runs for `[trainer] gpus > 1`)."""
+        return min(super().n_gpu, 1)
 
     @property
     def prompts_per_batch(self) -> int:

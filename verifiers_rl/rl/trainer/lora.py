@@ -30,3 +30,46 @@ def lora_config(
         use_rslora=use_rslora,
         task_type="CAUSAL_LM",
     )
+
+
+def run_lora_config(args):
+    """The run's LoraConfig: `args.lora_config` as given, else built from the lora_* fields."""
+    return args.lora_config or lora_config(
+        args.lora_rank,
+        args.lora_alpha,
+        args.lora_dropout,
+        args.lora_target_modules,
+        args.lora_modules_to_save,
+        args.lora_use_rslora,
+    )
+
+
+def lora_ranks(args) -> int:
+    """The largest LoRA rank the run trains (its config's r, or a larger one in its rank pattern)."""
+    config = args.lora_config
+    rank = config.r if config is not None else args.lora_rank
+    pattern = (getattr(config, "rank_pattern", None) or {}) if config is not None else {}
+    return max([int(rank), *map(int, pattern.values())])
+
+
+def write_zero_adapter(model_name: str, args, directory) -> None:
+    """The adapter a vLLM server is started with when the trainer runs in another process (vf-rl): the trainer's
+    LoRA layout (targets, ranks, patterns, as `RLTrainer` builds it) with zero weights. It serves exactly the base
+    model, as the trainer's step-0 policy does (peft initialises B to zero), and the trainer's first sync replaces
+    it before any rollout. Shapes come from the model's config on the meta device: no weights are loaded."""
+    import torch
+    from accelerate import init_empty_weights
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from verifiers_rl.models import resolve_model_path
+    from verifiers_rl.rl.inference.transfer.adapter import write_adapter
+    from verifiers_rl.rl.inference.transfer.policy_weights import AdapterWeights, adapter_weights
+
+    config = AutoConfig.from_pretrained(resolve_model_path(model_name))
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    peft = get_peft_model(model, run_lora_config(args))
+    shapes = adapter_weights(peft)  # meta tensors: names, shapes and the unit-scaling config
+    zeros = [(name, torch.zeros(t.shape, dtype=torch.float32)) for name, t in shapes]
+    write_adapter(AdapterWeights(zeros, shapes.peft_config, shapes.ranks), directory)

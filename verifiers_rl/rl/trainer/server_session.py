@@ -20,11 +20,21 @@ from verifiers_rl.rl.inference.discovery import probe_server
 from verifiers_rl.rl.inference.errors import ServerError
 from verifiers_rl.rl.inference.launcher import InferenceServer
 from verifiers_rl.rl.inference.layout import ADAPTER_NAME, LORA_EXTENSION, engine_of_models
-from verifiers_rl.rl.inference.net import DEFAULT_PORT, store_host_for
+from verifiers_rl.rl.inference.net import DEFAULT_PORT, is_local, store_host_for
 from verifiers_rl.rl.inference.transfer.adapter import adapter_serving
 from verifiers_rl.rl.inference.transfer.policy_weights import merged_weights
+from verifiers_rl.rl.inference.vllm.extension import reported_gpus
+from verifiers_rl.rl.plan.devices import gpu_uuids
 from verifiers_rl.rl.plan.memory import ModelShape, plan_shared_gpu
-from verifiers_rl.rl.plan.serving import PLAN_ENV, ServingPlan, plan_serving, resolve_engine, resolve_mode
+from verifiers_rl.rl.plan.serving import (
+    PLAN_ENV,
+    ServingPlan,
+    connected_server_uuids,
+    placement_problem,
+    plan_serving,
+    resolve_engine,
+    resolve_mode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +79,8 @@ class ServerSession:
             client.wait_for_health(args.vllm_server_timeout)
         models = client.models()
         if self.plan is None:  # connected: the server says what it runs
-            self.plan = self._plan("connect", engine_of_models(models), model)
+            self.plan = self._plan("connect", engine_of_models(models), model, client)
+        self._check_placement()
         self._read_models(models)
         client.init_weight_transfer(
             self.plan.sync_backend,
@@ -80,14 +91,33 @@ class ServerSession:
         self.client = client
         return client
 
-    def _plan(self, mode: str, engine: str, model) -> ServingPlan:
+    def _check_placement(self) -> None:
+        if not torch.cuda.is_available():
+            return
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        problem = placement_problem(self.plan, uuid)
+        if problem:
+            raise ServerError(problem)
+
+    def _plan(self, mode: str, engine: str, model, client: InferenceClient | None = None) -> ServingPlan:
+        """Spawn: the server gets `server_gpus` (default: our first GPU); connect: the GPUs the server reports."""
         args, cuda = self.args, torch.cuda.is_available()
+        count = torch.cuda.device_count() if cuda else 0
+        mine = gpu_uuids([torch.cuda.current_device()]) if cuda else ()
+        if mode == "spawn":
+            servers = gpu_uuids(args.server_gpus if args.server_gpus is not None else [0]) if cuda else None
+        else:
+            reported = reported_gpus(client) if engine == "vllm" else []
+            servers = connected_server_uuids(
+                reported, local=is_local(args.vllm_server_host), cuda_count=count, trainer_uuids=mine
+            )
         return plan_serving(
             args,
             mode=mode,
             engine=engine,
-            cuda_count=torch.cuda.device_count() if cuda else 0,
-            trainer_devices=[torch.cuda.current_device()] if cuda else [],
+            cuda_count=count,
+            server_uuids=servers,
+            trainer_uuids=mine or (),
             server_gpus=args.server_gpus,
             memory=lambda: self._memory(model),
         )

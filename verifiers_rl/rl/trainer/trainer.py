@@ -130,18 +130,10 @@ class RLTrainer(Trainer):
         from peft import get_peft_model
         from transformers import set_seed
 
-        from verifiers_rl.rl.trainer.lora import lora_config
+        from verifiers_rl.rl.trainer.lora import run_lora_config
 
         set_seed(args.seed)  # LoRA A is random-initialised: seed it so runs (and ranks) start identically
-        config = args.lora_config or lora_config(
-            args.lora_rank,
-            args.lora_alpha,
-            args.lora_dropout,
-            args.lora_target_modules,
-            args.lora_modules_to_save,
-            args.lora_use_rslora,
-        )
-        model = get_peft_model(model, config)
+        model = get_peft_model(model, run_lora_config(args))
         if args.gradient_checkpointing:
             model.enable_input_require_grads()
         return model

@@ -11,9 +11,10 @@ One protocol, two engines. Per sync (the client pauses generation around it):
 The RPC's result is `{"error": reason}` when the server refuses the update (DoRA, biases, modules_to_save, a
 rank above --max-lora-rank, a module the model lacks); it drains the buckets first and keeps the old adapter.
 
-vLLM runs it in every worker through our worker extension (`vllm_lora.LoraSyncExtension`), which installs the
-adapter in place of the one registered at startup (`--lora-modules policy=<dir>`, lora_int_id 1), so requests
-that name the adapter, in flight ones included, continue on the new weights. Our CPU engine applies
+vLLM runs it in every worker through our worker extension (`vllm/extension.WorkerExtension`; the adapter methods
+are `vllm/lora.LoraSyncExtension`), which installs the adapter in place of the one registered at startup
+(`--lora-modules policy=<dir>`, lora_int_id 1), so requests that name the adapter, in flight ones included,
+continue on the new weights. Our CPU engine applies
 W = W0 + B @ A on pristine base weights. `/collective_rpc` rather than `/update_weights`: vLLM drops every
 LoRA adapter at `/finish_weight_update`. Tensors and config come from `policy_weights.adapter_weights`.
 """
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verifiers_rl.rl.inference.errors import ServerError
+from verifiers_rl.rl.inference.layout import WORKER_EXTENSION
 from verifiers_rl.rl.inference.transfer.buckets import UpdateInfo, plan_buckets
 from verifiers_rl.rl.inference.transfer.gloo import GlooSender, run_in_thread, send_buckets
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
@@ -111,7 +113,7 @@ class AdapterSender(GlooSender):
             raise RuntimeError(
                 "adapter sync (lora_sync='adapter') needs a server that takes LoRA updates: our CPU engine, or vLLM "
                 "started with --enable-lora --lora-modules <name>=<dir> --worker-extension-cls "
-                f"verifiers_rl.rl.inference.vllm.lora.LoraSyncExtension (layout.AdapterServing); the server said: {e}"
+                f"{WORKER_EXTENSION} (layout.AdapterServing); the server said: {e}"
             ) from e
         super().init()
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from verifiers_rl.rl.inference.layout import flag_name
+from verifiers_rl.rl.inference.layout import WORKER_EXTENSION, flag_name
 
 MIN_VLLM_VERSION = "0.32"
 # The official wheel and the community CPU build publish the same `vllm` package under different names.
@@ -47,6 +47,8 @@ def build_vllm_command(
         # Raw logprobs ignore temperature/top-p; the trainer's importance ratios need the sampled
         # distribution's logprobs.
         ("logprobs-mode", "processed_logprobs"),
+        # adapter sync, and the workers' GPUs the trainer asks for before it plans (vllm/extension.py)
+        ("worker-extension-cls", WORKER_EXTENSION),
     ]
     argv = [python, "-m", _SERVER_MODULE]
     for key, value in ours:

@@ -1,0 +1,225 @@
+"""The GPU layouts `vf-rl` plans, checked as the processes will see them (no GPU here: the plans are built for
+1, 2 and 8 GPUs and read back). For every layout the server's weight-transfer backend is the trainer's, every
+process gets its own CUDA_VISIBLE_DEVICES, no two NCCL ranks share a device, adapters are served where adapters
+are synced, and the trainer runs by vf-rl's serving plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from verifiers_rl.rl.plan.devices import child_visible_devices
+from verifiers_rl.rl.plan.serving import PLAN_ENV, ServingPlan, plan_serving
+from verifiers_rl.scripts.rl_plan import build_plan, trainer_env
+from verifiers_rl.scripts.toml_config import rl_config, validate
+
+POLICIES = {
+    "full": {"use_lora": False},
+    "lora-merged": {"lora_sync": "merged"},
+    "lora-adapter": {"lora_sync": "adapter"},
+    "lora-auto": {},  # adapter on a shared GPU, merged otherwise
+}
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def _layout(tmp_path, gpus: int, trainers: int, policy: str):
+    inference = gpus - trainers if gpus - trainers >= 1 else 0  # 0: the server shares the trainer's first GPU
+    args = "\n".join(f"{k} = {json.dumps(v)}" for k, v in POLICIES[policy].items())
+    path = tmp_path / "cfg.toml"
+    path.write_text(
+        textwrap.dedent(
+            f"""
+            model = "Qwen/Qwen3-0.6B"
+            output_dir = "{tmp_path / "out"}"
+            [env]
+            id = "reverse-text"
+            [inference]
+            gpus = {inference}
+            [trainer]
+            gpus = {trainers}
+            """
+        )
+        + f"[trainer.args]\nbatch_size = 32\nrollouts_per_example = 4\nmicro_batch_size = 4\n{args}\n"
+    )
+    import tomllib
+
+    cfg = validate(tomllib.loads(path.read_text()), "vf-rl")
+    return build_plan(cfg, str(path), [], dry_run=True, cuda=gpus, gpu_memory_gib=80)
+
+
+LAYOUTS = [
+    (gpus, trainers, policy) for gpus in (1, 2, 8) for trainers in (1, 2) for policy in POLICIES if trainers <= gpus
+]
+
+
+@pytest.mark.parametrize(("gpus", "trainers", "policy"), LAYOUTS, ids=lambda v: str(v))
+def test_planned_processes_agree(tmp_path, monkeypatch, gpus, trainers, policy):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    plan = _layout(tmp_path, gpus, trainers, policy)
+    serving, server = plan.serving, plan.server_cmd
+    env = trainer_env(plan, token="t")
+
+    # one backend on both sides: the server's receiver is the trainer's sender
+    trainer_backend = plan.trainer_overrides["sync_backend"]
+    assert _flag(server, "--weight-transfer-backend") == trainer_backend
+    assert serving.sync_backend in (trainer_backend, "adapter")
+
+    # every process narrowed to its own GPUs; the trainer never runs in vf-rl's process (which sees them all)
+    server_devs = set(plan.gpus.inference)
+    trainer_devs = {int(d) for d in env["CUDA_VISIBLE_DEVICES"].split(",")}
+    assert plan.trainer_cmd and trainer_devs == set(plan.gpus.trainer) and len(trainer_devs) == trainers
+    assert plan.server.environment()["CUDA_VISIBLE_DEVICES"] == child_visible_devices(plan.gpus.inference)
+    if trainers > 1:
+        assert _flag(plan.trainer_cmd, "--num_processes") == str(trainers)
+    else:
+        assert "accelerate.commands.launch" not in plan.trainer_cmd
+
+    # NCCL: no trainer rank on a device of the server's; sharing a GPU means gloo
+    if trainer_backend == "nccl":
+        assert not server_devs & trainer_devs
+    assert serving.shared_gpu == bool(server_devs & trainer_devs)
+    if serving.shared_gpu:
+        assert trainer_backend == "gloo" and _flag(server, "--gpu-memory-utilization") is not None
+
+    # adapters served exactly where adapters are synced
+    adapter = serving.lora_sync == "adapter"
+    assert adapter == (policy == "lora-adapter" or (serving.shared_gpu and policy == "lora-auto"))
+    assert ("--enable-lora" in server) == adapter
+    assert (_flag(server, "--lora-modules") or "").startswith("policy=") == adapter
+
+    # the trainer follows vf-rl's plan: the one in its environment, and the one its pinned config resolves to
+    handed = ServingPlan.from_json(env[PLAN_ENV])
+    assert handed.sync_backend == serving.sync_backend and handed.lora_sync == serving.lora_sync
+    args = rl_config(plan.cfg, cuda=False, quiet=True, **plan.trainer_overrides)
+    mine = tuple(f"cuda:{i}" for i in plan.gpus.trainer)
+    again = plan_serving(
+        args, mode="connect", engine="vllm", cuda_count=trainers, server_uuids=serving.server_uuids, trainer_uuids=mine
+    )
+    assert again.lora_sync == serving.lora_sync
+    assert again.sync_backend == serving.sync_backend and again.shared_gpu == serving.shared_gpu
+
+
+def test_plan_indices_count_the_visible_gpus(monkeypatch):
+    """Under CUDA_VISIBLE_DEVICES=4,5,6 the plan's GPU 1 is physical GPU 5, for the server and the trainer alike
+    (a child's CUDA_VISIBLE_DEVICES replaces its parent's: passing "1" on would pick physical GPU 1)."""
+    from verifiers_rl.errors import ConfigError
+    from verifiers_rl.rl.inference.launcher import InferenceServer
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    assert child_visible_devices([1, 2]) == "5,6"
+    server = InferenceServer("m", engine="vllm", gpus=[1], output_dir=os.devnull)
+    assert server.environment()["CUDA_VISIBLE_DEVICES"] == "5"
+    with pytest.raises(ConfigError, match="GPU index 3 is not among"):
+        child_visible_devices([3])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa,GPU-bbbb")  # UUIDs pass through as they are
+    assert child_visible_devices([1]) == "GPU-bbbb"
+
+
+class _Props:
+    def __init__(self, uuid: str):
+        self.uuid, self.total_memory = uuid, 80 << 30
+
+
+def _fake_gpus(monkeypatch, uuids: list[str], current: int = 0):
+    """torch.cuda as a process with these visible GPUs sees it (no GPU here: the device is all that is faked)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _Props(uuids[int(i)]))
+
+
+def test_a_trainer_on_the_servers_gpu_is_refused_before_nccl_hangs(monkeypatch, tmp_path):
+    """vf-rl planned NCCL between GPU 0 (server) and GPU 1 (trainer); a trainer process that nonetheless sees the
+    server's GPU as its own (CUDA_VISIBLE_DEVICES not narrowed) stops with one line, by UUID."""
+    from verifiers_rl.rl.inference.errors import ServerError
+    from verifiers_rl.rl.trainer.server_session import ServerSession
+
+    plan = plan_serving(
+        _args(), mode="spawn", engine="vllm", cuda_count=2, server_uuids=["GPU-a"], trainer_uuids=["GPU-b"]
+    )
+    assert plan.sync_backend == "nccl"
+    session = ServerSession(_args(), None)
+    session.plan = plan
+    _fake_gpus(monkeypatch, ["GPU-b"])  # narrowed to its own GPU: fine
+    session._check_placement()
+    _fake_gpus(monkeypatch, ["GPU-a", "GPU-b"])  # every GPU visible: cuda:0 is the server's
+    with pytest.raises(ServerError, match="the trainer runs on GPU GPU-a, which the inference server uses too"):
+        session._check_placement()
+
+
+def test_one_process_never_spreads_over_several_gpus():
+    """Trainer's DataParallel over every visible GPU would take the server's GPU and count each step's batch
+    once per GPU: an RLConfig process trains on one GPU (several GPUs are several processes)."""
+    args = _args()
+    args._n_gpu = 2  # what TrainingArguments computes for one process that sees two GPUs
+    assert args.n_gpu == 1 and args.train_batch_size == 1
+
+
+def test_connected_servers_gpus(monkeypatch):
+    from verifiers_rl.rl.plan.serving import connected_server_uuids
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert connected_server_uuids(["G1"], local=True, cuda_count=1, trainer_uuids=["G0"]) == ("G1",)  # it said
+    assert connected_server_uuids(None, local=True, cuda_count=1, trainer_uuids=["G0"]) == ("G0",)  # the only GPU
+    assert connected_server_uuids(None, local=True, cuda_count=2, trainer_uuids=["G0"]) is None
+    assert connected_server_uuids(None, local=False, cuda_count=1, trainer_uuids=["G0"]) is None
+    # upstream's two-shell flow: CUDA_VISIBLE_DEVICES=1 for the trainer, the server on GPU 0: not the same GPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert connected_server_uuids(None, local=True, cuda_count=1, trainer_uuids=["G1"]) is None
+    plan = plan_serving(_args(), mode="connect", engine="vllm", cuda_count=1, server_uuids=None, trainer_uuids=["G1"])
+    assert not plan.shared_gpu and plan.sync_backend == "nccl" and plan.lora_sync == "merged"
+
+
+def _args(**kw):
+    from verifiers_rl.rl.trainer import RLConfig
+
+    return RLConfig(output_dir="/tmp/x", use_cpu=True, server_engine="vllm", **kw)
+
+
+def test_vf_rl_starts_vllm_with_a_zero_adapter_of_the_trainers_layout(tmp_path, tiny_model_dir):
+    """vf-rl starts vLLM before the trainer exists: the adapter it registers has the trainer's modules, ranks and
+    scaling config with zero weights, so it serves the base model (= the step-0 policy) until the first sync."""
+    from types import SimpleNamespace
+
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+
+    from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights
+    from verifiers_rl.rl.trainer.lora import lora_ranks, write_zero_adapter
+    from verifiers_rl.tiny import build_tiny_model
+
+    config = LoraConfig(r=8, lora_alpha=16, rank_pattern={"v_proj": 4}, target_modules=["q_proj", "v_proj", "up_proj"])
+    args = SimpleNamespace(lora_config=config)
+    write_zero_adapter(tiny_model_dir, args, tmp_path / "adapter")
+    trainer = adapter_weights(get_peft_model(build_tiny_model(seed=0)[0], config))  # what the trainer will sync
+    files = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert {n: tuple(t.shape) for n, t in files.items()} == {n: tuple(t.shape) for n, t in trainer.tensors}
+    assert all(not t.any() for t in files.values()) and lora_ranks(args) == 8
+    base = build_tiny_model(seed=0)[0].eval()
+    served = PeftModel.from_pretrained(build_tiny_model(seed=0)[0], str(tmp_path / "adapter")).eval()
+    ids = torch.tensor([[1, 5, 9, 42, 7]])
+    assert torch.equal(served(ids).logits, base(ids).logits)
+
+
+def test_gpu_smoke_script_dry_runs_on_cpu():
+    """benchmarks/gpu_smoke.py, the first thing to run on a machine with GPUs, checks its plans on any machine."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_smoke.py"), "--dry-run"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "gpu_smoke: every check passed" in r.stdout and r.stdout.count("[ok]") >= 20
