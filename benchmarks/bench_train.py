@@ -33,11 +33,16 @@ import random
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
+
+if TYPE_CHECKING:
+    from verifiers_rl.rl.trainer.microbatches import MicroBatch
+    from verifiers_rl.rl.trainer.samples import Sample
 
 NAME = "bench_train"
 CEILING_GOAL = 0.95  # packed vs padded: fraction of the speedup that removing the padding allows
@@ -47,59 +52,62 @@ MEMORY_GOAL = 0.5
 # ---------------------------------------------------------------------------------------- (a) micro-batching
 
 
-def make_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[dict]:
+def make_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[Sample]:
+    from verifiers_rl.rl.trainer.samples import Sample
+
     rng = random.Random(seed)
     out = []
-    for _ in range(n):
+    for i in range(n):
         length = rng.randint(min_len, max_len)
         prompt = max(1, int(length * 0.4))
         out.append(
-            {
-                "input_ids": [rng.randrange(vocab) for _ in range(length)],
-                "loss_mask": [False] * prompt + [True] * (length - prompt),
-                "sampler_logprobs": [0.0] * length,
-                "advantage": rng.uniform(-1.0, 1.0),
-            }
+            Sample(
+                input_ids=[rng.randrange(vocab) for _ in range(length)],
+                loss_mask=[False] * prompt + [True] * (length - prompt),
+                sampler_logprobs=[0.0] * length,
+                advantage=rng.uniform(-1.0, 1.0),
+                rollout=i,
+            )
         )
     return out
 
 
-def naive_microbatches(samples: list[dict], micro_batch_size: int, pad_id: int) -> list[dict]:
+def naive_microbatches(samples: list[Sample], micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
     from verifiers_rl.rl.trainer.microbatches import collate_padded
 
     return [collate_padded(samples[i : i + micro_batch_size], pad_id) for i in range(0, len(samples), micro_batch_size)]
 
 
 def planned_microbatches(
-    samples: list[dict], budget: int, packed: bool, max_samples: int | None, pad_id: int, rows: bool = False
-):
+    samples: list[Sample], budget: int, packed: bool, max_samples: int | None, pad_id: int, rows: bool = False
+) -> list[MicroBatch]:
     """rows=True: packed rows as wide as the micro-batch's longest sample (RLTrainer._packed_row_len under SDPA);
     False: one packed row per micro-batch (the flash-attention layout)."""
     from verifiers_rl.rl.trainer.microbatches import collate_packed, collate_padded, plan_microbatches
 
-    plan = plan_microbatches([len(s["input_ids"]) for s in samples], budget, packed=packed, max_samples=max_samples)
+    plan = plan_microbatches([len(s.input_ids) for s in samples], budget, packed=packed, max_samples=max_samples)
     groups = [[samples[i] for i in idx] for idx in plan]
-    width = lambda g: max(len(s["input_ids"]) for s in g) if rows else None  # noqa: E731
+    width = lambda g: max(len(s.input_ids) for s in g) if rows else None  # noqa: E731
     return [collate_packed(g, width(g), pad_id) if packed else collate_padded(g, pad_id) for g in groups]
 
 
-def step_seconds(model, head, mbs: list[dict]) -> float:
+def step_seconds(model, head, mbs: list[MicroBatch]) -> float:
     """Forward + simple PG loss + backward over every micro-batch (one optimizer step's worth of compute)."""
     from verifiers_rl.rl.trainer.forward import token_logprobs
 
-    n_loss = sum(mb["num_loss_tokens"] for mb in mbs)
+    n_loss = sum(mb.num_loss_tokens for mb in mbs)
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     for mb in mbs:
         logprobs, _ = token_logprobs(model, head, mb, 1.0)
-        adv = mb["advantages"]
+        adv = mb.advantages
         adv = adv[:, None] if adv.dim() == 1 else adv
-        loss = -(logprobs * adv * mb["loss_mask"]).sum() / n_loss
+        loss = -(logprobs * adv * mb.loss_mask).sum() / n_loss
         loss.backward()
     return time.perf_counter() - t0
 
 
-def time_variants(model, head, variants: dict[str, list[dict]], real: int, repeats: int, log, tag: str) -> dict:
+def time_variants(model, head, variants: dict[str, list[MicroBatch]], real: int, repeats: int, log, tag: str) -> dict:
     from verifiers_rl.rl.trainer.microbatches import padding_fraction
 
     for mbs in variants.values():
@@ -117,8 +125,8 @@ def time_variants(model, head, variants: dict[str, list[dict]], real: int, repea
             "tokens_per_s": real / sec,
             "microbatches": len(mbs),
             "padding_frac": padding_fraction(mbs),
-            "slots": sum(m["num_real_tokens"] + m["num_padded_tokens"] for m in mbs),
-            "longest_row": max(m["input_ids"].shape[1] for m in mbs),
+            "slots": sum(m.num_real_tokens + m.num_padded_tokens for m in mbs),
+            "longest_row": max(m.input_ids.shape[1] for m in mbs),
         }
         log(
             f"{tag} {k}: {v['microbatches']} micro-batches (longest row {v['longest_row']}), padding "
@@ -146,7 +154,7 @@ def microbatch_throughput(quick: bool, log) -> dict:
     head = ReplicatedExport(model)  # the trainer's path to the output head
     pad = tok.pad_token_id
     samples = make_samples(n, min_len, max_len, 256, seed=0)
-    real = sum(len(s["input_ids"]) for s in samples)
+    real = sum(len(s.input_ids) for s in samples)
     budget = mbs_size * max_len  # RLConfig.token_budget = micro_batch_size * max_seq_len
     variants = {
         "naive": naive_microbatches(samples, mbs_size, pad),
@@ -171,7 +179,7 @@ def microbatch_throughput(quick: bool, log) -> dict:
         # diagnostic: an RL-shaped batch (64 samples of 140..165 tokens, like reverse-text rollouts) with
         # micro_batch_size 64 / max_seq_len 256 (one packed row of ~9.7k tokens) vs 8, packed vs padded
         rl = make_samples(64, 140, 165, 256, seed=1)
-        rl_real = sum(len(s["input_ids"]) for s in rl)
+        rl_real = sum(len(s.input_ids) for s in rl)
         rl_variants = {
             "padded_mbs64": planned_microbatches(rl, 64 * 256, False, 64, pad),
             "packed_mbs64": planned_microbatches(rl, 64 * 256, True, 64, pad, rows=True),

@@ -53,6 +53,7 @@ def measure(use_lora: bool, tokens: int, checkpointing: bool, seq_len: int = 102
     from peft import LoraConfig, get_peft_model
 
     from verifiers_rl.rl.trainer.forward import token_logprobs
+    from verifiers_rl.rl.trainer.microbatches import MicroBatch
     from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
 
     torch.cuda.empty_cache()
@@ -75,12 +76,18 @@ def measure(use_lora: bool, tokens: int, checkpointing: bool, seq_len: int = 102
         ids = torch.randint(0, cfg.vocab_size, (rows, seq_len), device="cuda")
         mask = torch.zeros(rows, seq_len - 1, dtype=torch.bool, device="cuda")
         mask[:, seq_len // 4 :] = True  # the completion part of each sample is trained
-        mb = {
-            "input_ids": ids,
-            "attention_mask": torch.ones_like(ids),
-            "target_ids": ids[:, 1:],
-            "loss_mask": mask,
-        }
+        mb = MicroBatch(  # padded layout with no padding: every row is a full sample
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            target_ids=ids[:, 1:],
+            loss_mask=mask,
+            sampler_logprobs=torch.zeros(mask.shape, device="cuda"),
+            advantages=torch.ones(rows, device="cuda"),
+            num_real_tokens=ids.numel(),
+            num_padded_tokens=0,
+            num_loss_tokens=int(mask.sum()),
+            num_sequences=rows,
+        )
         logprobs, _ = token_logprobs(model, head, mb, 1.0)
         loss = -(logprobs * mask).sum() / mask.sum()
         loss.backward()

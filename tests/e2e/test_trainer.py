@@ -185,6 +185,7 @@ def test_trainer_and_engine_logprobs_agree_at_temperature(tiny_model_dir, tmp_pa
     from verifiers_rl.rl.inference.launcher import InferenceServer
     from verifiers_rl.rl.trainer.forward import token_logprobs
     from verifiers_rl.rl.trainer.microbatches import collate_packed
+    from verifiers_rl.rl.trainer.samples import Sample
     from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
@@ -204,18 +205,19 @@ def test_trainer_and_engine_logprobs_agree_at_temperature(tiny_model_dir, tmp_pa
             p, c = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
             lps = [x.logprob for x in r.choices[0].logprobs.content]
             samples.append(
-                {
-                    "input_ids": p + c,
-                    "loss_mask": [False] * len(p) + [True] * len(c),
-                    "sampler_logprobs": [0.0] * len(p) + lps,
-                    "advantage": 1.0,
-                }
+                Sample(
+                    input_ids=p + c,
+                    loss_mask=[False] * len(p) + [True] * len(c),
+                    sampler_logprobs=[0.0] * len(p) + lps,
+                    advantage=1.0,
+                    rollout=seed,
+                )
             )
     mb = collate_packed(samples)
     with torch.no_grad():
         lp, _ = token_logprobs(model, ReplicatedExport(model), mb, temperature=0.7)
-    mask = mb["loss_mask"]
-    assert torch.allclose(lp[mask], mb["sampler_logprobs"][mask], atol=1e-4)
+    mask = mb.loss_mask
+    assert torch.allclose(lp[mask], mb.sampler_logprobs[mask], atol=1e-4)
 
 
 @pytest.mark.parametrize(

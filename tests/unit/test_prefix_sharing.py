@@ -24,6 +24,7 @@ from verifiers_rl.rl.trainer.prefix_sharing import (
     shared_prefix_len,
     unit_length,
 )
+from verifiers_rl.rl.trainer.samples import Sample
 from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
 
 
@@ -32,12 +33,12 @@ def _sample(prompt, completion, group=0, advantage=1.0, trained=None):
     mask = [False] * len(prompt) + (list(trained) if trained is not None else [True] * len(completion))
     rng = random.Random(len(ids) * 31 + sum(ids))
     logps = [-rng.random() if m else 0.0 for m in mask]
-    return {"input_ids": ids, "loss_mask": mask, "sampler_logprobs": logps, "advantage": advantage, "group": group}
+    return Sample(ids, mask, logps, advantage=advantage, rollout=0, group=group)
 
 
 def _groups(seed=0, vocab=250):
     """Three groups of rollouts (different prompt and completion lengths), a two-turn group whose second-turn
-    samples carry a longer prompt, and a sample alone (no group key)."""
+    samples carry a longer prompt, and a sample alone (no group)."""
     rng = random.Random(seed)
     toks = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
     out = []
@@ -50,7 +51,7 @@ def _groups(seed=0, vocab=250):
         out.append(_sample(prompt, c, 3, 0.7))
         out.append(_sample(prompt + c + toks(3), toks(5), 3, 0.7))
     alone = _sample(toks(6), toks(4), advantage=-0.4)
-    del alone["group"]
+    alone.group = None
     return out + [alone]
 
 
@@ -75,14 +76,14 @@ def test_plan_units_cover_every_sample_and_respect_the_caps():
     assert sorted(i for idx, _ in units for i in idx) == list(range(len(samples)))
     assert [len(idx) for idx, _ in units] == [4, 3, 2, 4, 1]
     assert [p for _, p in units] == [19, 8, 13, 10, 0]
-    lengths = [len(s["input_ids"]) for s in samples]
+    lengths = [len(s.input_ids) for s in samples]
     for max_samples, max_tokens in ((2, 10_000), (None, 40), (3, 30)):
         units = plan_units(samples, max_samples, max_tokens)
         assert sorted(i for idx, _ in units for i in idx) == list(range(len(samples)))
         for idx, p in units:
             assert max_samples is None or len(idx) <= max_samples
             assert unit_length([lengths[i] for i in idx], p) <= max_tokens or len(idx) == 1
-            assert len({samples[i].get("group", ("alone", i)) for i in idx}) == 1
+            assert len({("alone", i) if samples[i].group is None else samples[i].group for i in idx}) == 1
 
 
 def test_collate_shared_layout_by_hand():
@@ -91,22 +92,22 @@ def test_collate_shared_layout_by_hand():
     c = _sample([9, 8], [7], group=1, advantage=0.5)
     mb = collate_shared([a, b, c], [([0, 1], 2), ([2], 0)], pad_token_id=0)
     # one row: prefix [1 2], suffix a [3 4 5], suffix b [3 6], then c alone [9 8 7]
-    assert mb["input_ids"].tolist() == [[1, 2, 3, 4, 5, 3, 6, 9, 8, 7]]
-    assert mb["position_ids"].tolist() == [[0, 1, 2, 3, 4, 2, 3, 0, 1, 2]]
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 3, 6, 9, 8, 7]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 2, 3, 0, 1, 2]]
     # targets are tokens 1.. of the row; trained: a's 4 and 5, b's 6, c's 7 (never a segment's first token)
-    assert mb["loss_mask"].tolist() == [[False, False, True, True, False, True, False, False, True]]
-    assert mb["seq_index"][0, [2, 3, 5, 8]].tolist() == [0, 0, 1, 2]
-    assert mb["advantages"][0, [2, 3, 5, 8]].tolist() == [2.0, 2.0, -1.0, 0.5]
-    assert mb["sampler_logprobs"][0, [2, 3]].tolist() == pytest.approx(a["sampler_logprobs"][3:5])
-    seen = mb["attention_mask"][0, 0]
+    assert mb.loss_mask.tolist() == [[False, False, True, True, False, True, False, False, True]]
+    assert mb.seq_index[0, [2, 3, 5, 8]].tolist() == [0, 0, 1, 2]
+    assert mb.advantages[0, [2, 3, 5, 8]].tolist() == [2.0, 2.0, -1.0, 0.5]
+    assert mb.sampler_logprobs[0, [2, 3]].tolist() == pytest.approx(a.sampler_logprobs[3:5])
+    seen = mb.attention_mask[0, 0]
     rows = {q: [k for k in range(10) if seen[q, k]] for q in range(10)}
     assert rows[1] == [0, 1]  # the prefix, causal
     assert rows[4] == [0, 1, 2, 3, 4]  # suffix a: prefix + itself
     assert rows[6] == [0, 1, 5, 6]  # suffix b: prefix + itself, not suffix a
     assert rows[9] == [7, 8, 9]  # c: only itself
-    assert (mb["num_real_tokens"], mb["num_padded_tokens"], mb["num_loss_tokens"]) == (10, 0, 4)
-    assert mb["num_shared_tokens"] == 2 and mb["num_sequences"] == 3
-    add = additive_mask(mb["attention_mask"])
+    assert (mb.num_real_tokens, mb.num_padded_tokens, mb.num_loss_tokens) == (10, 0, 4)
+    assert mb.num_shared_tokens == 2 and mb.num_sequences == 3
+    add = additive_mask(mb.attention_mask)
     assert add[0, 0, 6, 5] == 0 and add[0, 0, 6, 3] == torch.finfo(torch.float32).min
 
 
@@ -123,7 +124,7 @@ def _trained_logprobs(model, mb):
 
 
 def _by_sample(mb, values, n):
-    return [values[(mb["seq_index"] == i) & mb["loss_mask"]] for i in range(n)]
+    return [values[(mb.seq_index == i) & mb.loss_mask] for i in range(n)]
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -136,9 +137,9 @@ def test_shared_logprobs_equal_plain_packing(policy, attn):
         for row_len in (None, 40):  # one row, and units first-fit into several rows
             shared = collate_shared(samples, units, row_len)
             if attn == "eager":
-                shared["attention_mask"] = additive_mask(shared["attention_mask"])
-            assert shared["num_shared_tokens"] == 19 * 3 + 8 * 2 + 13 + 10 * 3
-            assert shared["num_loss_tokens"] == plain["num_loss_tokens"]
+                shared.attention_mask = additive_mask(shared.attention_mask)
+            assert shared.num_shared_tokens == 19 * 3 + 8 * 2 + 13 + 10 * 3
+            assert shared.num_loss_tokens == plain.num_loss_tokens
             with torch.no_grad():
                 ref = _by_sample(plain, _trained_logprobs(policy, plain), len(samples))
                 got = _by_sample(shared, _trained_logprobs(policy, shared), len(samples))
@@ -147,7 +148,7 @@ def test_shared_logprobs_equal_plain_packing(policy, attn):
                 torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
         # the mask is what makes it right: without it every suffix also sees the suffixes before it
         shared = collate_shared(samples, units)
-        del shared["attention_mask"]
+        shared.attention_mask = None
         with torch.no_grad():
             crossed = _by_sample(shared, _trained_logprobs(policy, shared), len(samples))
         assert not torch.allclose(crossed[1], ref[1], atol=1e-3)
@@ -163,14 +164,14 @@ def test_shared_loss_and_lora_gradients_equal_plain(policy, loss_type):
         current = _by_sample(plain, _trained_logprobs(policy, plain), len(samples))
     rng = random.Random(3)
     for s, lp in zip(samples, current):
-        at = [t for t in range(1, len(s["loss_mask"])) if s["loss_mask"][t]]
+        at = [t for t in range(1, len(s.loss_mask)) if s.loss_mask[t]]
         for t, x in zip(at, lp.tolist()):
-            s["sampler_logprobs"][t] = x + rng.gauss(0, 0.1)
+            s.sampler_logprobs[t] = x + rng.gauss(0, 0.1)
     plain = collate_packed(samples)
     shared = collate_shared(samples, plan_units(samples, None, 10_000))
     kw = dict(
         loss_type=loss_type,
-        num_tokens_global=plain["num_loss_tokens"],
+        num_tokens_global=plain.num_loss_tokens,
         num_sequences_global=len(samples),
         max_tokens=16,
         clip_eps_low=0.2,
@@ -180,9 +181,7 @@ def test_shared_loss_and_lora_gradients_equal_plain(policy, loss_type):
     for mb in (plain, shared):
         policy.zero_grad()
         lp = _trained_logprobs(policy, mb)
-        loss, metrics = policy_loss(
-            lp, mb["sampler_logprobs"], mb["advantages"], mb["loss_mask"], seq_index=mb["seq_index"], **kw
-        )
+        loss, metrics = policy_loss(lp, mb.sampler_logprobs, mb.advantages, mb.loss_mask, seq_index=mb.seq_index, **kw)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
         results.append((loss.detach(), metrics, grads))
@@ -241,8 +240,8 @@ def test_microbatches_choose_the_cheaper_layout(policy):
 
     def layout(batch, **kw):
         mbs = microbatches(acc, model, batch, _args(**kw), 0)
-        assert sum(mb["num_sequences"] for mb in mbs) == len(batch.samples)
-        return "shared" if any(mb.get("num_shared_tokens") for mb in mbs) else "plain"
+        assert sum(mb.num_sequences for mb in mbs) == len(batch.samples)
+        return "shared" if any(mb.num_shared_tokens for mb in mbs) else "plain"
 
     long_prompt = _batch(90, 30)  # the reverse-text shape: shared saves most of the work
     assert layout(long_prompt) == "shared"
@@ -250,7 +249,7 @@ def test_microbatches_choose_the_cheaper_layout(policy):
     assert layout(long_prompt, pack_sequences=False) == "plain"
     assert layout(_batch(4, 400)) == "plain"  # long completions: one row of 8 x 400 costs more attention
     mbs = microbatches(acc, model, long_prompt, _args(micro_batch_size=8), 0)
-    assert len(mbs) == 2 and all(mb["num_sequences"] == 8 for mb in mbs)  # the cap still holds
+    assert len(mbs) == 2 and all(mb.num_sequences == 8 for mb in mbs)  # the cap still holds
     model.config._attn_implementation = "flash_attention_2"  # no dense mask: plain packing (checked, not run)
     try:
         assert layout(long_prompt) == "plain"

@@ -12,22 +12,24 @@ import contextlib
 
 import torch
 
+from verifiers_rl.rl.trainer.microbatches import MicroBatch
 from verifiers_rl.rl.trainer.weight_export import WeightExport
 
 
-def model_inputs(mb: dict) -> dict:
-    inputs = {"input_ids": mb["input_ids"], "use_cache": False, "output_hidden_states": True, "logits_to_keep": 1}
-    if "position_ids" in mb:  # packed: block-diagonal attention derived from position_ids
-        inputs["position_ids"] = mb["position_ids"]
-    if "attention_mask" in mb:
-        inputs["attention_mask"] = mb["attention_mask"]
+def model_inputs(mb: MicroBatch) -> dict:
+    """The model's keyword arguments for one micro-batch (no KV cache: packed rows need attention_mask=None)."""
+    inputs = {"input_ids": mb.input_ids, "use_cache": False, "output_hidden_states": True, "logits_to_keep": 1}
+    if mb.position_ids is not None:  # packed: block-diagonal attention derived from position_ids
+        inputs["position_ids"] = mb.position_ids
+    if mb.attention_mask is not None:
+        inputs["attention_mask"] = mb.attention_mask
     return inputs
 
 
 def token_logprobs(
     model,
     export: WeightExport,
-    mb: dict,
+    mb: MicroBatch,
     temperature: float,
     *,
     with_entropy: bool = True,
@@ -36,8 +38,8 @@ def token_logprobs(
     """[B, T-1] logprobs of `target_ids` (0 where not trained) and the matching entropies (no grad)."""
     out = model(**model_inputs(mb))
     hidden = out.hidden_states[-1][:, :-1]  # position t predicts token t+1
-    mask = mb["loss_mask"]
-    targets = mb["target_ids"][mask]
+    mask = mb.loss_mask
+    targets = mb.target_ids[mask]
     sel = hidden[mask]
     lp, ent = export.head_logprobs(
         sel, targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
@@ -49,7 +51,7 @@ def token_logprobs(
     return logprobs, entropy
 
 
-def reference_logprobs(model, export: WeightExport, mb: dict, temperature: float) -> torch.Tensor:
+def reference_logprobs(model, export: WeightExport, mb: MicroBatch, temperature: float) -> torch.Tensor:
     """Logprobs under the reference policy: the same model with its LoRA adapter disabled."""
     disable = getattr(model, "disable_adapter", None)
     ctx = disable() if callable(disable) else contextlib.nullcontext()

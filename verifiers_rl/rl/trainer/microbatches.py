@@ -1,7 +1,8 @@
 """Training samples -> micro-batches: planning under a token budget, then padded or packed collation.
 
-A sample is a dict with `input_ids: list[int]`, `loss_mask: list[bool]` (True on completion tokens to train),
-`sampler_logprobs: list[float]` (the engine's log-prob of each token; 0.0 where untrained) and `advantage`.
+Samples are `samples.Sample`s (per-token lists aligned with their tokens). A micro-batch is a `MicroBatch`: the
+tensors of one forward/backward pass, in one of two layouts. Padded: one sample per row, [B, T] with T the
+longest sample. Packed: samples concatenated into rows, [R, L], positions restarting at each sample.
 
 Alignment (both layouts): the logits at position t predict token t+1, so every per-target tensor is shifted
 by one against `input_ids`: index j of `target_ids`, `loss_mask`, `sampler_logprobs` (and, packed,
@@ -14,11 +15,47 @@ A sample's token 0 has no context and is never trained, whatever its loss_mask s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-_KEYS = ("input_ids", "loss_mask", "sampler_logprobs")
+from verifiers_rl.rl.trainer.samples import Sample
+
+_LISTS = ("loss_mask", "sampler_logprobs")  # per-token lists that must be as long as input_ids
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward pass. Shapes: padded [B, T] / [B, T-1] (one sample per row), packed [R, L] / [R, L-1]
+    (rows of concatenated samples); the [.., T-1] tensors are per target, shifted by one (module docstring)."""
+
+    input_ids: torch.Tensor  # [B, T] long; pad slots hold the pad token
+    target_ids: torch.Tensor  # [B, T-1] long: input_ids[:, 1:]
+    loss_mask: torch.Tensor  # [B, T-1] bool: targets to train (never a sample's first token, never padding)
+    sampler_logprobs: torch.Tensor  # [B, T-1] float32: the engine's logprob of each target, NaN where none exists
+    advantages: torch.Tensor  # float32: padded [B] (one per row), packed [R, L-1] (per target)
+    num_real_tokens: int  # tokens of the samples
+    num_padded_tokens: int  # pad slots: rows * width - num_real_tokens
+    num_loss_tokens: int  # trained targets
+    num_sequences: int  # samples
+    num_shared_tokens: int = 0  # shared prompt tokens not recomputed (prefix_sharing.collate_shared)
+    # padded: [B, T] long, 1 on tokens; shared prompts: [R, 1, L, L] bool (True = attend) or additive (eager);
+    # None when packed: the model derives a block-diagonal mask from position_ids
+    attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None  # packed: [R, L] long, restarting at 0 with each sample
+    seq_index: torch.Tensor | None = None  # packed: [R, L-1] long, the sample of each target (policy_loss reads it)
+    empty: bool = False  # a zero-weight pass for a rank with fewer micro-batches than the others (DDP)
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """A copy with every tensor on `device` (the counts stay Python ints)."""
+        moved = {
+            f.name: value.to(device)
+            for f in dataclasses.fields(self)
+            if torch.is_tensor(value := getattr(self, f.name))
+        }
+        return dataclasses.replace(self, **moved)
 
 
 def plan_microbatches(
@@ -65,54 +102,49 @@ def plan_microbatches(
     return plan
 
 
-def _validate(samples: Sequence[dict]) -> None:
+def _validate(samples: Sequence[Sample]) -> None:
     if not samples:
         raise ValueError("samples must not be empty")
     for i, s in enumerate(samples):
-        n = len(s["input_ids"])
+        n = len(s.input_ids)
         if n == 0:
             raise ValueError(f"sample {i} has no input_ids")
-        for key in _KEYS[1:]:
-            if len(s[key]) != n:
-                raise ValueError(f"sample {i}: len({key})={len(s[key])} != len(input_ids)={n}")
+        for key in _LISTS:
+            if len(getattr(s, key)) != n:
+                raise ValueError(f"sample {i}: len({key})={len(getattr(s, key))} != len(input_ids)={n}")
 
 
 def _untrain_first_token(loss_mask: list[bool]) -> list[bool]:
     return [False, *map(bool, loss_mask[1:])]
 
 
-def collate_padded(samples: Sequence[dict], pad_token_id: int) -> dict:
-    """Right-padded [B, T] batch (T = longest sample); per-target tensors are [B, T-1] (see module docstring).
-
-    Keys: input_ids, attention_mask [B, T]; target_ids, loss_mask (bool), sampler_logprobs [B, T-1];
-    advantages [B]; ints num_real_tokens (sum of lengths), num_padded_tokens (pad slots, B*T - real),
-    num_loss_tokens (trained targets), num_sequences.
-    """
+def collate_padded(samples: Sequence[Sample], pad_token_id: int) -> MicroBatch:
+    """Right-padded [B, T] batch (T = longest sample) with its [B, T] attention_mask and [B] advantages."""
     _validate(samples)
-    b, t = len(samples), max(len(s["input_ids"]) for s in samples)
+    b, t = len(samples), max(len(s.input_ids) for s in samples)
     input_ids = torch.full((b, t), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros(b, t, dtype=torch.long)
     loss_mask = torch.zeros(b, t, dtype=torch.bool)
     sampler = torch.zeros(b, t, dtype=torch.float32)
     for row, s in enumerate(samples):
-        n = len(s["input_ids"])
-        input_ids[row, :n] = torch.tensor(s["input_ids"], dtype=torch.long)
+        n = len(s.input_ids)
+        input_ids[row, :n] = torch.tensor(s.input_ids, dtype=torch.long)
         attention_mask[row, :n] = 1
-        loss_mask[row, :n] = torch.tensor(_untrain_first_token(s["loss_mask"]), dtype=torch.bool)
-        sampler[row, :n] = torch.tensor(s["sampler_logprobs"], dtype=torch.float32)
+        loss_mask[row, :n] = torch.tensor(_untrain_first_token(s.loss_mask), dtype=torch.bool)
+        sampler[row, :n] = torch.tensor(s.sampler_logprobs, dtype=torch.float32)
     real = int(attention_mask.sum())
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "target_ids": input_ids[:, 1:],
-        "loss_mask": loss_mask[:, 1:],
-        "sampler_logprobs": sampler[:, 1:],
-        "advantages": torch.tensor([float(s["advantage"]) for s in samples], dtype=torch.float32),
-        "num_real_tokens": real,
-        "num_padded_tokens": b * t - real,
-        "num_loss_tokens": int(loss_mask.sum()),
-        "num_sequences": b,
-    }
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        target_ids=input_ids[:, 1:],
+        loss_mask=loss_mask[:, 1:],
+        sampler_logprobs=sampler[:, 1:],
+        advantages=torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32),
+        num_real_tokens=real,
+        num_padded_tokens=b * t - real,
+        num_loss_tokens=int(loss_mask.sum()),
+        num_sequences=b,
+    )
 
 
 def plan_rows(lengths: Sequence[int], row_len: int | None) -> list[list[int]]:
@@ -135,36 +167,35 @@ def plan_rows(lengths: Sequence[int], row_len: int | None) -> list[list[int]]:
     return [sorted(r) for r in rows]
 
 
-def collate_packed(samples: Sequence[dict], row_len: int | None = None, pad_token_id: int = 0) -> dict:
+def collate_packed(samples: Sequence[Sample], row_len: int | None = None, pad_token_id: int = 0) -> MicroBatch:
     """Samples concatenated into rows of at most `row_len` tokens (None: all in one row), no attention_mask.
 
     `position_ids` restart at 0 for each sample; transformers turns that into a block-diagonal causal mask
     (SDPA/eager) or varlen kernels (flash-attention), but only with attention_mask=None and no KV cache, so
     call the model with use_cache=False. A dense block-diagonal mask costs (row length)^2, which is why rows are
     capped when the attention has no varlen kernel; shorter rows are padded with a segment of their own
-    (positions restart, never trained). Keys: input_ids, position_ids [R, L]; target_ids, loss_mask,
-    sampler_logprobs, advantages (per token), seq_index (sample of each target, global over rows) [R, L-1]; the
-    counts of collate_padded. The position before each sample start is never trained: sample starts are
-    untrained targets. Pass seq_index to `losses.policy_loss`.
+    (positions restart, never trained). `position_ids` [R, L]; per target [R, L-1]: advantages, and seq_index
+    (the sample of each target, global over rows) for `losses.policy_loss`. The position before each sample
+    start is never trained: sample starts are untrained targets.
     """
     _validate(samples)
     rows = []
-    for idx in plan_rows([len(s["input_ids"]) for s in samples], row_len):
+    for idx in plan_rows([len(s.input_ids) for s in samples], row_len):
         ids, pos, mask, sampler, adv, seq = [], [], [], [], [], []
         for i in idx:
             s = samples[i]
-            n = len(s["input_ids"])
-            ids += s["input_ids"]
+            n = len(s.input_ids)
+            ids += s.input_ids
             pos += range(n)
-            mask += _untrain_first_token(s["loss_mask"])
-            sampler += s["sampler_logprobs"]
-            adv += [float(s["advantage"])] * n
+            mask += _untrain_first_token(s.loss_mask)
+            sampler += s.sampler_logprobs
+            adv += [float(s.advantage)] * n
             seq += [i] * n
         rows.append((ids, pos, mask, sampler, adv, seq))
     return packed_tensors(rows, pad_token_id, len(samples))
 
 
-def packed_tensors(rows: Sequence[Sequence[list]], pad_token_id: int, num_sequences: int) -> dict:
+def packed_tensors(rows: Sequence[Sequence[list]], pad_token_id: int, num_sequences: int) -> MicroBatch:
     """Rows of per-token lists (ids, positions, loss mask, sampler logprobs, advantages, sample index; a row may
     carry more lists after these) -> the packed micro-batch tensors, per-target ones shifted by one (module
     docstring). Shorter rows are padded in place to the widest with a segment of their own (positions restart,
@@ -182,23 +213,23 @@ def packed_tensors(rows: Sequence[Sequence[list]], pad_token_id: int, num_sequen
     ids, pos, mask, sampler, adv, seq = (list(col) for col in zip(*(r[:6] for r in rows)))
     loss_mask = torch.tensor(mask, dtype=torch.bool)
     input_ids = torch.tensor(ids, dtype=torch.long)
-    return {
-        "input_ids": input_ids,
-        "position_ids": torch.tensor(pos, dtype=torch.long),
-        "target_ids": input_ids[:, 1:],
-        "loss_mask": loss_mask[:, 1:],
-        "sampler_logprobs": torch.tensor(sampler, dtype=torch.float32)[:, 1:],
-        "advantages": torch.tensor(adv, dtype=torch.float32)[:, 1:],
-        "seq_index": torch.tensor(seq, dtype=torch.long)[:, 1:],
-        "num_real_tokens": real,
-        "num_padded_tokens": len(rows) * width - real,
-        "num_loss_tokens": int(loss_mask[:, 1:].sum()),
-        "num_sequences": num_sequences,
-    }
+    return MicroBatch(
+        input_ids=input_ids,
+        position_ids=torch.tensor(pos, dtype=torch.long),
+        target_ids=input_ids[:, 1:],
+        loss_mask=loss_mask[:, 1:],
+        sampler_logprobs=torch.tensor(sampler, dtype=torch.float32)[:, 1:],
+        advantages=torch.tensor(adv, dtype=torch.float32)[:, 1:],
+        seq_index=torch.tensor(seq, dtype=torch.long)[:, 1:],
+        num_real_tokens=real,
+        num_padded_tokens=len(rows) * width - real,
+        num_loss_tokens=int(loss_mask[:, 1:].sum()),
+        num_sequences=num_sequences,
+    )
 
 
-def padding_fraction(batches: Sequence[dict]) -> float:
+def padding_fraction(batches: Sequence[MicroBatch]) -> float:
     """Pad slots / all slots over collated batches (0.0 for none): the compute a layout wastes."""
-    pad = sum(b["num_padded_tokens"] for b in batches)
-    total = pad + sum(b["num_real_tokens"] for b in batches)
+    pad = sum(b.num_padded_tokens for b in batches)
+    total = pad + sum(b.num_real_tokens for b in batches)
     return pad / total if total else 0.0

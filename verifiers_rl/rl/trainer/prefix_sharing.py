@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from verifiers_rl.rl.trainer.microbatches import _untrain_first_token, _validate, packed_tensors, plan_rows
+from verifiers_rl.rl.trainer.microbatches import MicroBatch, _untrain_first_token, _validate, packed_tensors, plan_rows
+from verifiers_rl.rl.trainer.samples import Sample
 
 # (sample indices, shared prefix length): the samples of one unit, in order
 Unit = tuple[list[int], int]
@@ -36,17 +37,17 @@ def first_trained(loss_mask: Sequence[bool]) -> int:
     return next((t for t in range(1, len(loss_mask)) if loss_mask[t]), len(loss_mask))
 
 
-def shared_prefix_len(samples: Sequence[dict]) -> int:
+def shared_prefix_len(samples: Sequence[Sample]) -> int:
     """Tokens the samples can share: their common prefix, stopped one before the first trained token of any.
 
     0 for fewer than two samples (nothing to share)."""
     if len(samples) < 2:
         return 0
-    first = samples[0]["input_ids"]
-    n = min(first_trained(s["loss_mask"]) - 1 for s in samples)
-    n = min(n, *(len(s["input_ids"]) - 1 for s in samples))
+    first = samples[0].input_ids
+    n = min(first_trained(s.loss_mask) - 1 for s in samples)
+    n = min(n, *(len(s.input_ids) - 1 for s in samples))
     common = 0
-    while common < n and all(s["input_ids"][common] == first[common] for s in samples):
+    while common < n and all(s.input_ids[common] == first[common] for s in samples):
         common += 1
     return common
 
@@ -56,18 +57,18 @@ def unit_length(lengths: Sequence[int], prefix: int) -> int:
     return prefix + sum(n - prefix for n in lengths)
 
 
-def plan_units(samples: Sequence[dict], max_samples: int | None, max_tokens: int) -> list[Unit]:
-    """Samples grouped by their `group` key (no key: a unit of its own), split so that no unit holds more than
+def plan_units(samples: Sequence[Sample], max_samples: int | None, max_tokens: int) -> list[Unit]:
+    """Samples grouped by their `group` key (None: a unit of its own), split so that no unit holds more than
     `max_samples` samples or computes more than `max_tokens` tokens (a single longer sample is its own unit)."""
     groups: dict[object, list[int]] = {}
     for i, s in enumerate(samples):
-        groups.setdefault(s.get("group", ("alone", i)), []).append(i)
+        groups.setdefault(("alone", i) if s.group is None else s.group, []).append(i)
     units: list[Unit] = []
     for idx in groups.values():
         prefix = shared_prefix_len([samples[i] for i in idx])
         chunk: list[int] = []
         for i in idx:
-            grown = [len(samples[j]["input_ids"]) for j in (*chunk, i)]
+            grown = [len(samples[j].input_ids) for j in (*chunk, i)]
             full = max_samples is not None and len(chunk) >= max_samples
             if chunk and (full or unit_length(grown, prefix) > max_tokens):
                 units.append((chunk, shared_prefix_len([samples[j] for j in chunk])))
@@ -88,17 +89,17 @@ def attention_mask(segment: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
 
 
 def collate_shared(
-    samples: Sequence[dict], units: Sequence[Unit], row_len: int | None = None, pad_token_id: int = 0
-) -> dict:
+    samples: Sequence[Sample], units: Sequence[Unit], row_len: int | None = None, pad_token_id: int = 0
+) -> MicroBatch:
     """Units laid out as [prefix | suffixes...] in rows of at most `row_len` tokens, with a 4D attention mask.
 
-    Keys as `microbatches.collate_packed` (per-target tensors shifted by one, seq_index for the loss) plus
+    Tensors as `microbatches.collate_packed` (per-target tensors shifted by one, seq_index for the loss) plus
     `attention_mask` [R, 1, L, L] (bool, True = attend) and `num_shared_tokens` (prompt tokens not recomputed).
     Pass the mask as is to an SDPA model (eager wants it additive: `additive_mask`). Every segment's first
     token is an untrained target (it follows another segment in the row), which the prefix's end guarantees.
     """
     _validate(samples)
-    lengths = [unit_length([len(samples[i]["input_ids"]) for i in idx], p) for idx, p in units]
+    lengths = [unit_length([len(samples[i].input_ids) for i in idx], p) for idx, p in units]
     rows = []
     for row_units in plan_rows(lengths, row_len):
         ids, pos, mask, sampler, adv, seq, seg, sees = [], [], [], [], [], [], [], []
@@ -107,7 +108,7 @@ def collate_shared(
             head = samples[idx[0]]
             prefix_seg = max(seg, default=-1) + 1  # used only when there is a prefix
             if p:
-                ids += head["input_ids"][:p]
+                ids += head.input_ids[:p]
                 pos += range(p)
                 mask += [False] * p
                 sampler += [0.0] * p
@@ -117,27 +118,27 @@ def collate_shared(
                 sees += [prefix_seg] * p
             for i in idx:
                 s = samples[i]
-                n = len(s["input_ids"])
+                n = len(s.input_ids)
                 own = max(seg, default=-1) + 1
-                ids += s["input_ids"][p:]
+                ids += s.input_ids[p:]
                 pos += range(p, n)
-                mask += _untrain_first_token(s["loss_mask"][p:])
-                sampler += s["sampler_logprobs"][p:]
-                adv += [float(s["advantage"])] * (n - p)
+                mask += _untrain_first_token(s.loss_mask[p:])
+                sampler += s.sampler_logprobs[p:]
+                adv += [float(s.advantage)] * (n - p)
                 seq += [i] * (n - p)
                 seg += [own] * (n - p)
                 sees += [prefix_seg if p else own] * (n - p)
         rows.append([ids, pos, mask, sampler, adv, seq, seg, sees])
     real = sum(len(r[0]) for r in rows)
     mb = packed_tensors(rows, pad_token_id, len(samples))
-    width = mb["input_ids"].shape[1]
+    width = mb.input_ids.shape[1]
     for *_, seg, sees in rows:  # padding is a segment of its own: it attends to itself
         pad_seg = max(seg) + 1
         sees += [pad_seg] * (width - len(seg))
         seg += [pad_seg] * (width - len(seg))
     seg, sees = (torch.tensor([r[k] for r in rows]) for k in (6, 7))
-    mb["attention_mask"] = attention_mask(seg, sees)
-    mb["num_shared_tokens"] = sum(len(s["input_ids"]) for s in samples) - real
+    mb.attention_mask = attention_mask(seg, sees)
+    mb.num_shared_tokens = sum(len(s.input_ids) for s in samples) - real
     return mb
 
 

@@ -16,8 +16,24 @@ from verifiers_rl.rl.trainer.rollouts import Rollout
 
 
 @dataclass
+class Sample:
+    """One training sample: one assistant turn of a rollout, its prompt as context and its completion trained.
+
+    The three per-token lists are aligned with `input_ids` (length T, the sample's tokens): entry t describes
+    token t itself, not the token after it (microbatches.py does that shift when it collates).
+    """
+
+    input_ids: list[int]  # [T] prompt (earlier turns and environment responses included) + completion
+    loss_mask: list[bool]  # [T] True where the token is trained; token 0 never is, whatever this says
+    sampler_logprobs: list[float]  # [T] the engine's logprob of each token; 0.0 untrained, NaN where none exists
+    advantage: float  # of its rollout, group-relative
+    rollout: int  # index of its rollout in the step's batch
+    group: int | None = None  # rollouts of a group share their prompt (prefix_sharing.py); None: shares nothing
+
+
+@dataclass
 class PreparedBatch:
-    samples: list[dict]
+    samples: list[Sample]
     num_tokens: int  # trained tokens in the whole step (all ranks): the loss normaliser
     num_sequences: int
     metrics: dict[str, float] = field(default_factory=dict)
@@ -47,8 +63,8 @@ def build_samples(
     overlong_policy: str = "truncate",
     mask_env_responses: bool = True,
     mask_truncated_completions: bool = False,
-) -> tuple[list[dict], Counter]:
-    """One sample per turn: {input_ids, loss_mask, sampler_logprobs, advantage, rollout, group}.
+) -> tuple[list[Sample], Counter]:
+    """One `Sample` per turn, and why rollouts and samples were left out.
 
     `sampler_logprobs` is NaN where no sampler logprob exists (environment tokens trained when
     mask_env_responses=False); the loss then treats those tokens as on-policy (ratio 1).
@@ -84,16 +100,7 @@ def build_samples(
             if not any(loss_mask):
                 counts["samples_without_trained_tokens"] += 1
                 continue
-            samples.append(
-                {
-                    "input_ids": ids,
-                    "loss_mask": loss_mask,
-                    "sampler_logprobs": logps,
-                    "advantage": float(adv),
-                    "rollout": idx,
-                    "group": r.group,  # rollouts of a group share their prompt (prefix_sharing.py)
-                }
-            )
+            samples.append(Sample(ids, loss_mask, logps, advantage=float(adv), rollout=idx, group=r.group))
     counts["samples"] = len(samples)
     return samples, counts
 
@@ -126,11 +133,11 @@ def prepare_batch(rollouts: list[Rollout], args, current_version: int) -> Prepar
             "async_lag": float(current_version - min((r.policy_version for r in rollouts), default=current_version)),
         }
     )
-    num_tokens = sum(sum(s["loss_mask"]) for s in samples)
+    num_tokens = sum(sum(s.loss_mask) for s in samples)
     return PreparedBatch(samples, num_tokens, len(samples), metrics, counts)
 
 
-def shard_samples(samples: list[dict], world_size: int, rank: int) -> list[dict]:
+def shard_samples(samples: list[Sample], world_size: int, rank: int) -> list[Sample]:
     """Split samples across ranks with balanced token counts (longest first onto the lightest rank).
 
     Deterministic, so every rank computes the same assignment from the same list."""
@@ -138,9 +145,9 @@ def shard_samples(samples: list[dict], world_size: int, rank: int) -> list[dict]
         return list(samples)
     loads = [0] * world_size
     owner = [0] * len(samples)
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]["input_ids"]))
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
     for i in order:
         r = min(range(world_size), key=lambda k: (loads[k], k))
         owner[i] = r
-        loads[r] += len(samples[i]["input_ids"])
+        loads[r] += len(samples[i].input_ids)
     return [s for s, o in zip(samples, owner) if o == rank]
