@@ -223,3 +223,19 @@ def test_gpu_smoke_script_dry_runs_on_cpu():
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "gpu_smoke: every check passed" in r.stdout and r.stdout.count("[ok]") >= 20
+
+
+def test_a_run_follows_the_launchers_mixed_precision(monkeypatch):
+    """`accelerate launch` with upstream's zero3.yaml (mixed_precision: bf16) exports ACCELERATE_MIXED_PRECISION;
+    the run trains in it, so DeepSpeed's config check (bf16.enabled vs the trainer's bf16) passes instead of
+    refusing the first step."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    args = _args()
+    assert args.bf16 and not args.fp16
+    ds = HfTrainerDeepSpeedConfig({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}})
+    ds.trainer_config_process(args)  # raises "ds bf16.enabled=True vs hf bf16|bf16_full_eval=False" on a mismatch
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    assert not _args().bf16
+    assert _args(fp16=False, bf16=False).bf16 is False

@@ -72,15 +72,26 @@ def problem(folder: str | os.PathLike, *, use_lora: bool, save_only_model: bool 
         json.loads(state.read_text())
     except (OSError, ValueError):
         return f"{state} is missing or not valid JSON"
-    if not save_only_model and not (folder / "optimizer.pt").exists():
+    deepspeed = _deepspeed_states(folder)
+    if not save_only_model and not (folder / "optimizer.pt").exists() and not deepspeed:
         return f"{folder / 'optimizer.pt'} is missing (a resume needs the optimizer state)"
     adapter = (folder / "adapter_model.safetensors").exists() or (folder / "adapter_model.bin").exists()
-    full = any(folder.glob("model*.safetensors")) or (folder / "pytorch_model.bin").exists()
+    full = any(folder.glob("model*.safetensors")) or (folder / "pytorch_model.bin").exists() or bool(deepspeed)
     if use_lora and not adapter:
         return f"{folder} holds full model weights, not a LoRA adapter, but use_lora=True"
     if not use_lora and adapter and not full:
         return f"{folder} holds a LoRA adapter, but use_lora=False (full fine-tuning)"
     return None
+
+
+def _deepspeed_states(folder: Path) -> list[Path]:
+    """DeepSpeed's own checkpoint inside a Trainer checkpoint: `latest` names a folder of per-rank model and
+    optimizer states (ZeRO-3 keeps the optimizer state there, not in optimizer.pt)."""
+    latest = folder / "latest"
+    if not latest.is_file():
+        return []
+    tag = folder / latest.read_text().strip()
+    return sorted(tag.glob("*optim_states.pt")) if tag.is_dir() else []
 
 
 def resume_point(

@@ -15,6 +15,7 @@ from transformers import TrainingArguments
 from verifiers_rl.rl.trainer.config_checks import check_config, effective_sampling_args
 from verifiers_rl.rl.trainer.legacy import translate_legacy_kwargs
 from verifiers_rl.rl.trainer.lora import DEFAULT_LORA_TARGETS, LORA_ALPHA, LORA_DROPOUT, LORA_RANK
+from verifiers_rl.rl.trainer.sharding import follow_launcher_precision
 
 DEFAULT_SERVER_PORT = 8000  # where vf-vllm listens by default, and where server_mode="auto" looks first
 
@@ -272,6 +273,7 @@ class RLConfig(TrainingArguments):
     remove_unused_columns: bool = field(default=False, metadata=_help("Keep dataset columns (environments need them)."))
 
     def __post_init__(self):
+        follow_launcher_precision(self)
         if self.output_dir is None:
             self.output_dir = os.path.join("outputs", self.run_name or "vf-rl")
         if self.server_api_key is None:

@@ -33,20 +33,20 @@ class StartInference(TrainerCallback):
 
 
 class SyncWeights(TrainerCallback):
-    """Send the policy to the server at the start and after every optimizer step (version = global step)."""
+    """Send the policy to the server at the start and after every optimizer step (version = global step). Every
+    rank calls in: under a sharded layout each takes part in gathering what rank 0 sends."""
 
     def __init__(self, trainer):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            self.trainer.sync_weights()
+        self.trainer.sync_weights()
 
     def on_step_end(self, args, state, control, **kwargs):
+        sync_s = self.trainer.sync_weights(changed=self.trainer.trained_last_step)
         if not state.is_world_process_zero:
             return
         metrics = self.trainer.step_metrics
-        sync_s = self.trainer.sync_weights(changed=self.trainer.trained_last_step)
         step_s = metrics.get("timing/step_s", 0.0) + sync_s
         metrics["timing/sync_s"] = sync_s
         metrics["timing/sync_frac"] = sync_s / step_s if step_s else 0.0

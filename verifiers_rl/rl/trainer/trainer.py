@@ -41,6 +41,8 @@ from verifiers_rl.rl.trainer.prompts import filter_prompts
 from verifiers_rl.rl.trainer.reward_checks import check_dataset, check_reward_inputs, guard_rewards
 from verifiers_rl.rl.trainer.runtime import InferenceRuntime
 from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch
+from verifiers_rl.rl.trainer.sharded_checkpoints import FSDP2Checkpoints
+from verifiers_rl.rl.trainer.sharding import fsdp2_requested, load_sharded, sharded_model_error, take_over_fsdp
 from verifiers_rl.rl.trainer.weight_export import WeightExport, weight_export
 
 logger = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ def _collate(items):
     return {"vf_rl_step": torch.tensor([it["step"] for it in items])}
 
 
-class RLTrainer(Trainer):
+class RLTrainer(FSDP2Checkpoints, Trainer):
     def __init__(
         self,
         model,
@@ -83,8 +85,13 @@ class RLTrainer(Trainer):
             args.lora_config, args.use_lora = peft_config, True
         model_arg = model
         model_path = model if isinstance(model, str) else getattr(model, "name_or_path", None)
+        self.fsdp2 = fsdp2_requested(args)
+        if self.fsdp2:
+            take_over_fsdp(args)
         if isinstance(model, str):
-            model = get_model(model, use_liger=args.use_liger)
+            model = load_sharded(model, args.use_liger) if self.fsdp2 else get_model(model, use_liger=args.use_liger)
+        elif self.fsdp2 and not getattr(model, "is_distributed_loading_by_transformers", False):
+            raise sharded_model_error()
         if processing_class is None:
             if not model_path:
                 raise ValueError("pass processing_class (the tokenizer) when model has no name_or_path")
@@ -110,6 +117,9 @@ class RLTrainer(Trainer):
         self._guard: PreemptionGuard | None = None
         hooks = [StartInference(self), SyncWeights(self), SubmitRollouts(self), StopOnSignal(lambda: self._guard)]
         callbacks = [*hooks, MetricsFileCallback(), *(callbacks or [])]
+        # Trainer refuses to checkpoint the optimizer of a model sharded at load time unless it saves weights only;
+        # this trainer checkpoints it itself (sharded_checkpoints.py), so the refusal is stepped around for init
+        only, args.save_only_model = args.save_only_model, args.save_only_model or self.fsdp2
         super().__init__(
             model=model,
             args=args,
@@ -120,6 +130,7 @@ class RLTrainer(Trainer):
             callbacks=callbacks,
             **kwargs,
         )
+        args.save_only_model = only
         self.remove_callback(ProgressCallback)
         self.add_callback(RichProgressCallback(self))
 
@@ -199,8 +210,22 @@ class RLTrainer(Trainer):
         self.close()
 
     def sync_weights(self, changed: bool = True) -> float:
-        """Make the server serve policy version = global step (`PolicySync` decides whether weights move)."""
-        return self.runtime.sync(self.weight_export(), self.state.global_step, changed)
+        """Make the server serve policy version = global step (`PolicySync` decides whether weights move). Called
+        on every rank: rank 0 syncs; under a sharded layout the others iterate the same stream, which gathers
+        what rank 0 sends, when rank 0 says weights move."""
+        export, version = self.weight_export(), self.state.global_step
+        rank0 = self.is_world_process_zero()
+        if not export.collective:
+            return self.runtime.sync(export, version, changed) if rank0 else 0.0
+        policy = self.runtime.policy
+        decision = [(policy.needs_transfer(version, changed), policy.weights, policy.bucket_bytes) if rank0 else None]
+        broadcast_object_list(decision, from_process=0)
+        if rank0:
+            return self.runtime.sync(export, version, changed)
+        moves, kind, bucket_bytes = decision[0]
+        if moves:
+            export.stream(kind, bucket_bytes).drain()
+        return 0.0
 
     def weight_export(self) -> WeightExport:
         """The training model as the server and the loss read it, for its parallel layout (weight_export.py)."""
@@ -312,8 +337,11 @@ class RLTrainer(Trainer):
         """Rollouts on the environment's eval split with the current policy. Only the main process talks to the
         server (the others would start or re-initialise one); every process gets the same metrics."""
         payload = [None]
+        model = self.accelerator.unwrap_model(self.model)
         if self.is_world_process_zero():
-            model = self.accelerator.unwrap_model(self.model)
+            self.runtime.ensure_server(model, self.processing_class, self.state.global_step)
+        self.sync_weights()  # every rank: a sharded model's sync gathers on all of them
+        if self.is_world_process_zero():
             metrics = self.runtime.evaluate(
                 model, self.processing_class, self.weight_export(), metric_key_prefix, self.state.global_step
             )
