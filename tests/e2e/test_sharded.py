@@ -133,3 +133,47 @@ def test_sharded_checkpoint_resumes_exactly(tiny_model_dir, sharded, layout, pol
     assert [r["step"] for r in b] == [1, 2, 3] and a[2]["loss"] == b[2]["loss"]
     wa, wb = torch.load(straight / "weights.pt"), torch.load(resumed / "weights.pt")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_two_node_ddp_matches_one_process(single, tiny_model_dir, tmp_path):
+    """Two "machines" on loopback: two torchrun agents (--nnodes 2, one process each, one rendezvous) form one DDP
+    world over gloo; the server belongs to global rank 0. The same three steps as one process."""
+    from verifiers_rl.rl.inference.net import free_port
+
+    port, out = free_port(), tmp_path / "two-node"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                str(SCRIPT),
+                tiny_model_dir,
+                str(out),
+                "lora",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    logs = [a.communicate(timeout=600)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert json.loads((out / "layout.json").read_text()) == {"export": "ReplicatedExport", "world": 2}
+    for a, b in zip(_rows(single["lora"]), _rows(out)):
+        assert a["reward"] == b["reward"] and abs(a["loss"] - b["loss"]) < 1e-5
+    wa, wb = torch.load(single["lora"] / "weights.pt"), torch.load(out / "weights.pt")
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-4) for k in wa)

@@ -38,6 +38,7 @@ args = RLConfig(
     max_async_level=0,
     log_completions=False,
     sync_bucket_mb=1,  # several gather groups and buckets even for the tiny model
+    server_mode="spawn",  # its own server, whatever listens on port 8000
 )
 trainer = RLTrainer(model=model_dir, env=reverse_env(), args=args)
 try:

@@ -29,6 +29,11 @@ def split_argv(argv: list[str], prog: str) -> tuple[str, list[str], set[str]]:
             if not value.isdigit():
                 raise ConfigError("--gpus needs a number of CUDA devices")
             flags.add(f"--gpus={value}")
+        elif a == "--nodes" or a.startswith("--nodes="):  # plan for N machines of --gpus N each
+            value = a.split("=", 1)[1] if "=" in a else next(args, "")
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError("--nodes needs a number of machines (>= 1)")
+            flags.add(f"--nodes={value}")
         elif a == "--gpu-memory" or a.startswith("--gpu-memory="):  # GiB per GPU of that machine
             value = a.split("=", 1)[1] if "=" in a else next(args, "")
             try:

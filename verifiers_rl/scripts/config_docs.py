@@ -36,6 +36,7 @@ startup_timeout = 600
 
 [trainer]
 gpus = 1                        # CUDA devices for the trainer (after the server's); > 1 runs accelerate
+accelerate_config = "configs/accelerate/zero3.yaml"  # optional: ZeRO-3 or FSDP2 (fsdp_version 2); see docs/scaling.md
 [trainer.args]                  # RLConfig fields (below); vf-sft: SFTConfig fields + use_lora, lora_rank, ...
 
 [sft]                           # ours: warm-start with this vf-sft config first (skipped when done)

@@ -83,6 +83,14 @@ def run_command(argv: list[str] | None = None) -> int:
         if gpus is not None and not dry:
             raise ConfigError("--gpus only plans (with --dry-run); a real run uses the visible CUDA devices")
         memory = next((float(f.split("=")[1]) for f in flags if f.startswith("--gpu-memory=")), None)
+        nodes = next((int(f.split("=")[1]) for f in flags if f.startswith("--nodes=")), None)
+        if nodes is not None:
+            if not dry or gpus is None:
+                raise ConfigError("--nodes only plans (with --dry-run --gpus <per node>): run the printed commands")
+            from verifiers_rl.scripts.rl_nodes import print_nodes
+
+            print_nodes(cfg, path, overrides, nodes, gpus)
+            return 0
         plan = build_plan(cfg, path, overrides, dry_run=dry, cuda=gpus, gpu_memory_gib=memory)
         if dry:
             print_plan(plan)
