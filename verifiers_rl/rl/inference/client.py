@@ -110,8 +110,8 @@ class InferenceClient:
         finally:
             self.resume()
 
-    def reset_prefix_cache(self) -> None:
-        self.post("/reset_prefix_cache")
+    def reset_prefix_cache(self, *, timeout: float | None = None) -> None:
+        self.post("/reset_prefix_cache", timeout=timeout)
 
     def weight_version(self) -> str | None:
         return self.get("/weight_info").get("weight_version")
