@@ -106,7 +106,7 @@ class AdapterSender(GlooSender):
         # Ask first: a server without our worker extension or LoRA enabled would otherwise fail the RPC only
         # after the trainer has started broadcasting, and the trainer would wait out the group timeout.
         try:
-            self.server_info = (self.client.post("/collective_rpc", {"method": INFO_RPC}).get("results") or [{}])[0]
+            self.server_info = (self.post("/collective_rpc", {"method": INFO_RPC}).get("results") or [{}])[0]
         except Exception as e:
             raise RuntimeError(
                 "adapter sync (lora_sync='adapter') needs a server that takes LoRA updates: our CPU engine, or vLLM "
@@ -133,7 +133,7 @@ class AdapterSender(GlooSender):
         buckets = plan_buckets(metas, self.bucket_bytes)
         update = AdapterUpdate(UpdateInfo.from_metas(metas), config)
         body = {"method": UPDATE_RPC, "args": [update.to_json()]}
-        pending = run_in_thread(lambda: self.client.post("/collective_rpc", body))
+        pending = run_in_thread(lambda: self.post("/collective_rpc", body))
         sent = send_buckets(self.group, buckets, tensors)
         # A refusal is a result {"error": ...} (the data was drained first, so the group stays usable).
         results = pending.join().get("results") or []
@@ -142,6 +142,6 @@ class AdapterSender(GlooSender):
             raise ServerError(f"{UPDATE_RPC} refused by the server: {refused[0]}")
         # The prefix cache is keyed by adapter name and path, which stay the same: blocks computed with the old
         # adapter would be served again.
-        self.client.reset_prefix_cache()
-        self.client.post("/update_weight_version", {"new_version": str(version)})
+        self.client.reset_prefix_cache(timeout=self.timeout_s)
+        self.post("/update_weight_version", {"new_version": str(version)})
         return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)

@@ -226,6 +226,11 @@ class GlooSender:
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.group: WeightGroup | None = None
 
+    def post(self, path: str, body: dict | None = None) -> dict:
+        """A request of the sync: it may take as long as the sync itself (a server loading a large model answers
+        once every worker has), so the sync's deadline applies, not the client's per-request one."""
+        return self.client.post(path, body, timeout=self.timeout_s)
+
     def init(self) -> None:
         world = 1 + self.client.get_world_size()
         store = open_store(self.host, 0, world, self.timeout_s)
@@ -233,7 +238,7 @@ class GlooSender:
         info = GlooInitInfo(self.host, store.port, 1, world, self.bucket_bytes, self.timeout_s, key)
         # the server's workers join while this thread waits in the rendezvous
         body = {"init_info": dataclasses.asdict(info)}
-        joined = run_in_thread(lambda: self.client.post("/init_weight_transfer_engine", body, timeout=self.timeout_s))
+        joined = run_in_thread(lambda: self.post("/init_weight_transfer_engine", body))
         self.group = join_group(store, 0, world, self.timeout_s, key)
         joined.join()
 
@@ -250,18 +255,16 @@ class GlooSender:
         info = self.update_info(metas).to_dict()
         if self.pauses_itself:  # our CPU engine: the whole sync is one request (vLLM keeps its own routes)
             body = {"update_info": info, "weight_version": str(version)}
-            pending = run_in_thread(lambda: self.client.post("/update_weights", body, timeout=self.timeout_s))
+            pending = run_in_thread(lambda: self.post("/update_weights", body))
             sent = send_buckets(self.group, buckets, tensors)
             pending.join()
             return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)
-        self.client.post("/start_weight_update")
-        pending = run_in_thread(
-            lambda: self.client.post("/update_weights", {"update_info": info}, timeout=self.timeout_s)
-        )
+        self.post("/start_weight_update")
+        pending = run_in_thread(lambda: self.post("/update_weights", {"update_info": info}))
         sent = send_buckets(self.group, buckets, tensors)
         pending.join()
-        self.client.post("/finish_weight_update", {"weight_version": str(version)})
-        self.client.reset_prefix_cache()
+        self.post("/finish_weight_update", {"weight_version": str(version)})
+        self.client.reset_prefix_cache(timeout=self.timeout_s)
         return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)
 
     def close(self, polite: bool = True) -> None:
