@@ -123,15 +123,25 @@ def engine_class():
         def receive_weights(self, update_info: UpdateInfo) -> None:
             metas = update_info.metas()
             device = self.device
+            failed: list[Exception] = []
 
             def load(items):
-                # Layerwise reload keeps the loaded tensors until every weight of a layer has arrived, and a
-                # layer (q/k/v, gate/up) can straddle buckets: the views point into a receive buffer that the
-                # next bucket overwrites, so each tensor is copied out first.
-                self.model.load_weights([(name, t.to(device=device, copy=True)) for name, t in items])
+                # After a failed load keep receiving (and dropping) the rest: the trainer is mid-broadcast and
+                # would otherwise wait out the group timeout before it learns anything.
+                if failed:
+                    return
+                try:
+                    # Layerwise reload keeps the loaded tensors until every weight of a layer has arrived, and a
+                    # layer (q/k/v, gate/up) can straddle buckets: the views point into a receive buffer that the
+                    # next bucket overwrites, so each tensor is copied out first.
+                    self.model.load_weights([(name, t.to(device=device, copy=True)) for name, t in items])
+                except Exception as e:  # noqa: BLE001 - raised below, once every bucket has arrived
+                    failed.append(e)
 
             with _mtp_check_disabled():
                 self.receive(metas, load)
+            if failed:
+                raise ValueError(f"weight update failed: {type(failed[0]).__name__}: {failed[0]}") from failed[0]
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
