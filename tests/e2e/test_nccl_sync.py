@@ -98,9 +98,12 @@ class TestWithVLLM:
             "start_weight_update",
             "update_weights",
             "finish_weight_update",
-            "reset_prefix_cache",
+            "reset_prefix_cache:running",  # running requests (kept by the pause) would hold stale blocks
             "resume",
         ]
+
+    def test_a_prefix_cache_the_server_could_not_reset_fails_the_sync(self, report):
+        assert report["refused_reset"].startswith("ServerError: the server could not reset its prefix cache")
 
     def test_a_slow_update_within_the_sync_timeout_is_not_an_error(self, report):
         # /update_weights answered after 1.5 s, the client's request timeout is 0.5 s; the sync still succeeded

@@ -222,6 +222,65 @@ class TestTwoEngines:
                 assert _sync(client, pg, pool, model, version, BUCKET_BYTES) >= 8
                 _check_serves(server, model, other, dp_ranks=(0, 1))
 
+    def test_a_sync_under_running_requests_leaves_no_stale_prefix(self, server):
+        """While running requests hold KV blocks vLLM refuses a plain prefix-cache reset (200, success false), and a
+        prompt cached before the sync is then served from keys and values of the old weights. vLLM 0.32's engine
+        core happens to clear its caches when it pauses with mode=keep (its route's docstring says keep ignores
+        clear_cache); this pause skips that, so the sender's own reset has to do the job. Both engines run
+        requests through the sync; the prompt is cached on engine 0."""
+        from verifiers_rl.rl.inference.client import InferenceClient
+        from verifiers_rl.tiny import build_tiny_model
+
+        http, name = server["client"], server["model"]
+        original, perturbed = build_tiny_model(seed=0)[0], build_tiny_model(seed=1)[0]
+        # longer than one KV block (128 tokens on vLLM's CPU backend): only full blocks are cached
+        prompt = torch.randint(3, 250, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+        engine0 = {"X-data-parallel-rank": "0"}
+        client = InferenceClient(base_url=str(http.base_url), sync_timeout=120)
+        try:
+            client.init_weight_transfer("gloo", bucket_bytes=BUCKET_BYTES)
+            client.update_weights(original.named_parameters(), version=10)
+            _complete(http, name, prompt, max_tokens=2, headers=engine0)  # cached under `original`
+            with ThreadPoolExecutor(4) as pool:
+                futs = [
+                    pool.submit(
+                        _complete, http, name, PROMPTS[i % 3], 300, headers={"X-data-parallel-rank": str(i % 2)}
+                    )
+                    for i in range(4)
+                ]
+                time.sleep(0.3)
+                assert not any(f.done() for f in futs)  # the sync below lands while they run
+                client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+                try:
+                    client.sender.send(perturbed.named_parameters(), 11)
+                finally:
+                    client.resume()
+                choices = [f.result(timeout=300)[0] for f in futs]
+            assert all(len(c["token_ids"]) == 300 for c in choices)  # preempted by the reset, then finished
+            assert _max_diff(http, name, perturbed, prompts=[prompt], headers=engine0) < 1e-4
+        finally:
+            client.close()
+
+    def test_a_tensor_the_model_lacks_fails_the_sync_at_once(self, server):
+        """The workers keep receiving after a failed load, so the trainer hears the reason instead of
+        broadcasting into the void until the group timeout. Last in the class: the weights are undefined after."""
+        from verifiers_rl.rl.inference.client import InferenceClient, ServerError
+        from verifiers_rl.tiny import build_tiny_model
+
+        tensors = list(build_tiny_model(seed=0)[0].named_parameters())
+        bad = tensors[:1] + [("model.layers.0.mlp.no_such_proj.weight", torch.zeros(64, 64))] + tensors[1:]
+        client = InferenceClient(base_url=str(server["client"].base_url), sync_timeout=90)
+        try:
+            client.init_weight_transfer("gloo", bucket_bytes=BUCKET_BYTES)
+            t0 = time.monotonic()
+            with pytest.raises(ServerError, match="/update_weights failed") as err:
+                client.update_weights(bad, version=12)
+            print(f"refused in {time.monotonic() - t0:.1f}s: {err.value}")
+            assert time.monotonic() - t0 < 30  # not the 90 s group timeout
+            assert client.health() and not client.is_paused()
+        finally:
+            client.close()
+
 
 def _check_chat_fields(server):
     from verifiers_rl.tiny import build_tokenizer
@@ -287,7 +346,7 @@ def _sync(client, pg, pool, model, version: int, bucket_bytes: int) -> int:
     t0 = time.monotonic()
     _ok(client.post("/start_weight_update"))
     fut = pool.submit(client.post, "/update_weights", json={"update_info": UpdateInfo.from_metas(metas).to_dict()})
-    send_buckets(pg, buckets, tensors)
+    send_buckets(pg, buckets, tensors.items())  # (name, tensor) pairs in plan order
     _ok(fut.result(timeout=120))
     _ok(client.post("/finish_weight_update", json={"weight_version": str(version)}))
     _ok(client.post("/reset_prefix_cache"))

@@ -177,8 +177,10 @@ class Workers:
         return self.paused
 
     async def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
-        self.calls.append("reset_prefix_cache")
-        return True
+        self.calls.append("reset_prefix_cache" + (":running" if reset_running_requests else ""))
+        return not self.blocks_held  # vLLM's scheduler: False while blocks are held
+
+    blocks_held = False
 
 
 def serve(engine_client) -> int:
@@ -285,6 +287,13 @@ def sync_scenarios(report: dict) -> None:
     report["sender_device"] = str(client.sender.device)
     engine_client.calls.clear()
     report.update(sync_report(client, workers, engine_client, bucket_bytes))
+    # a server that still cannot drop its cached blocks answers 200 {"success": false} (vLLM's route)
+    engine_client.blocks_held = True
+    try:
+        client.update_weights(merged_stream(seed=8)[0], version=8)
+        report["refused_reset"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the report carries it to the test
+        report["refused_reset"] = f"{type(e).__name__}: {e}"
     engine_client.calls.clear()
     client.close_weight_transfer()
     report["close_calls"] = list(engine_client.calls)

@@ -111,7 +111,15 @@ class InferenceClient:
             self.resume()
 
     def reset_prefix_cache(self, *, timeout: float | None = None) -> None:
-        self.post("/reset_prefix_cache", timeout=timeout)
+        """Drop every KV block cached under the old weights. vLLM cannot while running requests hold blocks (a
+        sync under `pause(keep)` always has them) and then answers 200 with `success: false`: so it is asked to
+        preempt those requests too, which resume by recomputing their tokens under the new weights."""
+        answer = self.post("/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=timeout)
+        if answer.get("success") is False:
+            raise ServerError(
+                "the server could not reset its prefix cache (/reset_prefix_cache answered success=false): new "
+                "requests would reuse keys and values computed with the old weights"
+            )
 
     def weight_version(self) -> str | None:
         return self.get("/weight_info").get("weight_version")

@@ -54,9 +54,12 @@ def generation_router(engine: Engine) -> APIRouter:
         return {"is_paused": engine.is_paused}
 
     @router.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
+    async def reset_prefix_cache(
+        reset_running_requests: bool = Query(False),  # noqa: ARG001 - vLLM's query; running requests hold no
+        reset_external: bool = Query(False),  # noqa: ARG001 - cached blocks here (their KV stays their own)
+    ):
         await asyncio.to_thread(engine.reset_prefix_cache)
-        return {"status": "ok"}
+        return {"success": True}
 
     @router.post("/update_weight_version")
     async def update_weight_version(new_version: str | int = Body(..., embed=True)):
