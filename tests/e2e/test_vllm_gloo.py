@@ -5,7 +5,8 @@ Skipped unless VF_VLLM_PYTHON names the python of a venv with vLLM >= 0.32 and t
 (`pip install --no-deps -e .` there registers the plugin's entry point). The trainer side runs here.
 
 Three servers, one at a time (a start costs 30-90 s on two cores): data parallel 2 (`TestTwoEngines`), tensor
-parallel 2 with a tied lm_head, and one in adapter mode started through our launcher (`lora` fixture).
+parallel 2 with a tied lm_head, and one in adapter mode with data parallel 2 started through our launcher (`lora`
+fixture; its worker extension is ours plus a refusal on demand, tests/scripts/vllm_test_extension.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ pytestmark = [
     ),
 ]
 
+ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = 240
 # Small enough that the tiny model spans many buckets and q/k/v of one layer land in different ones.
@@ -462,10 +464,18 @@ def lora(tiny_model_dir, tmp_path_factory):
     peft = get_peft_model(build_tiny_model(seed=0)[0], config).eval()
     _set_step(peft, 0)
     serving = adapter_serving(peft, root / "adapter0")
-    # Runtime LoRA routes mounted only so that the guard test can show a request with the control token gets
-    # through to vLLM; adapter sync itself does not need them.
-    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-    srv = _launch(tiny_model_dir, root, adapter=serving, extra=["--api-key", API_KEY], env=env)
+    env = {
+        # Runtime LoRA routes mounted only so that the guard test can show a request with the control token gets
+        # through to vLLM; adapter sync itself does not need them.
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_CPU_OMP_THREADS_BIND": _omp_bind(2),
+        # vLLM's workers import the test's worker extension from tests/scripts
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT / "tests" / "scripts"), str(ROOT), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    extra = ["--api-key", API_KEY, "--worker-extension-cls", "vllm_test_extension.RefusingExtension"]
+    srv = _launch(tiny_model_dir, root, adapter=serving, extra=extra, env=env, data_parallel_size=2)
     client = VLLMClient(srv.host, srv.port, control_token=srv.token, api_key=API_KEY)
     try:
         client.init_weight_transfer("adapter", bucket_bytes=4 * 1024)  # A and B of a module in different buckets
@@ -479,8 +489,10 @@ def _auth(key: str = API_KEY) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
 
-def _adapter_diff(lora, temperature=0.0, prompts=PROMPTS) -> float:
-    return _max_diff(lora["http"], lora["name"], lora["peft"], prompts, temperature, headers=_auth())
+def _adapter_diff(lora, temperature=0.0, prompts=PROMPTS, engine: int | None = None) -> float:
+    # `engine`: the data-parallel engine to ask (vLLM's X-data-parallel-rank); else vLLM balances the requests
+    headers = _auth() if engine is None else {**_auth(), "X-data-parallel-rank": str(engine)}
+    return _max_diff(lora["http"], lora["name"], lora["peft"], prompts, temperature, headers=headers)
 
 
 def test_adapter_is_served_by_name_next_to_the_base(lora, tiny_model_dir):
@@ -549,6 +561,22 @@ def test_refused_adapter_updates_leave_the_adapter_serving(lora):
         client.update_weights(dataclasses.replace(good, tensors=renamed), version=99)
     assert client.weight_version() == version and client.health()
     assert _adapter_diff(lora) < 1e-4  # still the last good adapter
+
+
+def test_a_refusal_by_the_second_engine_fails_the_sync(lora):
+    """vLLM's /collective_rpc answers with data-parallel engine 0's results only: engine 1's refusal reaches the
+    trainer through the weight group's store, and fails the sync."""
+    import dataclasses
+
+    from verifiers_rl.rl.inference.client import ServerError
+
+    client, good = lora["client"], _adapter_weights(lora["peft"])
+    refused = dataclasses.replace(good, peft_config={**good.peft_config, "vf_test_refuse_on_engine": 1})
+    with pytest.raises(ServerError, match="refused on data-parallel engine 1"):
+        client.update_weights(refused, version=98)
+    client.update_weights(good, version=50)  # engine 0 took the refused update: one adapter on both again
+    assert client.weight_version() == "50"
+    assert max(_adapter_diff(lora, prompts=PROMPTS[:1], engine=e) for e in (0, 1)) < 1e-4
 
 
 def test_runtime_lora_routes_need_the_control_token(lora):

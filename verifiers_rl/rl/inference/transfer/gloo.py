@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import secrets
 import socket
 import threading
@@ -91,6 +92,7 @@ class WeightGroup:
     store: object  # kept alive with the group: gloo reads the store lazily
     rank: int
     world_size: int
+    key: str = ""  # the run's secret: every key this group puts in the store lives under it
     # Two staging buffers reused across syncs: a fresh 256 MB buffer per sync costs page faults that took
     # longer than the transfer itself (104 ms vs 14 ms to fill; raw gloo 1.35 vs 3.34 GB/s into it).
     buffers: list = field(default_factory=list)
@@ -135,7 +137,7 @@ def join_group(store, rank: int, world_size: int, timeout_s: float = 300.0, grou
     timeout = datetime.timedelta(seconds=timeout_s)
     prefix = f"{_PREFIX}/{group_key}" if group_key else _PREFIX
     pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, timeout)
-    return WeightGroup(pg, store, rank, world_size)
+    return WeightGroup(pg, store, rank, world_size, group_key)
 
 
 def connect_group(info: GlooInitInfo, rank: int) -> WeightGroup:
@@ -210,6 +212,31 @@ def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket) -> Non
         if i + 1 < len(buckets):
             pending = post(i + 1)
         on_bucket(unpack(bucket, bufs[i % 2][: bucket.nbytes]))
+
+
+def _report_key(group: WeightGroup, sync_id: str, rank: int) -> str:
+    return f"{_PREFIX}/{group.key}/report/{sync_id}/{rank}"
+
+
+def publish_report(group: WeightGroup, sync_id: str, result: dict) -> None:
+    """Receiver side: leave this rank's answer to sync `sync_id` in the trainer's store. vLLM's /collective_rpc
+    answers with the first data-parallel engine's results only; the store reaches the trainer from every rank."""
+    group.store.set(_report_key(group, sync_id, group.rank), json.dumps(result))
+
+
+def collect_reports(group: WeightGroup, sync_id: str, timeout_s: float) -> dict[int, dict]:
+    """Trainer side: every receiving rank's answer to `sync_id` (ranks 1..world-1), removed from the store once
+    read; a rank that left none within `timeout_s` is a RuntimeError that names it."""
+    keys = {rank: _report_key(group, sync_id, rank) for rank in range(1, group.world_size)}
+    try:
+        group.store.wait(list(keys.values()), datetime.timedelta(seconds=timeout_s))
+    except RuntimeError:  # torch's DistStoreError
+        missing = [rank for rank, key in keys.items() if not group.store.check([key])]
+        raise RuntimeError(f"inference ranks {missing} left no answer to the update within {timeout_s:.0f}s") from None
+    reports = {rank: json.loads(group.store.get(key)) for rank, key in keys.items()}
+    for key in keys.values():
+        group.store.delete_key(key)
+    return reports
 
 
 class GlooSender:
