@@ -73,3 +73,16 @@ def test_readme_performance_table_is_the_committed_full_run():
             if verdict:
                 judged = [r["pass"] for r in matches if r.get("pass") is not None]
                 assert judged and (verdict == "✓") in judged, f"README's {verdict} disagrees with the run: {line}"
+
+
+def test_protocol_states_the_code_s_default_bucket_size():
+    import dataclasses
+
+    from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES
+    from verifiers_rl.rl.trainer.config import RLConfig
+
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    stated = re.findall(r"buckets \(default (\d+) MiB", doc)
+    assert stated, "docs/protocol.md no longer states the default bucket size"
+    trainer_default = next(f.default for f in dataclasses.fields(RLConfig) if f.name == "sync_bucket_mb")
+    assert {int(s) << 20 for s in stated} == {DEFAULT_BUCKET_BYTES, trainer_default << 20}
