@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,43 @@ def test_two_node_ddp_matches_one_process(single, tiny_model_dir, tmp_path):
         assert a["reward"] == b["reward"] and abs(a["loss"] - b["loss"]) < 1e-5
     wa, wb = torch.load(single["lora"] / "weights.pt"), torch.load(out / "weights.pt")
     assert all(torch.allclose(wa[k], wb[k], atol=1e-4) for k in wa)
+
+
+def test_a_server_on_another_address_is_trained_over_connect(tiny_model_dir, tmp_path):
+    """The multi-node layout's server side: a server bound to another address only (here 127.0.0.2, so the suite
+    stays on loopback), with its control routes open to remote trainers and guarded by the run's token; a trainer
+    connects to it by address and token, and every step's weights reach it."""
+    import httpx
+    from rl_envs import reverse_env
+
+    from verifiers_rl.rl.inference.net import free_port
+    from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+
+    port, token = free_port("127.0.0.2"), "remote-run-token"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "verifiers_rl.rl.inference.server", "--engine", "cpu", "--model", tiny_model_dir,
+         "--host", "127.0.0.2", "--port", str(port), "--allow-remote-control", "--max-model-len", "512"],
+        env={**os.environ, "VF_CONTROL_TOKEN": token}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    base = f"http://127.0.0.2:{port}"
+    try:
+        for _ in range(240):
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None, "the server exited before it was healthy"
+            time.sleep(0.5)
+        args = RLConfig(output_dir=str(tmp_path / "run"), use_cpu=True, server_mode="connect",
+                        vllm_server_host="127.0.0.2", vllm_server_port=port, server_control_token=token,
+                        batch_size=8, rollouts_per_example=4, micro_batch_size=4, max_steps=2, max_tokens=4,
+                        max_seq_len=96, save_strategy="no", max_async_level=0)  # fmt: skip
+        with RLTrainer(model=tiny_model_dir, env=reverse_env(), args=args) as trainer:
+            trainer.train()
+        auth = {"Authorization": f"Bearer {token}"}
+        assert httpx.get(f"{base}/weight_info", headers=auth).json()["weight_version"] == "2"
+        assert httpx.get(f"{base}/weight_info").status_code == 401  # the token, not the address, guards it
+    finally:
+        server.terminate()
+        server.wait(30)
