@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 # all attention and MLP projections of Llama/Qwen-style decoders (what peft's "all-linear" picks there)
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_RANK = 8
@@ -30,3 +33,21 @@ def lora_config(
         use_rslora=use_rslora,
         task_type="CAUSAL_LM",
     )
+
+
+@contextlib.contextmanager
+def quiet_peft_wrap():
+    """peft (0.21) reads transformers' deprecated `is_gradient_checkpointing` property whenever it wraps a model,
+    and transformers 5.2x warns (FutureWarning) on every read. The warning is about peft's code, not the user's:
+    it is filtered here, that message only, around peft's own calls."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def wrap_lora(model, config):
+    """`peft.get_peft_model` without peft's deprecation noise."""
+    from peft import get_peft_model
+
+    with quiet_peft_wrap():
+        return get_peft_model(model, config)
