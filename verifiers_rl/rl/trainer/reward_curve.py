@@ -107,10 +107,11 @@ class LiveRewardCurve(TrainerCallback):
         self.rows.append({**logs, "step": state.global_step})
         buf = io.BytesIO()
         draw(self.rows, title=self.title or Path(args.output_dir).name).savefig(buf, format="png")
-        last = [r["reward"] for r in self.rows if "reward" in r]
-        caption = f"reward curve: step {state.global_step}/{state.max_steps}" + (
-            f", train reward {last[-1]:.3f}" if last else ""
-        )
+        train = [r["reward"] for r in self.rows if "reward" in r]
+        evals = [v for r in self.rows for k, v in r.items() if _is_eval_reward(k)]
+        caption = f"reward curve: step {state.global_step}/{state.max_steps}"
+        caption += f", train reward {train[-1]:.3f}" if train else ""
+        caption += f", eval reward {evals[-1]:.3f}" if evals else ""
         view = _CurveView(buf.getvalue(), caption)
         if self.handle is None:
             self.handle = self._display(view, display_id=True)
