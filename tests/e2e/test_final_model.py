@@ -25,6 +25,7 @@ import torch
 import verifiers as vf
 from procs import BIN
 from safetensors.torch import load_file
+from servers import VLLM_PYTHON, start_server
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from wandb_files import history, offline_run, tables
 
@@ -235,6 +236,27 @@ def test_vf_vllm_serves_final_as_trained_and_vf_eval_runs_against_it(run, tmp_pa
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set VF_VLLM_PYTHON to the vLLM CPU venv's python")
+def test_real_vllm_serves_final_as_trained(run, tmp_path):
+    """vLLM (its CPU build) loads final/ as any model and samples the trainer's greedy completion."""
+    final = run["out"] / "final"
+    server = start_server("vllm", str(final), tmp_path)
+    try:
+        body = {"model": str(final), "messages": [{"role": "user", "content": "abcdef"}], "max_tokens": 8}
+        body.update(temperature=0.0, logprobs=True, return_token_ids=True)
+        reply = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120).json()
+    finally:
+        server.stop()
+    prompt, completion = reply["prompt_token_ids"], reply["choices"][0]["token_ids"]
+    with torch.no_grad():
+        logits = run["trainer"].model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+    policy = torch.log_softmax(logits.float(), -1)
+    assert completion == policy.argmax(-1).tolist()
+    served = torch.tensor([t["logprob"] for t in reply["choices"][0]["logprobs"]["content"]])
+    assert (served - policy.gather(1, torch.tensor(completion)[:, None]).squeeze(1)).abs().max() < 1e-4
 
 
 # --------------------------------------------------------------------------------------------- vf-rl export
