@@ -191,7 +191,7 @@ def print_plan(plan: Plan) -> None:
     else:
         where = f"on GPU {plan.gpus.trainer[0]}" if plan.gpus.trainer else "on the CPU"
         print(f"\n# trainer\nin this process, {where} (RLTrainer, connected to the server above)")
-    print(f"\n# outputs\n{plan.output_dir} (metrics.jsonl, reward_curve.png, checkpoints, logs/inference.log)")
+    print(f"\n# outputs\n{plan.output_dir} (final/ = the trained model, metrics.jsonl, reward_curve.png, checkpoints)")
 
 
 def run(plan: Plan) -> int:
