@@ -74,8 +74,9 @@ def load_env(cfg: dict[str, Any]):
 def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, serving=None) -> int:
     """RLTrainer with the config's [eval] before/after (every process runs it: evaluate() talks to the server on
     the main process only and hands the metrics to the others), resuming from the last checkpoint of output_dir
-    unless trainer.args.resume_from_checkpoint = false; the main process writes the report. `server` and `serving`:
-    the server vf-rl started and the plan it started it by."""
+    unless trainer.args.resume_from_checkpoint = false; the main process writes the report, then <output_dir>/final
+    (whose model card shows both evaluations). `server` and `serving`: the server vf-rl started and the plan it
+    started it by."""
     from transformers.trainer_utils import get_last_checkpoint
 
     from verifiers_rl.rl.trainer import RLTrainer
@@ -91,17 +92,21 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
         if Path(args.output_dir).is_dir() and get_last_checkpoint(args.output_dir):
             resume = True
     trainer = RLTrainer(model=model, env=env, args=args)
+    trainer.run_config = cfg
     trainer.runtime.session.watched = server  # the server vf-rl started: a dead or stuck one is named at once
     if serving is not None:
         trainer.runtime.session.plan = serving  # vf-rl planned that server: the trainer syncs by the same plan
     try:
         before = trainer.evaluate(metric_key_prefix="eval_before") if ev.get("before", False) else None
-        trainer.train(resume_from_checkpoint=resume)
+        trainer.train(resume_from_checkpoint=resume, save_final=False)
         after = trainer.evaluate(metric_key_prefix="eval_after") if ev.get("after", False) else None
     finally:
         trainer.close()
     if trainer.is_world_process_zero():
         write_report(args.output_dir, before, after)
+    final = trainer.save_final()
+    if final and trainer.is_world_process_zero():
+        print(f"final model: {final} (serve it: vf-vllm --model {final})", flush=True)
     return 0
 
 

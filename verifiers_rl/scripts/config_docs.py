@@ -102,7 +102,7 @@ def render() -> str:
         lines.append(f"| `{f.name}` | `{_type_name(f)}` | `{_default(f)}` | {help_text} |")
     lines += [
         "",
-        "Every other `TrainingArguments` field (e.g. `gradient_checkpointing`, `bf16`, `seed`, `eval_strategy`,",
+        "Every other `TrainingArguments` field (e.g. `activation_checkpointing`, `bf16`, `seed`, `eval_strategy`,",
         "`eval_steps`, `save_total_limit`) works as in transformers.",
         "",
     ]

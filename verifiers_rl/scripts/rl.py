@@ -1,5 +1,6 @@
 """`vf-rl @ cfg.toml [--section.key value ...] [--dry-run]`: server + trainer in one command.
 `vf-rl setup [DIR] [--force]`: lay out a workspace (configs, endpoints, environments/AGENTS.md).
+`vf-rl export CHECKPOINT OUT [--merge | --adapter]`: a checkpoint as a model to serve and share (scripts/export.py).
 
 Order of work (the plan is `rl_plan.py`'s): resolve the model (build the tiny one, run the SFT warm-start if the
 config asks and it is not done yet), assign GPUs (inference first, then trainer), start the inference server
@@ -74,6 +75,10 @@ def run_command(argv: list[str] | None = None) -> int:
         from verifiers_rl.scripts.setup import run_setup
 
         return run_setup(argv[1:])
+    if argv[:1] == ["export"]:
+        from verifiers_rl.scripts.export import run_export
+
+        return run_export(argv[1:])
 
     def body() -> int:
         path, overrides, flags = split_argv(argv, "vf-rl")
@@ -98,8 +103,9 @@ def run_command(argv: list[str] | None = None) -> int:
         code = run(plan)
         out = Path(plan.output_dir)
         print(
-            f"vf-rl: done. metrics: {out / 'metrics.jsonl'}  curve: {out / 'reward_curve.png'}  "
-            f"checkpoints: {out}/checkpoint-*  server log: {out / 'logs' / 'inference.log'}"
+            f"vf-rl: done. model: {out / 'final'}  metrics: {out / 'metrics.jsonl'}  "
+            f"curve: {out / 'reward_curve.png'}  checkpoints: {out}/checkpoint-*  "
+            f"server log: {out / 'logs' / 'inference.log'}"
         )
         return code
 

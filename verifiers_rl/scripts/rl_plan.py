@@ -253,4 +253,4 @@ def print_plan(plan: Plan) -> None:
         print(f"{dev}{shlex.join(plan.trainer_cmd)}")
     else:
         print("\n# trainer\nin this process, on the CPU (RLTrainer, connected to the server above)")
-    print(f"\n# outputs\n{plan.output_dir} (metrics.jsonl, reward_curve.png, checkpoints, logs/inference.log)")
+    print(f"\n# outputs\n{plan.output_dir} (final/ = the trained model, metrics.jsonl, reward_curve.png, checkpoints)")

@@ -21,12 +21,12 @@ STAGING = ".staging"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
-def write_manifest(folder: str | os.PathLike, step: int) -> None:
+def write_manifest(folder: str | os.PathLike, step: int, name: str = MANIFEST, **extra) -> None:
     folder = Path(folder)
     files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
-    os.replace(tmp, folder / MANIFEST)
+    tmp = folder / (name + ".tmp")
+    tmp.write_text(json.dumps({"step": step, **extra, "files": files}, indent=1, default=str))
+    os.replace(tmp, folder / name)
 
 
 def publish(staged: str | os.PathLike, final: str | os.PathLike) -> None:

@@ -262,6 +262,16 @@ class RLConfig(TrainingArguments):
     )
     num_completions_to_log: int = field(default=8, metadata=_help("Rows of the completions table per logged step."))
 
+    # ---------------------------------------------------------------- the trained model
+    final_model: str = field(
+        default="merged+adapter",
+        metadata=_help(
+            "What train() writes to <output_dir>/final when it finishes, with a model card: 'merged+adapter' (LoRA "
+            "merged into the weights, the adapter alone in final/adapter), 'merged', 'adapter' or 'none'. "
+            "push_to_hub=True pushes that folder to hub_model_id (checkpoints stay local)."
+        ),
+    )
+
     # ---------------------------------------------------------------- TrainingArguments defaults that fit RL
     learning_rate: float = field(default=1e-5, metadata=_help("AdamW learning rate."))
     lr_scheduler_type: str = field(default="constant", metadata=_help("Learning-rate schedule."))
@@ -347,6 +357,7 @@ def _accept_legacy_names(init):
             if kwargs.pop(name, 1) != 1:
                 warnings.warn(f"{owner}({name}=...) is ignored: set {instead}", UserWarning, stacklevel=2)
         init(self, *args, **kwargs)
+        self.__dict__["given_fields"] = tuple(kwargs)  # what the user set (the model card lists those); not a field
 
     return __init__
 

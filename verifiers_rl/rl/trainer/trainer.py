@@ -22,7 +22,8 @@ from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from verifiers_rl.errors import TrainingError
-from verifiers_rl.rl.trainer.callbacks import MetricsFileCallback, RichProgressCallback
+from verifiers_rl.rl.trainer import final
+from verifiers_rl.rl.trainer.callbacks import MetricsFileCallback, RichProgressCallback, adapt_integrations
 from verifiers_rl.rl.trainer.checkpoints import (
     MANIFEST,
     ORCHESTRATOR_STATE,
@@ -107,6 +108,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         self.train_rows, self.prompts_filtered = filter_prompts(dataset, processing_class, args.prompt_limit, env)
         self.runtime = InferenceRuntime(args, model_path, env)
         self.resume_from: str | None = None
+        self.run_config: dict | None = None  # the config the run was started from (vf-rl: its TOML), for the card
         self.step_metrics: dict[str, float] = {}
         self._empty_steps = 0
         self._seen_failures: set[str | None] = set()
@@ -133,34 +135,35 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         args.save_only_model = only
         self.remove_callback(ProgressCallback)
         self.add_callback(RichProgressCallback(self))
+        adapt_integrations(self.callback_handler.callbacks, self.args.output_dir)
 
     @staticmethod
     def _wrap_lora(model, args: RLConfig):
         if not args.use_lora or hasattr(model, "peft_config"):
             return model
-        from peft import get_peft_model
         from transformers import set_seed
 
-        from verifiers_rl.rl.trainer.lora import run_lora_config
+        from verifiers_rl.rl.trainer.lora import run_lora_config, wrap_lora
 
         set_seed(args.seed)  # LoRA A is random-initialised: seed it so runs (and ranks) start identically
-        model = get_peft_model(model, run_lora_config(args))
-        if args.gradient_checkpointing:
+        model = wrap_lora(model, run_lora_config(args))
+        if args.activation_checkpointing:
             model.enable_input_require_grads()
         return model
 
     # ------------------------------------------------------------------ lifecycle
 
-    def train(self, resume_from_checkpoint=None, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, save_final: bool = True, **kwargs):
         """`Trainer.train`, plus: a checkpoint is checked before it is resumed from (the newest usable one with
-        `True`), and SIGTERM / Ctrl-C checkpoint the last completed step before the run ends (preemption.py)."""
+        `True`), SIGTERM / Ctrl-C checkpoint the last completed step before the run ends (preemption.py), and a run
+        that finishes writes <output_dir>/final (`final_model`; `save_final=False` leaves that to the caller)."""
         resume = self._resume_point(resume_from_checkpoint)
         self.resume_from = resume
         guard = self._guard = PreemptionGuard(on_second_signal=self.runtime.kill_server)
         try:
             with guard:
                 try:
-                    result = super().train(resume_from_checkpoint=resume, **kwargs)
+                    result = super().train(resume, *args, **kwargs)
                 except StepAbandoned:
                     result = None
                     self._save_after_signal()
@@ -168,12 +171,14 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
                 logger.warning("stopped by signal %d after step %d", guard.signum, self.state.global_step)
                 self.close()
                 guard.raise_for_signal()
-            return result
         finally:
             self._guard = None
             self.runtime.stop_rollouts()
             if not self.args.keep_server:  # a notebook kernel must not hold a server (or its GPU memory) idle
                 self.runtime.close()
+        if save_final:
+            self.save_final()
+        return result
 
     def _resume_point(self, requested):
         if not requested:
@@ -198,6 +203,23 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         done = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}", MANIFEST)
         if step > 0 and not os.path.exists(done):
             self._save_checkpoint(self.model, trial=None)
+
+    def save_final(self) -> str | None:
+        """Write <output_dir>/final: the trained model (LoRA merged, and the adapter on its own), tokenizer and
+        a model card with the evaluations logged so far and the reward curve; pushed when push_to_hub (final.py)."""
+        out = final.save_final(self)
+        return str(out) if out is not None else None
+
+    def init_hf_repo(self, token=None, private=None) -> None:
+        # Trainer creates the hub repository at init; here nothing reaches the hub before there is a model
+        self.push_in_progress = None
+
+    def _push_from_checkpoint(self, checkpoint_folder) -> None:
+        pass  # checkpoints stay local: push_to_hub pushes final/ when the run ends
+
+    def push_to_hub(self, commit_message=None, blocking=True, token=None, revision=None, private=None, **kwargs):
+        """Upload <output_dir>/final (written first if it is not there) to `hub_model_id`; every process calls it."""
+        return final.push_final(self, commit_message=commit_message, token=token, revision=revision, private=private)
 
     def close(self) -> None:
         """Stop rollouts and the inference server this trainer spawned (evaluate() or train() start one again)."""
@@ -322,6 +344,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
                 timeout = self.args.save_on_signal_timeout if self._guard and self._guard.signum else None
                 state = self.runtime.rollout_state(timeout=timeout)
                 torch.save(state, os.path.join(staged, ORCHESTRATOR_STATE))
+            final.write_run_info(self, staged)  # what `vf-rl export` needs to describe this checkpoint
             write_manifest(staged, self.state.global_step)
         self.accelerator.wait_for_everyone()
         if self.is_world_process_zero():
