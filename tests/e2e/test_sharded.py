@@ -118,6 +118,17 @@ def test_sharded_steps_match_one_process_and_every_sync_lands(single, sharded, l
     assert wa.keys() == wb.keys()
     for k in wa:  # Adam on a ~0 gradient moves an element by up to lr on float noise (see test_ddp.py)
         assert torch.allclose(wa[k], wb[k], atol=1e-4), (k, (wa[k] - wb[k]).abs().max())
+    # the final model written at the end of the run is those weights, as one process would save them
+    from safetensors.torch import load_file
+
+    final = load_file(str(out / "final" / "model.safetensors"))
+    assert (
+        all(torch.equal(final[k], wb[k]) for k in final)
+        and "distributed_config" not in (out / "final" / "config.json").read_text()
+    )
+    if policy == "lora":
+        adapter = load_file(str(out / "final" / "adapter" / "adapter_model.safetensors"))
+        assert adapter and all(".lora_" in k for k in adapter)
 
 
 @pytest.mark.parametrize(("layout", "policy"), [("zero3", "lora"), ("fsdp2", "full")])

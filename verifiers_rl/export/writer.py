@@ -20,6 +20,7 @@ the adapter's gathered state dict.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -54,7 +55,26 @@ def write_merged(model, folder: Path, weights: Iterable[tuple[str, torch.Tensor]
     and index when large, config, generation config)."""
     inner = model.get_base_model() if is_lora(model) else model
     state = dict(merged_weights(model) if weights is None else weights)
-    inner.save_pretrained(folder, state_dict=state)
+    with _as_one_process(inner):
+        inner.save_pretrained(folder, state_dict=state)
+
+
+@contextlib.contextmanager
+def _as_one_process(model):
+    """A model FSDP2-sharded at load time carries its DistributedConfig in its config: save_pretrained would then
+    gather the shards itself (a collective every rank must join, while only rank 0 writes here) and put the
+    training-time sharding into the exported config.json. The weights given are already whole: save them as one
+    process would."""
+    config = model.config
+    sharding = getattr(config, "distributed_config", None)
+    if sharding is None:
+        yield
+        return
+    config.distributed_config = None
+    try:
+        yield
+    finally:
+        config.distributed_config = sharding
 
 
 def write_adapter(model, folder: Path, adapter_state: dict | None = None) -> None:

@@ -94,6 +94,8 @@ def save_final(trainer, *, push: bool = True) -> Path | None:
     model = trainer.accelerator.unwrap_model(trainer.model)
     kind = args.final_model if is_lora(model) else "merged"
     weights = _merged_on_rank0(trainer) if kind != "adapter" else None
+    # the adapter gathered on every rank (a collective under sharding) instead of inside peft's save, on rank 0 only
+    adapter = trainer.weight_export().lora_state() if kind != "merged" else None
     try:
         if trainer.is_world_process_zero():
             info = run_info(trainer)
@@ -101,7 +103,10 @@ def save_final(trainer, *, push: bool = True) -> Path | None:
             step = trainer.state.global_step
             history = run_history(args.output_dir, step, trainer.state.log_history)
             card = ModelCard.from_run(info, step=step, kind=kind, log_history=history, title=title)
-            export_model(model, trainer.processing_class, out, kind=kind, card=card, run_info=info, weights=weights)
+            export_model(
+                model, trainer.processing_class, out, kind=kind, card=card, run_info=info, weights=weights,
+                adapter_state=adapter,
+            )  # fmt: skip
             logger.info("final model: %s (serve it with `vf-vllm --model %s`)", out, out)
     finally:
         trainer.accelerator.wait_for_everyone()  # a rank-0 failure must not leave the others waiting

@@ -92,6 +92,10 @@ class ReplicatedExport:
         items, config, rank = _items(self.model, kind)
         return replicated_stream(self.model, items, config, rank)
 
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        """The LoRA weights as peft names them in the model's state dict, whole, on the CPU (for a saved adapter)."""
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if ".lora_" in k}
+
     def head_logprobs(self, hidden, targets, *, temperature, with_entropy=True, chunk_size=None):
         head = output_head(self.model)
         return chunked_logprobs(
@@ -132,6 +136,13 @@ class ShardedExport:
                 # still be broadcasting the previous tensor from its own memory
                 out = [(item.name, materialize(item, full).clone()) for item in group]
             yield from out
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        """As `ReplicatedExport.lora_state`; every rank gathers, each gets the whole adapter (it is small)."""
+        prefix = "base_model.model." if self.inner is not self.model else ""
+        names = [n for n in self.params if ".lora_" in n]
+        with self.gathered(names) as full:
+            return {prefix + n: full[n].detach().cpu().clone() for n in names}
 
     def head_logprobs(self, hidden, targets, *, temperature, with_entropy=True, chunk_size=None):
         raise RuntimeError("a sharded output head is reached inside the model's forward (head_in_forward)")
