@@ -136,7 +136,7 @@ def _rank_memory(cfg, args, model: str, sft, plan: Plan, gpu_bytes: int):
     memory = rank_memory(
         shape, layout=training_layout(config), ranks=len(plan.gpus.trainer), use_lora=args.use_lora,
         lora_rank=args.lora_rank, micro_batch_tokens=args.token_budget,
-        gradient_checkpointing=bool(args.gradient_checkpointing),
+        gradient_checkpointing=bool(args.activation_checkpointing),
     )  # fmt: skip
     if not plan.serving.shared_gpu:
         check_fits(memory, gpu_bytes)

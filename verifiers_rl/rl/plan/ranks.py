@@ -109,7 +109,7 @@ def check_fits(memory: RankMemory, gpu_bytes: int) -> None:
         fixes.append("shard the model (trainer.accelerate_config with DeepSpeed ZeRO-3 or FSDP2)")
     else:
         fixes.append("more trainer GPUs ([trainer] gpus, or more nodes)")
-    fixes += ["LoRA (use_lora = true)", "gradient_checkpointing = true", "a smaller micro_batch_tokens"]
+    fixes += ["LoRA (use_lora = true)", "activation_checkpointing = true", "a smaller micro_batch_tokens"]
     raise ConfigError(
         f"one trainer rank needs ~{memory.total / GIB:.1f} GiB, its GPU has {gpu_bytes / GIB:.1f} GiB "
         f"({memory.describe()}): use {', '.join(fixes)}"

@@ -94,7 +94,7 @@ class ReplicatedExport:
 
     def lora_state(self) -> dict[str, torch.Tensor]:
         """The LoRA weights as peft names them in the model's state dict, whole, on the CPU (for a saved adapter)."""
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if ".lora_" in k}
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if is_adapter_weight(k)}
 
     def head_logprobs(self, hidden, targets, *, temperature, with_entropy=True, chunk_size=None):
         head = output_head(self.model)
@@ -140,12 +140,17 @@ class ShardedExport:
     def lora_state(self) -> dict[str, torch.Tensor]:
         """As `ReplicatedExport.lora_state`; every rank gathers, each gets the whole adapter (it is small)."""
         prefix = "base_model.model." if self.inner is not self.model else ""
-        names = [n for n in self.params if ".lora_" in n]
+        names = [n for n in self.params if is_adapter_weight(n)]
         with self.gathered(names) as full:
             return {prefix + n: full[n].detach().cpu().clone() for n in names}
 
     def head_logprobs(self, hidden, targets, *, temperature, with_entropy=True, chunk_size=None):
         raise RuntimeError("a sharded output head is reached inside the model's forward (head_in_forward)")
+
+
+def is_adapter_weight(name: str) -> bool:
+    """What peft saves as the adapter: the LoRA factors and the trained copies of `modules_to_save`."""
+    return ".lora_" in name or ".modules_to_save." in name
 
 
 def _groups(items: list[ExportItem], bucket_bytes: int) -> Iterator[list[ExportItem]]:
