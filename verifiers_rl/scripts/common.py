@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -46,7 +47,9 @@ def resolve_model(cfg: dict[str, Any], config_path: str | Path | None = None, dr
     model = cfg["model"]
     if model != "tiny":
         if config_path is not None and model.startswith(("./", "../", "~")):
-            return resolve_path(model, config_path)
+            path = resolve_path(model, config_path)
+            # a config beside the current directory gives "x": keep it a path, or it would be read as a hub id
+            return path if os.path.isabs(path) or path.startswith(".") else os.path.join(".", path)
         return model
     spec = {"hidden": 64, "layers": 2, "seed": 0, "head_dim": 32, **cfg.get("tiny", {})}
     path = TINY_CACHE / f"h{spec['hidden']}-l{spec['layers']}-d{spec['head_dim']}-s{spec['seed']}"

@@ -49,6 +49,19 @@ class Plan:
         return self.server.command()
 
 
+def check_model(model: str, dry_run: bool) -> None:
+    """A model that cannot be found fails now, before torch is imported and anything starts (a dry run plans
+    for another machine: it checks local paths only)."""
+    from verifiers_rl.model_source import looks_like_path, resolve_model_path
+
+    if dry_run and not (looks_like_path(model) or Path(model).exists()):
+        return
+    try:
+        resolve_model_path(model)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model = {model!r}: {e}") from None
+
+
 def _cuda_count() -> int:
     try:
         import torch
@@ -75,6 +88,7 @@ def build_plan(
         model = sft["final_dir"]
     else:
         model = resolve_model(cfg, config_path, dry_run=dry_run)
+        check_model(model, dry_run)
     real_cuda = _cuda_count()
     cuda = real_cuda if cuda is None else cuda
     gpus = assign_gpus(cfg, cuda)

@@ -124,7 +124,7 @@ class InferenceServer:
         return env
 
     def start(self) -> InferenceClient:
-        from verifiers_rl.models import resolve_model_path
+        from verifiers_rl.model_source import resolve_model_path
 
         resolve_model_path(self.spec.model)  # a missing local path fails here, in one line, not in a log
         if self.spec.port is None:

@@ -62,7 +62,7 @@ def write_zero_adapter(model_name: str, args, directory) -> None:
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from verifiers_rl.models import resolve_model_path
+    from verifiers_rl.model_source import resolve_model_path
     from verifiers_rl.rl.inference.transfer.adapter import write_adapter
     from verifiers_rl.rl.inference.transfer.policy_weights import AdapterWeights, adapter_weights
 

@@ -103,6 +103,18 @@ def check_reward_inputs(env, dataset) -> None:
                     )
 
 
+def training_dataset(env):
+    """The environment's training dataset; an environment built without one is a TrainingError, not verifiers'
+    bare "dataset is not set"."""
+    try:
+        return env.get_dataset()
+    except ValueError as e:
+        raise TrainingError(
+            f"the environment ({type(env).__name__}) has no training dataset ({e}): build it with training "
+            "examples (for vf-rl: [env.args] that give it at least one, e.g. a positive num_train_examples)"
+        ) from None
+
+
 def check_dataset(env, dataset) -> None:
     """The training dataset exists, is not empty and has the prompts rollouts start from."""
     name = type(env).__name__

@@ -163,7 +163,7 @@ class ServerSession:
 
     def _served_path(self, model, tokenizer, version: int, from_files: bool) -> tuple[str, int | None]:
         """Where the server loads its weights from, and the trainer version those weights are (None: not one)."""
-        from verifiers_rl.models import resolve_model_path
+        from verifiers_rl.model_source import resolve_model_path
 
         if self.model_path:
             try:

