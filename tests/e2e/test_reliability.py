@@ -9,6 +9,7 @@ Processes are found through the launcher's parent-pid marker, never by name."""
 
 from __future__ import annotations
 
+import textwrap
 import time
 
 import pytest
@@ -30,13 +31,13 @@ def _gone(pid: int, timeout: float = 20) -> list[str]:
 
 def test_a_short_run_that_trained_nothing_fails_with_each_steps_cause(tmp_path, tiny_model_dir):
     # 2 steps, max_empty_steps 3: the consecutive-step rule never fires; the end of train() must
-    server_context = {'engine = "cpu"': 'engine = "cpu"\n[inference.args]\nmax_model_len = 100'}
-    cfg = write_cfg(tmp_path, tiny_model_dir, steps=2, replace=server_context)
+    # a request field the CPU engine refuses (HTTP 400): every request of every step is rejected
+    cfg = write_cfg(tmp_path, tiny_model_dir, steps=2, extra="sampling_args = {top_logprobs = 2}\n")
     r, pid = run_command("vf-rl", "@", cfg, timeout=600)
     assert r.returncode == 1, r.stderr[-3000:]
     line = error_line(r.stderr)
     assert "the run trained nothing: none of its 2 steps had a trainable sample (steps 1-2: all 8 requests were " \
-           "rejected by the server" in line, line  # fmt: skip
+           "rejected by the server (first: " in line and "top_logprobs > 0 is not supported" in line, line  # fmt: skip
     assert "vf-rl: done" not in r.stdout
     assert not _gone(pid)
 
@@ -96,3 +97,48 @@ def test_model_path_errors_come_in_under_a_second(tmp_path, prog, model, message
     assert r.returncode == 2, r.stderr[-3000:]
     assert message in error_line(r.stderr, prog)
     assert elapsed < 1.0, elapsed
+
+
+# ---------------------------------------------------------------------------------------------- 2. the context rule
+
+
+def test_multi_turn_rollouts_that_outgrow_the_context_train_their_turns_that_fit(tmp_path, tiny_model_dir):
+    """alphabet-sort at max_seq_len 256: first turns fit (the preflight keeps exactly the prompts the server
+    accepts), second turns do not. Those rollouts end as truncated, and their first turns train."""
+    import json
+
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(
+        textwrap.dedent(
+            f"""
+            model = "{tiny_model_dir}"
+            output_dir = "{tmp_path / "out"}"
+            [env]
+            id = "alphabet-sort"
+            [env.args]
+            num_train_examples = 16
+            num_eval_examples = 4
+            min_turns = 2
+            max_turns = 2
+            [inference]
+            engine = "cpu"
+            [trainer.args]
+            max_steps = 2
+            rollouts_per_example = 4
+            batch_size = 8
+            micro_batch_size = 8
+            max_tokens = 48
+            max_seq_len = 256
+            save_steps = 100
+            log_completions = false
+            """
+        )
+    )
+    r, pid = run_command("vf-rl", "@", cfg, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "is multi-turn (max_turns=2): each request carries the turns before it" in r.stderr
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rows = [x for x in rows if "reward" in x]
+    assert [x["step"] for x in rows] == [1, 2]
+    assert all(x["trained_tokens"] > 0 and x["rollouts_rejected"] == 0 for x in rows), rows
+    assert sum(x["rollouts_context_full"] for x in rows) > 0, rows

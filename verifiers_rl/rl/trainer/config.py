@@ -12,6 +12,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from verifiers_rl.rl.inference.limits import room_for_prompt
 from verifiers_rl.rl.trainer.config_checks import check_config, effective_sampling_args
 from verifiers_rl.rl.trainer.legacy import translate_legacy_kwargs
 from verifiers_rl.rl.trainer.lora import DEFAULT_LORA_TARGETS, LORA_ALPHA, LORA_DROPOUT, LORA_RANK
@@ -317,7 +318,7 @@ class RLConfig(TrainingArguments):
         max_tokens within the server's context, unless max_prompt_len says otherwise."""
         if self.max_prompt_len is not None:
             return self.max_prompt_len
-        return self.server_max_len - (self.max_tokens or 1)
+        return room_for_prompt(self.server_max_len, self.max_tokens)
 
     @property
     def token_budget(self) -> int:

@@ -9,6 +9,7 @@ import logging
 import torch
 
 from verifiers_rl.rl.inference.errors import ServerError
+from verifiers_rl.rl.inference.limits import room_for_prompt
 from verifiers_rl.rl.trainer.metrics import rollout_metrics
 from verifiers_rl.rl.trainer.orchestrator import GenerationError, Orchestrator, RolloutBatch
 from verifiers_rl.rl.trainer.policy_sync import PolicySync
@@ -32,6 +33,7 @@ class InferenceRuntime:
         self.orchestrator: Orchestrator | None = None
         self.from_files = False  # the trainer's weights are still its model path's (RLTrainer sets it)
         self.last_rollouts: list[Rollout] = []
+        self.prompts_filtered = 0  # by the server's own context (fitting_rows), besides the config's preflight
         self._threads_before: int | None = None
 
     # ------------------------------------------------------------------ the server
@@ -108,6 +110,7 @@ class InferenceRuntime:
     def start(self, model, tokenizer, rows, version: int, orchestrator_state: dict | None = None) -> None:
         self.ensure_server(model, tokenizer, version)
         if self.orchestrator is None:
+            rows, self.prompts_filtered = self.fitting_rows(rows, tokenizer)
             args = self.args
             self.orchestrator = self._orchestrator(
                 rows,
@@ -118,6 +121,16 @@ class InferenceRuntime:
         if orchestrator_state:
             self.orchestrator.load_state_dict(orchestrator_state)
         self.orchestrator.start()
+
+    def fitting_rows(self, rows, tokenizer):
+        """The preflight once more with the context the server reports, when it is shorter than the config
+        planned for (a server started by someone else): the server's rule, so no prompt kept is rejected."""
+        limit, args = self.session.max_model_len, self.args
+        if limit is None or limit >= args.server_max_len:
+            return rows, 0
+        most = min(args.prompt_limit, room_for_prompt(limit, args.max_tokens))
+        fix = f"start the server with a larger --max-model-len (it has {limit}), or lower max_tokens"
+        return filter_prompts(rows, tokenizer, most, self.env, fix=fix, context=(limit, args.max_tokens))
 
     def submit_ahead(self, global_step: int) -> None:
         for b in range(global_step, global_step + self.args.max_async_level + 1):
@@ -168,6 +181,7 @@ class InferenceRuntime:
         self.sync(export, version)
         rows = self.env.get_eval_dataset(n=args.num_eval_examples or -1)
         rows, _ = filter_prompts(rows, tokenizer, args.prompt_limit, self.env)
+        rows, _ = self.fitting_rows(rows, tokenizer)
         orch = self.orchestrator or self._orchestrator(
             rows, rollouts_per_example=args.eval_rollouts_per_example, prompts_per_batch=1
         )

@@ -187,7 +187,7 @@ class ServerSession:
         if self.max_model_len < args.server_max_len:
             logger.warning(
                 "the server's context is %d tokens, shorter than the %d the config plans for (max_seq_len / "
-                "server_max_model_len): requests longer than that will be rejected",
+                "server_max_model_len): prompts that do not fit it are filtered out",
                 self.max_model_len,
                 args.server_max_len,
             )

@@ -97,7 +97,9 @@ class RLTrainer(Trainer):
         check_dataset(env, dataset)
         check_reward_inputs(env, dataset)
         guard_rewards(env)
-        self.train_rows, self.prompts_filtered = filter_prompts(dataset, processing_class, args.prompt_limit, env)
+        self.train_rows, self.prompts_filtered = filter_prompts(
+            dataset, processing_class, args.prompt_limit, env, context=(args.server_max_len, args.max_tokens)
+        )
         self.runtime = InferenceRuntime(args, model_path, env)
         self.resume_from: str | None = None
         self.step_metrics: dict[str, float] = {}
@@ -239,7 +241,7 @@ class RLTrainer(Trainer):
         metrics["timing/train_s"] = time.perf_counter() - t_train
         metrics["timing/step_s"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(metrics["timing/step_s"], 1e-9)
-        metrics["prompts_filtered"] = float(self.prompts_filtered)
+        metrics["prompts_filtered"] = float(self.prompts_filtered + self.runtime.prompts_filtered)
         self.step_metrics = metrics
         # each rank holds a partial sum of a globally normalised loss; Trainer logs the mean over ranks
         return loss.detach() * self.accelerator.num_processes
