@@ -9,6 +9,7 @@ Processes are found through the launcher's parent-pid marker, never by name."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 import time
 
@@ -52,7 +53,7 @@ def test_one_configuration_error_in_every_rollout_stops_at_that_step(tmp_path, t
     monkeypatch.delenv("PRIME_API_KEY", raising=False)
     args = RLConfig(output_dir=str(tmp_path), use_cpu=True, batch_size=8, rollouts_per_example=4, micro_batch_size=4,
                     max_tokens=4, max_seq_len=1024, max_steps=5, save_strategy="no", log_completions=False,
-                    max_async_level=0)  # fmt: skip
+                    max_async_level=0, server_mode="spawn")  # fmt: skip
     trainer = RLTrainer(model=tiny_model_dir, env=python_env_without_key(), args=args)
     try:
         with pytest.raises(TrainingError) as err:
@@ -142,3 +143,62 @@ def test_multi_turn_rollouts_that_outgrow_the_context_train_their_turns_that_fit
     assert [x["step"] for x in rows] == [1, 2]
     assert all(x["trained_tokens"] > 0 and x["rollouts_rejected"] == 0 for x in rows), rows
     assert sum(x["rollouts_context_full"] for x in rows) > 0, rows
+
+
+# ---------------------------------------------------------------------------------------------- 4. blame
+
+
+STUCK_ENVS = """
+import asyncio, time
+import verifiers as vf
+from datasets import Dataset
+
+def _ds():
+    return Dataset.from_list([{"question": f"say {i}", "answer": str(i)} for i in range(8)])
+
+def never_returns(completion, **kw):
+    time.sleep(3600)  # a judge call without a timeout: blocks whatever thread runs it
+
+class StuckTool(vf.MultiTurnEnv):
+    async def env_response(self, messages, state, **kw):
+        await asyncio.Event().wait()  # a tool server that never answers
+
+def load_environment(kind: str = "reward"):
+    if kind == "reward":
+        return vf.SingleTurnEnv(dataset=_ds(), rubric=vf.Rubric(funcs=[never_returns]))
+    return StuckTool(dataset=_ds(), rubric=vf.Rubric(funcs=[lambda completion, **kw: 1.0]), max_turns=3)
+"""
+
+
+@pytest.fixture(scope="module")
+def stuck_env_path(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stuck")
+    (root / "stuck_env.py").write_text(STUCK_ENVS)
+    return root
+
+
+@pytest.mark.parametrize(
+    "kind, timeouts, message",
+    [
+        ("reward", "scoring_timeout = 3\ngeneration_timeout = 300\n",
+         "reward function never_returns did not return within scoring_timeout=3s (stuck in scoring: reward function "
+         "never_returns running for"),
+        ("tool", "generation_timeout = 8\n",
+         "did not finish within generation_timeout=8s: stuck in env_response: StuckTool.env_response running for"),
+    ],
+)  # fmt: skip
+def test_a_stuck_stage_is_named_and_the_server_is_not_blamed(tmp_path, tiny_model_dir, stuck_env_path, kind,
+                                                            timeouts, message):  # fmt: skip
+    env_section = {'id = "reverse-text"': 'id = "stuck-env"', "num_train_examples = 32": f'kind = "{kind}"',
+                   "num_eval_examples = 4\n": ""}  # fmt: skip
+    cfg = write_cfg(tmp_path, tiny_model_dir, steps=3, extra=timeouts, replace=env_section)
+    env = {"PYTHONPATH": f"{stuck_env_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    t0 = time.monotonic()
+    r, pid = run_command("vf-rl", "@", cfg, env=env, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    line = error_line(r.stderr)
+    assert message in line, line
+    assert "no request is waiting on the inference server: the environment is stuck, not the server" in line
+    assert "check the inference server log" not in line and "inference.log" not in line
+    assert time.monotonic() - t0 < 120  # the scoring timeout, not generation_timeout=300
+    assert not _gone(pid)

@@ -168,7 +168,18 @@ class RLConfig(TrainingArguments):
         ),
     )
     generation_timeout: float = field(
-        default=600.0, metadata=_help("Seconds one rollout batch may take before training stops with an error.")
+        default=600.0,
+        metadata=_help(
+            "Seconds one rollout batch may take before training stops with an error naming the stage it is stuck "
+            "in (generation, env_response, scoring) and the function."
+        ),
+    )
+    scoring_timeout: float = field(
+        default=300.0,
+        metadata=_help(
+            "Seconds one reward-function call may run; a call still running after that stops training with the "
+            "function's name (a judge that never answers is not the inference server's fault)."
+        ),
     )
 
     # ---------------------------------------------------------------- inference server

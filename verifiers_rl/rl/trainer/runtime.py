@@ -105,6 +105,7 @@ class InferenceRuntime:
             api_key=args.server_api_key or "EMPTY",
             policy_version=self.policy.served,
             max_async_level=max_async_level,
+            scoring_timeout=args.scoring_timeout,
         )
 
     def start(self, model, tokenizer, rows, version: int, orchestrator_state: dict | None = None) -> None:
@@ -142,8 +143,8 @@ class InferenceRuntime:
         try:
             yield
         except GenerationError as e:
-            self.check_server()
-            if e.timed_out:
+            self.check_server()  # a dead or stopped server is the cause, whatever the stage
+            if e.timed_out and e.stage in (None, "generation"):
                 raise self.server_failure(str(e)) from None
             raise
 
