@@ -10,12 +10,13 @@ Processes are found through the launcher's parent-pid marker, never by name."""
 from __future__ import annotations
 
 import os
+import signal
 import textwrap
 import time
 
 import pytest
 from procs import run_command, survivors
-from runs import error_line, write_cfg
+from runs import error_line, start, steps, wait_for_step, write_cfg
 
 pytestmark = pytest.mark.reliability
 
@@ -202,3 +203,29 @@ def test_a_stuck_stage_is_named_and_the_server_is_not_blamed(tmp_path, tiny_mode
     assert "check the inference server log" not in line and "inference.log" not in line
     assert time.monotonic() - t0 < 120  # the scoring timeout, not generation_timeout=300
     assert not _gone(pid)
+
+
+# ---------------------------------------------------------------------------------------------- 7. requeue
+
+
+def test_requeued_runs_resume_and_say_so_with_one_metrics_row_per_step(tmp_path, tiny_model_dir):
+    """What SLURM --requeue or a restarted pod does: SIGTERM, the same command again, several times over."""
+    out = tmp_path / "out"
+    cfg = write_cfg(tmp_path, tiny_model_dir, steps=6, save_steps=100)  # only the signal saves
+    last = 0
+    for requeue in range(3):
+        proc = start(cfg)
+        wait_for_step(proc, out, last + 1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 143, err[-3000:]
+        assert ("verifiers-rl: resuming from" in err) == (requeue > 0), err[-3000:]
+        if requeue:
+            assert f"verifiers-rl: resuming from {out}/checkpoint-{last} (step {last} of 6)" in err, err[-3000:]
+        assert not _gone(proc.pid)
+        last = max(steps(out))
+        assert (out / f"checkpoint-{last}").is_dir()
+    r, pid = run_command("vf-rl", "@", cfg, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"verifiers-rl: resuming from {out}/checkpoint-{last} (step {last} of 6)" in r.stderr
+    assert steps(out) == [1, 2, 3, 4, 5, 6]

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
 import time
 
 import torch
@@ -181,6 +182,9 @@ class RLTrainer(Trainer):
         for note in notes:
             logger.warning(note)
         if self.is_world_process_zero():
+            # a requeued job (SLURM --requeue, a restarted pod) resumes silently otherwise: say from where
+            step = int(resume.rsplit("-", 1)[1])
+            print(f"verifiers-rl: resuming from {resume} (step {step} of {self.args.max_steps})", file=sys.stderr)
             drop_metrics_after(self.args.output_dir, int(resume.rsplit("-", 1)[1]))
             shutil.rmtree(os.path.join(self.args.output_dir, STAGING), ignore_errors=True)  # a save that was killed
         return resume
