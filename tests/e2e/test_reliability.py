@@ -229,3 +229,107 @@ def test_requeued_runs_resume_and_say_so_with_one_metrics_row_per_step(tmp_path,
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"verifiers-rl: resuming from {out}/checkpoint-{last} (step {last} of 6)" in r.stderr
     assert steps(out) == [1, 2, 3, 4, 5, 6]
+
+
+# ---------------------------------------------------------------------------------------------- 8. crash consistency
+
+
+class _Saver:
+    """tests/scripts/checkpoint_saver.py: one trainer set up once, checkpoint-saving children forked and killed."""
+
+    def __init__(self, model: str, out):
+        import subprocess
+        import sys
+
+        from procs import ROOT
+
+        script = ROOT / "tests" / "scripts" / "checkpoint_saver.py"
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), model, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def ask(self, command: str) -> str:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline()
+
+    def kill_and_check(self, command: str, delay: float | None) -> dict:
+        import json
+
+        child = int(self.ask(command))
+        if delay is not None:
+            time.sleep(delay)
+            os.kill(child, signal.SIGKILL)
+        return json.loads(self.ask("check"))
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+
+
+def test_kill_9_at_random_moments_of_checkpoint_saves_always_leaves_a_resumable_one(tmp_path, tiny_model_dir):
+    import random
+
+    saver = _Saver(tiny_model_dir, tmp_path / "o")
+    rng = random.Random(0)
+    try:
+        results = [saver.kill_and_check("save", rng.uniform(0.05, 0.6)) for _ in range(30)]
+        # the same step saved again over itself (a resume that skipped a broken newest checkpoint does that), with
+        # the kill placed at each file-system operation of the publish in turn
+        again = []
+        for k in range(1, 6):
+            newest = results[-1]["resumable"] if not again else again[-1]["resumable"]
+            again.append({**saver.kill_and_check(f"save {k}", None), "k": k, "newest_before": newest})
+    finally:
+        saver.close()
+    for r in results:
+        if r["checkpoints"]:  # from the first complete save on, every restart resumes from a complete checkpoint
+            assert r["resumable"] and r["loaded"], r
+    assert results[-1]["checkpoints"], results[-1]
+    assert sum(bool(r["interrupted"]) for r in results) >= 10, results  # most kills landed inside a save
+    reached = [int(r["resumable"].split("-")[1]) for r in results if r["resumable"]]
+    assert reached == sorted(reached) and reached[-1] >= 10, reached  # progress is kept
+    for r in again:  # the step being saved again is never lost, wherever the kill falls
+        assert r["resumable"] == r["newest_before"] and r["loaded"], again
+
+
+# The stand-in for a full disk (a small tmpfs cannot be mounted everywhere CI runs): an audit hook, installed at
+# interpreter start, that fails the open of one file with ENOSPC, as a write to a full disk fails.
+FULL_DISK = """
+import errno, os, sys
+
+_target = os.environ.get("VF_TEST_FULL_DISK")
+
+def _full_disk(event, args):
+    if event == "open" and _target and str(args[0]).endswith(_target) and any(c in (args[1] or "") for c in "wax+"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(args[0]))
+
+sys.addaudithook(_full_disk)
+"""
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_resumes(tmp_path, tiny_model_dir):
+    from verifiers_rl.rl.trainer.checkpoints import problem
+
+    out = tmp_path / "out"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FULL_DISK)
+    cfg = write_cfg(tmp_path, tiny_model_dir, steps=4, save_steps=2)
+    full = {"PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "VF_TEST_FULL_DISK": os.path.join(".staging", "checkpoint-4", "trainer_state.json")}  # fmt: skip
+    r, pid = run_command("vf-rl", "@", cfg, env=full, timeout=600)
+    assert r.returncode == 1, r.stderr[-3000:]
+    line = error_line(r.stderr)
+    assert f"no space left on device while saving checkpoint-4 (writing {out}/.staging/checkpoint-4/" \
+           "trainer_state.json): No space left on device; checkpoint-2 is intact and a resume starts from it" \
+           in line, line  # fmt: skip
+    assert not (out / ".staging" / "checkpoint-4").exists()  # the half-written save does not hold the space
+    assert problem(out / "checkpoint-2", use_lora=True) is None and not (out / "checkpoint-4").exists()
+    assert not _gone(pid)
+    # space freed: the same command resumes from the previous checkpoint
+    r, pid = run_command("vf-rl", "@", cfg, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"verifiers-rl: resuming from {out}/checkpoint-2 (step 2 of 4)" in r.stderr
+    assert steps(out) == [1, 2, 3, 4]

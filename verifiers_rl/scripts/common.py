@@ -74,9 +74,8 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
     the main process only and hands the metrics to the others), resuming from the last checkpoint of output_dir
     unless trainer.args.resume_from_checkpoint = false; the main process writes the report. `server` and `serving`:
     the server vf-rl started and the plan it started it by."""
-    from transformers.trainer_utils import get_last_checkpoint
-
     from verifiers_rl.rl.trainer import RLTrainer
+    from verifiers_rl.rl.trainer.checkpoints import has_checkpoint
     from verifiers_rl.scripts.report import write_report
 
     ev = cfg.get("eval", {})
@@ -86,7 +85,7 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
         args.eval_rollouts_per_example = ev["rollouts_per_example"]
     resume = None
     if cfg.get("trainer", {}).get("args", {}).get("resume_from_checkpoint") is not False:
-        if Path(args.output_dir).is_dir() and get_last_checkpoint(args.output_dir):
+        if has_checkpoint(args.output_dir):
             resume = True
     trainer = RLTrainer(model=model, env=env, args=args)
     trainer.runtime.session.watched = server  # the server vf-rl started: a dead or stuck one is named at once

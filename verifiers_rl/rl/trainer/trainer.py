@@ -30,7 +30,9 @@ from verifiers_rl.rl.trainer.checkpoints import (
     STAGING,
     drop_metrics_after,
     publish,
+    recover_staged,
     resume_point,
+    save_failed,
     write_manifest,
 )
 from verifiers_rl.rl.trainer.config import RLConfig
@@ -173,6 +175,10 @@ class RLTrainer(Trainer):
     def _resume_point(self, requested):
         if not requested:
             return None
+        if self.is_world_process_zero():  # what a save killed at its very end left whole is kept
+            for note in recover_staged(self.args.output_dir):
+                logger.warning(note)
+        self.accelerator.wait_for_everyone()
         try:
             resume, notes = resume_point(
                 self.args.output_dir, requested, use_lora=self.args.use_lora, save_only_model=self.args.save_only_model
@@ -292,17 +298,22 @@ class RLTrainer(Trainer):
         staging_root = os.path.join(final_root, STAGING)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         self._get_output_dir = lambda trial=None: staging_root  # where Trainer writes this one checkpoint
+        staged = os.path.join(staging_root, name)
         try:
             super()._save_checkpoint(model, trial)
+            if self.is_world_process_zero():
+                if self.runtime.orchestrator is not None:
+                    timeout = self.args.save_on_signal_timeout if self._guard and self._guard.signum else None
+                    state = self.runtime.rollout_state(timeout=timeout)
+                    torch.save(state, os.path.join(staged, ORCHESTRATOR_STATE))
+                write_manifest(staged, self.state.global_step)
+        except OSError as e:
+            full = save_failed(e, staged, final_root)  # a full disk: one line, the staged half removed
+            if full is None:
+                raise
+            raise full from None
         finally:
             del self._get_output_dir
-        staged = os.path.join(staging_root, name)
-        if self.is_world_process_zero():
-            if self.runtime.orchestrator is not None:
-                timeout = self.args.save_on_signal_timeout if self._guard and self._guard.signum else None
-                state = self.runtime.rollout_state(timeout=timeout)
-                torch.save(state, os.path.join(staged, ORCHESTRATOR_STATE))
-            write_manifest(staged, self.state.global_step)
         self.accelerator.wait_for_everyone()
         if self.is_world_process_zero():
             publish(staged, os.path.join(final_root, name))
