@@ -162,16 +162,23 @@ def test_frozen_server_ends_the_run_within_the_deadline(tmp_path, tiny_model_dir
     assert not _wait_survivors_gone(proc.pid)
 
 
-def test_killed_server_is_one_line_with_its_log(tmp_path, tiny_model_dir):
-    proc = _start(_cfg(tmp_path, tiny_model_dir))
+def test_killed_server_without_restarts_is_one_line_with_its_log_and_the_resume(tmp_path, tiny_model_dir):
+    from verifiers_rl.rl.trainer.checkpoints import checkpoints, problem
+
+    cfg = _cfg(tmp_path, tiny_model_dir, save_steps=100, extra="server_restarts = 0\n")  # restarts: test_reliability
+    proc = _start(cfg)
     _wait_for_step(proc, tmp_path / "out", 1)
     for pid in _server_pids(proc.pid):
         os.kill(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, err[-2000:]
     line = _error_line(err)
-    assert "was killed by signal 9" in line and "inference.log" in line, line
+    assert "was killed by signal 9 (restarts are off: server_restarts=0)" in line and "inference.log" in line, line
+    assert f"then run `vf-rl @ {cfg}` again: it resumes from the last checkpoint" in line, line
     assert "last log lines" in err  # the tail follows the line
+    saved = checkpoints(tmp_path / "out")  # nothing lost: the last completed step is checkpointed
+    assert saved and int(saved[0].name.split("-")[1]) == max(_steps(tmp_path / "out"))
+    assert problem(saved[0], use_lora=True) is None
     assert not _wait_survivors_gone(proc.pid)
 
 

@@ -9,6 +9,7 @@ Processes are found through the launcher's parent-pid marker, never by name."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import textwrap
@@ -333,3 +334,172 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_resum
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"verifiers-rl: resuming from {out}/checkpoint-2 (step 2 of 4)" in r.stderr
     assert steps(out) == [1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------------------------------------- 6. a dead server
+
+
+def test_a_killed_server_is_restarted_and_the_same_step_goes_on(tmp_path, tiny_model_dir):
+    from runs import server_pids
+
+    out = tmp_path / "out"
+    proc = start(write_cfg(tmp_path, tiny_model_dir, steps=5))
+    for kill in range(2):
+        wait_for_step(proc, out, 1 + 2 * kill)
+        victims = server_pids(proc.pid)
+        assert victims
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    restarts = [x for x in err.splitlines() if "restarting it" in x]
+    assert len(restarts) == 2, err[-3000:]  # one line per restart
+    assert all("was killed by signal 9; restarting it (1 of 2 in a row)" in x for x in restarts), restarts
+    assert "Aborted rollout" not in err  # not one line per lost request
+    assert steps(out) == [1, 2, 3, 4, 5]  # the same step goes on: one row per step
+    import json
+
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["server_restarts"] for r in rows if "reward" in r][-1] == 2
+    assert all(r["rollouts_errored"] == 0 for r in rows if "reward" in r)  # lost requests were generated again
+    assert (out / "logs" / "inference.log").read_text().count("Application startup complete") == 3
+    assert not _gone(proc.pid)
+
+
+def test_a_server_the_trainer_spawned_is_restarted_in_process(tmp_path, tiny_model_dir):
+    import json
+
+    from rl_envs import reverse_env
+    from transformers import TrainerCallback
+
+    from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+
+    class KillTheServerAfterStep1(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:  # the next batch is generating against it
+                os.kill(trainer.runtime.session.process.process.pid, signal.SIGKILL)
+
+    args = RLConfig(output_dir=str(tmp_path), use_cpu=True, batch_size=8, rollouts_per_example=4, micro_batch_size=4,
+                    max_tokens=4, max_seq_len=128, max_steps=3, save_strategy="no", log_completions=False,
+                    server_mode="spawn")  # fmt: skip
+    trainer = RLTrainer(model=tiny_model_dir, env=reverse_env(), args=args, callbacks=[KillTheServerAfterStep1()])
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert trainer.state.global_step == 3 and trainer.runtime.recovery.total == 1
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "reward" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["rollouts_errored"] == 0 for r in rows), rows
+
+
+def _user_server(model: str, port: int, log):
+    """`vf-vllm` started by hand in another shell, on `port`."""
+    import subprocess
+
+    import httpx
+    from procs import BIN
+
+    proc = subprocess.Popen(
+        [str(BIN / "vf-vllm"), "--engine", "cpu", "--model", model, "--port", str(port), "--max-model-len", "512"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, "vf-vllm exited"
+        time.sleep(0.3)
+    raise AssertionError("vf-vllm did not become healthy")
+
+
+def _kill_group(proc) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+
+
+@pytest.mark.parametrize("comes_back", [True, False])
+def test_a_connected_server_that_dies_is_awaited_then_the_run_stops_with_the_command_that_resumes(
+    tmp_path, tiny_model_dir, comes_back
+):
+    import subprocess
+
+    from procs import BIN
+
+    from verifiers_rl.rl.inference.net import free_port
+    from verifiers_rl.rl.trainer.checkpoints import checkpoints, problem
+
+    port, out = free_port(), tmp_path / "out"
+    grace = 60 if comes_back else 3
+    cfg = write_cfg(tmp_path, tiny_model_dir, steps=4, extra=f"server_restart_grace = {grace}\n",
+                    replace={'engine = "cpu"': f'engine = "cpu"\nport = {port}'})  # fmt: skip
+    log = open(tmp_path / "user-server.log", "ab")
+    server = _user_server(tiny_model_dir, port, log)
+    trainer = subprocess.Popen([str(BIN / "vf-train"), "@", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    try:
+        wait_for_step(trainer, out, 1)
+        _kill_group(server)
+        if comes_back:
+            server = _user_server(tiny_model_dir, port, log)
+        _, err = trainer.communicate(timeout=600)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        _kill_group(server)
+        log.close()
+    waited = [x for x in err.splitlines() if f"waiting up to server_restart_grace={grace}s" in x]
+    assert len(waited) == 1 and f"the inference server at http://127.0.0.1:{port} does not answer /health" in waited[0]
+    if comes_back:
+        assert trainer.returncode == 0, err[-3000:]
+        assert steps(out) == [1, 2, 3, 4]
+        return
+    assert trainer.returncode == 1, err[-3000:]
+    line = error_line(err, "vf-train")
+    assert f"it did not come back within server_restart_grace={grace}s; server http://127.0.0.1:{port}; start it " \
+           f"again, then run `vf-train @ {cfg}` again: it resumes from the last checkpoint" in line, line  # fmt: skip
+    saved = checkpoints(out)  # the last completed step is kept
+    assert saved and int(saved[0].name.split("-")[1]) == max(steps(out)) and problem(saved[0], use_lora=True) is None
+
+
+def test_vf_rl_restarts_the_server_its_trainer_processes_use(tmp_path, tiny_model_dir, capsys):
+    """On GPUs vf-rl runs the trainer in processes of its own, connected to the server vf-rl owns: vf-rl restarts
+    that server (same port and token) and the trainers wait for it. The GPU trainers cannot run here: a process
+    that only waits stands in for them; the server and its kill are real."""
+    import subprocess
+    import sys
+    import threading
+
+    import httpx
+
+    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.scripts.rl import supervise
+
+    server = InferenceServer(tiny_model_dir, engine="cpu", output_dir=tmp_path)
+    server.start()
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    code: list[int] = []
+    watch = threading.Thread(target=lambda: code.append(supervise(trainer, server, restarts=2, poll_s=0.2)))
+    watch.start()
+    try:
+        port, token, first = server.port, server.token, server.process.pid
+        os.killpg(first, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (server.process is None or server.process.pid == first):
+            time.sleep(0.2)
+        server.client.wait_for_health(120)
+        assert server.port == port and server.process.pid != first
+        auth = {"Authorization": f"Bearer {token}"}  # the trainers' token still opens the control routes
+        assert httpx.get(f"http://127.0.0.1:{port}/weight_info", headers=auth).status_code == 200
+    finally:
+        trainer.terminate()
+        watch.join(30)
+        server.stop()
+    assert code == [-signal.SIGTERM]
+    printed = [x for x in capsys.readouterr().out.splitlines() if "restarting it" in x]
+    assert printed == [f"vf-rl: inference server (pid {first}) was killed by signal 9; restarting it (1 of 2), log: "
+                       f"{tmp_path}/logs/inference.log"], printed  # fmt: skip

@@ -153,7 +153,10 @@ def trainer_command(config_path: str, overrides: list[str], pinned: dict, proces
 def trainer_env(plan: Plan, token: str) -> dict[str, str]:
     """What the trainer processes get besides vf-rl's environment: their GPUs, the server's control token, the
     serving plan (they follow it instead of making their own)."""
+    from verifiers_rl.rl.trainer.server_recovery import RUN_COMMAND_ENV
+
     return {
+        RUN_COMMAND_ENV: shlex.join(["vf-rl", *sys.argv[1:]]),  # what a trainer that must stop says to run again
         "VF_CONTROL_TOKEN": token,
         "CUDA_VISIBLE_DEVICES": plan.visible(plan.gpus.trainer),
         PLAN_ENV: plan.serving.to_json(),

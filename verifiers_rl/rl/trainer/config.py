@@ -220,6 +220,21 @@ class RLConfig(TrainingArguments):
     vllm_server_timeout: float = field(
         default=300.0, metadata=_help("Seconds to wait for the server to become healthy.")
     )
+    server_restarts: int = field(
+        default=2,
+        metadata=_help(
+            "A spawned server that dies (the OOM killer, a CUDA fault, kill -9) is restarted up to this many times "
+            "in a row, with backoff; the current weights are synced into it and the lost rollouts generated again. "
+            "0: stop instead."
+        ),
+    )
+    server_restart_grace: float = field(
+        default=60.0,
+        metadata=_help(
+            "A server the trainer only connected to that stops answering is awaited this many seconds (up to "
+            "server_restarts times in a row) before the run stops with the command that resumes it."
+        ),
+    )
     server_control_token: str | None = field(
         default=None, metadata=_help("connect mode: control token of the server (default: $VF_CONTROL_TOKEN).")
     )

@@ -11,6 +11,7 @@ import os
 import torch
 from transformers import TrainerCallback
 
+from verifiers_rl.rl.inference.errors import ServerLost
 from verifiers_rl.rl.trainer.checkpoints import ORCHESTRATOR_STATE
 
 
@@ -46,7 +47,15 @@ class SyncWeights(TrainerCallback):
         if not state.is_world_process_zero:
             return
         metrics = self.trainer.step_metrics
-        sync_s = self.trainer.sync_weights(changed=self.trainer.trained_last_step)
+        try:
+            sync_s = self.trainer.sync_weights(changed=self.trainer.trained_last_step)
+        except ServerLost as e:
+            # the step trained: it is logged and checkpointed as every step is, then the run stops with `e`;
+            # batches waiting for this step's weights would never start: a resume generates them again
+            self.trainer.server_lost = e
+            self.trainer.runtime.stop_rollouts()
+            control.should_save = control.should_training_stop = True
+            return
         step_s = metrics.get("timing/step_s", 0.0) + sync_s
         metrics["timing/sync_s"] = sync_s
         metrics["timing/sync_frac"] = sync_s / step_s if step_s else 0.0

@@ -32,6 +32,7 @@ from verifiers_rl.rl.trainer.policy_version import PolicyVersion
 from verifiers_rl.rl.trainer.reward_checks import REWARD_ERRORS_KEY
 from verifiers_rl.rl.trainer.rollout_client import ROLLOUT_KEY, RolloutClient, rollout_seed  # noqa: F401 - public here
 from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY, Rollout, rollouts_from_outputs
+from verifiers_rl.rl.trainer.server_recovery import quiet_lost_requests
 from verifiers_rl.rl.trainer.stages import stages_of, stuck_message
 
 
@@ -120,6 +121,7 @@ class Orchestrator:
         self.max_async_level = max_async_level
         self.scoring_timeout = scoring_timeout
         self.stages = stages_of(env)
+        quiet_lost_requests(env)
         self._required: dict[int, int] = {}  # batch index -> the policy version it must be generated with
         self._futures: dict[int, Future] = {}
         self._ready: dict[int, RolloutBatch] = {}
@@ -162,6 +164,39 @@ class Orchestrator:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
         self._thread = self._loop = self._client = None
+
+    def discard_unfinished(self) -> list[int]:
+        """The server they ran against is gone: cancel batches in flight and drop finished ones that hold an
+        errored rollout (they may have lost requests), so that they are generated again. Returns their indices."""
+        dropped = sorted(self._futures)
+        for fut in self._futures.values():
+            fut.cancel()
+        self._futures.clear()
+        for index, batch in list(self._ready.items()):
+            if any(r.error_kind == "errored" for r in batch.rollouts):
+                dropped.append(self._ready.pop(index).index)
+        return sorted(dropped)
+
+    def reconnect(self, base_url: str, model_name: str | None = None) -> None:
+        """Talk to a new server (or the same address again): a fresh HTTP session, none of the dead one's
+        connections."""
+        self.base_url = base_url
+        self.model_name = model_name or self.model_name
+        if self._loop is None:
+            return
+        old = self._client
+
+        async def swap():
+            self._client = RolloutClient(
+                AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=self.timeout),
+                self.seed,
+                stages=self.stages,
+            )
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    await old.close()
+
+        asyncio.run_coroutine_threadsafe(swap(), self._loop).result(30)
 
     # ------------------------------------------------------------------ batches
 

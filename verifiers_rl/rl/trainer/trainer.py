@@ -23,6 +23,7 @@ from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from verifiers_rl.errors import TrainingError
+from verifiers_rl.rl.inference.errors import ServerLost
 from verifiers_rl.rl.trainer.callbacks import MetricsFileCallback, RichProgressCallback
 from verifiers_rl.rl.trainer.checkpoints import (
     MANIFEST,
@@ -110,9 +111,11 @@ class RLTrainer(Trainer):
         self._seen_failures: set[str | None] = set()
         # a server started from the model path holds the trainer's weights until the first step
         self.runtime.from_files = model_path is not None and isinstance(model_arg, str)
+        self.runtime.current = lambda: (self.weight_export(), self.state.global_step)  # for a replaced server
         self.trained_last_step = True
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self._guard: PreemptionGuard | None = None
+        self.server_lost: ServerLost | None = None  # the sync after a step found the server gone for good
         hooks = [StartInference(self), SyncWeights(self), SubmitRollouts(self), StopOnSignal(lambda: self._guard)]
         callbacks = [*hooks, MetricsFileCallback(), *(callbacks or [])]
         super().__init__(
@@ -147,20 +150,29 @@ class RLTrainer(Trainer):
 
     def train(self, resume_from_checkpoint=None, **kwargs):
         """`Trainer.train`, plus: a checkpoint is checked before it is resumed from (the newest usable one with
-        `True`), and SIGTERM / Ctrl-C checkpoint the last completed step before the run ends (preemption.py)."""
+        `True`); SIGTERM / Ctrl-C checkpoint the last completed step before the run ends (preemption.py), and so
+        does a server that is lost for good (server_recovery.py); a run that trained nothing raises."""
         resume = self._resume_point(resume_from_checkpoint)
         self.resume_from = resume
         guard = self._guard = PreemptionGuard(on_second_signal=self.runtime.kill_server)
         try:
             with guard:
                 try:
-                    self.empty_steps = EmptySteps(self.args.max_empty_steps)
+                    self.empty_steps, self.server_lost = EmptySteps(self.args.max_empty_steps), None
                     result = super().train(resume_from_checkpoint=resume, **kwargs)
+                    if self.server_lost is not None:  # after a sync: that step was logged and checkpointed
+                        raise self.server_lost
                     if guard.signum is None:
                         self.empty_steps.check_trained()
                 except StepAbandoned:
                     result = None
                     self._save_after_signal()
+                except ServerLost:
+                    # the server is gone for good while a step waited for rollouts: that step is dropped (the
+                    # resume the error asks for generates it again); the last completed one is kept
+                    self.runtime.stop_rollouts()
+                    self._save_after_signal()
+                    raise
             if guard.signum is not None:
                 logger.warning("stopped by signal %d after step %d", guard.signum, self.state.global_step)
                 self.close()
@@ -234,6 +246,7 @@ class RLTrainer(Trainer):
             prepared.metrics["timing/generation_s"] = batch.generation_seconds
             prepared.metrics["policy_version"] = float(batch.policy_version)  # the weights the batch was sampled with
             prepared.metrics["timing/wait_s"] = time.perf_counter() - t0
+            prepared.metrics["server_restarts"] = float(self.runtime.recovery.total)
             self._report_failures(batch.rollouts, prepared)
             payload = [prepared]
         if self.accelerator.num_processes > 1:
