@@ -303,7 +303,7 @@ def broken_env_path(tmp_path_factory):
                     "judge unreachable)"),
         ("none", "reward function returns_none returned None, not a finite number"),
         ("no_answer", "reward function reads_answer reads `answer`, but the training dataset has no 'answer' column"),
-        ("empty", "the training dataset of the environment (SingleTurnEnv) is empty"),
+        ("empty", "environment 'broken-env' has no training examples with env.args {'kind': 'empty'}"),
         ("no_prompt", "has no 'prompt' column (columns: text)"),
         ("env_response", "the environment raised RuntimeError: tool server crashed in env_response (broken_env.py:"),
     ],
@@ -319,7 +319,7 @@ def test_broken_environments_are_named(tmp_path, tiny_model_dir, broken_env_path
     cfg.write_text(text)
     env = {"PYTHONPATH": f"{broken_env_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r, pid = run_command("vf-rl", "@", cfg, env=env, timeout=300)
-    assert r.returncode == 1, r.stderr[-3000:]
+    assert r.returncode == (2 if kind == "empty" else 1), r.stderr[-3000:]  # an empty one: before anything starts
     assert message in _error_line(r.stderr)
     assert not _wait_survivors_gone(pid)
 
