@@ -157,13 +157,21 @@ class Orchestrator:
             fut.cancel()
         self._futures.clear()
         if self._loop is not None and self._thread is not None:
-            if self._client is not None:
+            # a loop held by environment code that never returns (a blocking call in a reward function) answers
+            # nothing: then nothing is waited for (the thread is a daemon and dies with the process)
+            alive = self._responsive(1.0)
+            if self._client is not None and alive:
                 # bounded: requests to a frozen server must not keep a closing trainer alive
                 with contextlib.suppress(Exception):
                     asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(5)
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
+            self._thread.join(5 if alive else 0.1)
         self._thread = self._loop = self._client = None
+
+    def _responsive(self, timeout: float) -> bool:
+        answered = threading.Event()
+        self._loop.call_soon_threadsafe(answered.set)
+        return answered.wait(timeout)
 
     def discard_unfinished(self) -> list[int]:
         """The server they ran against is gone: cancel batches in flight and drop finished ones that hold an
