@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
 import pytest
 from procs import ROOT, run_command, survivors
+
+# every FutureWarning / DeprecationWarning printed, each time (Python hides DeprecationWarnings of libraries)
+SHOW_DEPRECATIONS = {"PYTHONWARNINGS": "always::FutureWarning,always::DeprecationWarning"}
+
+
+def library_deprecations(stderr: str) -> list[str]:
+    """Deprecation warnings printed from inside transformers, peft, accelerate or trl."""
+    pattern = r"/(transformers|peft|accelerate|trl)/\S+:\d+: (FutureWarning|DeprecationWarning): .*"
+    return [m.group(0) for m in re.finditer(pattern, stderr)]
 
 
 def _write(tmp_path, text: str, name="cfg.toml") -> Path:
@@ -97,8 +107,13 @@ def test_overrides_and_dry_run(tmp_path, tiny_model_dir):
 def test_vf_rl_runs_end_to_end(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     cfg = _write(tmp_path, TINY_RL.format(model=tiny_model_dir, out=out))
-    r, pid = run_command("vf-rl", "@", cfg, timeout=400)
+    r, pid = run_command("vf-rl", "@", cfg, timeout=400, env=SHOW_DEPRECATIONS)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert not library_deprecations(r.stderr)
+    card = (out / "final" / "README.md").read_text()  # written after the eval after RL: the card has both
+    assert "| eval_before | 0 |" in card and "| eval_after | 1 |" in card and "`reverse-text`" in card
+    assert (out / "final" / "model.safetensors").exists() and (out / "final" / "adapter").is_dir()
+    assert f"final model: {out / 'final'}" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_reward_before"] is not None and summary["eval_reward_after"] is not None
     assert (out / "reward_curve.png").stat().st_size > 1000
@@ -129,8 +144,9 @@ def test_vf_sft_writes_a_checkpoint_rl_can_use(tmp_path, tiny_model_dir):
         """,
         "sft.toml",
     )
-    r, pid = run_command("vf-sft", "@", cfg)
+    r, pid = run_command("vf-sft", "@", cfg, env=SHOW_DEPRECATIONS)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert not library_deprecations(r.stderr)  # TRL's SFTConfig default and its peft wrap used to warn
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     final = tmp_path / "sft" / "final"

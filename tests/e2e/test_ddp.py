@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ddp_train.py"
 
@@ -61,3 +62,9 @@ def test_two_process_ddp_matches_single_process(tiny_model_dir, tmp_path):
     # step at lr=5e-3, so a wrong gradient still fails here.
     for k in wa:
         assert torch.allclose(wa[k], wb[k], atol=1e-4), (k, (wa[k] - wb[k]).abs().max())
+    # train() wrote final/ on rank 0 while rank 1 waited: the same merged model as the single process's
+    fa, fb = (load_file(str(run / "final" / "model.safetensors")) for run in (single, ddp))
+    assert fa.keys() == fb.keys() and (ddp / "final" / "vf_rl_export.json").exists()
+    assert not list(ddp.glob(".final*"))
+    for k in fa:
+        assert torch.allclose(fa[k], fb[k], atol=1e-4), (k, (fa[k] - fb[k]).abs().max())

@@ -125,11 +125,13 @@ def test_signal_saves_the_last_step_and_resume_continues(tmp_path, tiny_model_di
     assert saved, "no checkpoint after the signal"
     last = int(saved[0].name.split("-")[1])
     assert last == max(_steps(out)) and problem(saved[0], use_lora=True) is None
+    assert not (out / "final").exists(), "a run stopped by a signal is not finished: no final/"
     # resume: picks up the checkpoint, each step appears once in metrics.jsonl
     r, pid = run_command("vf-rl", "@", cfg, "--trainer.args.max_steps", str(last + 2), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     steps = _steps(out)
     assert steps == list(range(1, last + 3)), steps
+    assert json.loads((out / "final" / "vf_rl_export.json").read_text())["step"] == last + 2
 
 
 def test_second_signal_exits_at_once(tmp_path, tiny_model_dir):

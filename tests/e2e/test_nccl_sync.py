@@ -1,10 +1,35 @@
-"""NCCL sync cannot run here (no GPU, no vLLM in this venv). What can run: the control adapter that vLLM's
-trainer engine drives, against our real CPU server, and the errors a CPU user gets."""
+"""NCCL sync without a GPU.
+
+With VF_VLLM_PYTHON (the vLLM CPU venv): tests/scripts/vllm_nccl_sync.py drives our `NCCLSender` through vLLM's
+real trainer engine, HTTP routes, worker and worker engine. Replaced there, and only there, because they need a
+GPU: `torch.cuda`/`torch.accelerator` (availability, device index, streams, synchronize: recorded), vLLM's
+`PyNcclCommunicator` (bytes carried by vLLM's real `StatelessProcessGroup` store instead), the engine client behind
+the routes (the worker methods run in threads, as worker processes would), and the worker engine's layerwise-reload
+start/finish (received tensors are recorded; loading is covered by test_vllm_gloo.py). The script's docstring
+says the same.
+
+Without it: the control adapter vLLM's trainer engine drives, against our real CPU server, and the errors a CPU
+user gets."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from verifiers_rl.rl.inference.launcher import InferenceServer
-from verifiers_rl.rl.inference.transfer.nccl import NCCLSender, SyncControl
+from verifiers_rl.rl.inference.transfer.nccl import SyncControl
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = os.environ.get("VF_VLLM_PYTHON", "")
+needs_vllm = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not (VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK)),
+        reason="set VF_VLLM_PYTHON to the python of a venv with vLLM >= 0.32",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +65,66 @@ def test_unknown_backend(client):
         client.init_weight_transfer(backend="tcp")
 
 
-def test_sender_reports_missing_cuda_before_touching_vllm_groups(client, monkeypatch):
-    import sys
-    import types
+# ------------------------------------------------------------------ against vLLM's real NCCL engines
 
-    # Only to reach the CUDA check: a stand-in module with the two names NCCLSender imports.
-    fake = types.ModuleType("vllm.distributed.weight_transfer.nccl_engine")
-    fake.NCCLTrainerInitInfo = object
-    fake.NCCLTrainerWeightTransferEngine = object
-    monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.nccl_engine", fake)
-    with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        NCCLSender(client, host="127.0.0.1").init()
+
+@pytest.fixture(scope="module")
+def report():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = ROOT / "tests" / "scripts" / "vllm_nccl_sync.py"
+    out = subprocess.run([VLLM_PYTHON, str(script)], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "error" not in result, f"{result['error']}\n{out.stderr[-3000:]}"
+    return result
+
+
+class TestWithVLLM:
+    pytestmark = needs_vllm
+
+    def test_sender_starts_with_vllm_s_own_init_info(self, report):
+        # trainer rank 0 and two workers in one group, built from vLLM's NCCLTrainerInitInfo (rank is required)
+        assert report["group_ranks"] == [0, 1, 2] and set(report["group_world_sizes"]) == {3}
+        assert report["init_info"] == {"packed": True, "packed_buffer_size_bytes": report["bucket_bytes"]}
+        assert report["sender_device"] == "cpu"  # the communicator's device, where tensors must be
+
+    def test_every_worker_receives_every_tensor_bit_exact(self, report):
+        assert report["received_names"] == [report["sent_names"]] * 2
+        assert report["max_abs_diff"] == 0.0
+        assert report["stats"] == {"tensors": 24, "bytes": report["total_bytes"], "version": 7}
+        assert report["weight_version"] == "7"
+        assert report["calls"] == [
+            "pause:keep",
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+            "reset_prefix_cache:running",  # running requests (kept by the pause) would hold stale blocks
+            "resume",
+        ]
+
+    def test_a_prefix_cache_the_server_could_not_reset_fails_the_sync(self, report):
+        assert report["refused_reset"].startswith("ServerError: the server could not reset its prefix cache")
+
+    def test_a_slow_update_within_the_sync_timeout_is_not_an_error(self, report):
+        # /update_weights answered after 1.5 s, the client's request timeout is 0.5 s; the sync still succeeded
+        assert report["update_delay_s"] > 2 * report["request_timeout_s"]
+        assert report["weight_version"] == "7"
+
+    def test_the_current_stream_is_synchronized_before_parameters_are_read(self, report):
+        # vLLM packs on its own streams: the optimizer's writes on the current stream must have landed first
+        assert report["current_stream_synced_before_first_read"]
+
+    def test_merged_tensors_are_produced_about_one_bucket_at_a_time(self, report):
+        live, bucket, largest = report["max_live_bytes"], report["bucket_bytes"], report["largest_tensor_bytes"]
+        assert report["total_bytes"] >= 6 * bucket  # the sync spans several buckets
+        assert bucket <= live <= bucket + largest, (live, bucket, largest)
+
+    def test_close_shuts_the_transfer_down_on_both_sides(self, report):
+        assert report["close_calls"] == ["shutdown_weight_transfer_engine"]
+        assert all(report["communicators_destroyed"])
+
+    def test_a_communicator_without_nccl_is_refused(self, report):
+        assert "could not load the NCCL library" in report["disabled_nccl"]
+
+    def test_a_trainer_without_cuda_is_told_so(self, report):
+        assert "needs a CUDA device in the trainer process" in report["without_cuda"]

@@ -5,7 +5,8 @@ Skipped unless VF_VLLM_PYTHON names the python of a venv with vLLM >= 0.32 and t
 (`pip install --no-deps -e .` there registers the plugin's entry point). The trainer side runs here.
 
 Three servers, one at a time (a start costs 30-90 s on two cores): data parallel 2 (`TestTwoEngines`), tensor
-parallel 2 with a tied lm_head, and one in adapter mode started through our launcher (`lora` fixture).
+parallel 2 with a tied lm_head, and one in adapter mode with data parallel 2 started through our launcher (`lora`
+fixture; its worker extension is ours plus a refusal on demand, tests/scripts/vllm_test_extension.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ pytestmark = [
     ),
 ]
 
+ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = 240
 # Small enough that the tiny model spans many buckets and q/k/v of one layer land in different ones.
@@ -222,6 +224,65 @@ class TestTwoEngines:
                 assert _sync(client, pg, pool, model, version, BUCKET_BYTES) >= 8
                 _check_serves(server, model, other, dp_ranks=(0, 1))
 
+    def test_a_sync_under_running_requests_leaves_no_stale_prefix(self, server):
+        """While running requests hold KV blocks vLLM refuses a plain prefix-cache reset (200, success false), and a
+        prompt cached before the sync is then served from keys and values of the old weights. vLLM 0.32's engine
+        core happens to clear its caches when it pauses with mode=keep (its route's docstring says keep ignores
+        clear_cache); this pause skips that, so the sender's own reset has to do the job. Both engines run
+        requests through the sync; the prompt is cached on engine 0."""
+        from verifiers_rl.rl.inference.client import InferenceClient
+        from verifiers_rl.tiny import build_tiny_model
+
+        http, name = server["client"], server["model"]
+        original, perturbed = build_tiny_model(seed=0)[0], build_tiny_model(seed=1)[0]
+        # longer than one KV block (128 tokens on vLLM's CPU backend): only full blocks are cached
+        prompt = torch.randint(3, 250, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+        engine0 = {"X-data-parallel-rank": "0"}
+        client = InferenceClient(base_url=str(http.base_url), sync_timeout=120)
+        try:
+            client.init_weight_transfer("gloo", bucket_bytes=BUCKET_BYTES)
+            client.update_weights(original.named_parameters(), version=10)
+            _complete(http, name, prompt, max_tokens=2, headers=engine0)  # cached under `original`
+            with ThreadPoolExecutor(4) as pool:
+                futs = [
+                    pool.submit(
+                        _complete, http, name, PROMPTS[i % 3], 300, headers={"X-data-parallel-rank": str(i % 2)}
+                    )
+                    for i in range(4)
+                ]
+                time.sleep(0.3)
+                assert not any(f.done() for f in futs)  # the sync below lands while they run
+                client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+                try:
+                    client.sender.send(perturbed.named_parameters(), 11)
+                finally:
+                    client.resume()
+                choices = [f.result(timeout=300)[0] for f in futs]
+            assert all(len(c["token_ids"]) == 300 for c in choices)  # preempted by the reset, then finished
+            assert _max_diff(http, name, perturbed, prompts=[prompt], headers=engine0) < 1e-4
+        finally:
+            client.close()
+
+    def test_a_tensor_the_model_lacks_fails_the_sync_at_once(self, server):
+        """The workers keep receiving after a failed load, so the trainer hears the reason instead of
+        broadcasting into the void until the group timeout. Last in the class: the weights are undefined after."""
+        from verifiers_rl.rl.inference.client import InferenceClient, ServerError
+        from verifiers_rl.tiny import build_tiny_model
+
+        tensors = list(build_tiny_model(seed=0)[0].named_parameters())
+        bad = tensors[:1] + [("model.layers.0.mlp.no_such_proj.weight", torch.zeros(64, 64))] + tensors[1:]
+        client = InferenceClient(base_url=str(server["client"].base_url), sync_timeout=90)
+        try:
+            client.init_weight_transfer("gloo", bucket_bytes=BUCKET_BYTES)
+            t0 = time.monotonic()
+            with pytest.raises(ServerError, match="/update_weights failed") as err:
+                client.update_weights(bad, version=12)
+            print(f"refused in {time.monotonic() - t0:.1f}s: {err.value}")
+            assert time.monotonic() - t0 < 30  # not the 90 s group timeout
+            assert client.health() and not client.is_paused()
+        finally:
+            client.close()
+
 
 def _check_chat_fields(server):
     from verifiers_rl.tiny import build_tokenizer
@@ -287,7 +348,7 @@ def _sync(client, pg, pool, model, version: int, bucket_bytes: int) -> int:
     t0 = time.monotonic()
     _ok(client.post("/start_weight_update"))
     fut = pool.submit(client.post, "/update_weights", json={"update_info": UpdateInfo.from_metas(metas).to_dict()})
-    send_buckets(pg, buckets, tensors.items())
+    send_buckets(pg, buckets, tensors.items())  # (name, tensor) pairs in plan order
     _ok(fut.result(timeout=120))
     _ok(client.post("/finish_weight_update", json={"weight_version": str(version)}))
     _ok(client.post("/reset_prefix_cache"))
@@ -410,10 +471,18 @@ def lora(tiny_model_dir, tmp_path_factory):
     args = SimpleNamespace(lora_config=config)
     write_zero_adapter(tiny_model_dir, args, root / "adapter0")
     serving = AdapterServing(ADAPTER_NAME, str(root / "adapter0"), lora_ranks(args))
-    # Runtime LoRA routes mounted only so that the guard test can show a request with the control token gets
-    # through to vLLM; adapter sync itself does not need them.
-    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-    srv = _launch(tiny_model_dir, root, adapter=serving, extra=["--api-key", API_KEY], env=env)
+    env = {
+        # Runtime LoRA routes mounted only so that the guard test can show a request with the control token gets
+        # through to vLLM; adapter sync itself does not need them.
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_CPU_OMP_THREADS_BIND": _omp_bind(2),
+        # vLLM's workers import the test's worker extension from tests/scripts
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT / "tests" / "scripts"), str(ROOT), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    extra = ["--api-key", API_KEY, "--worker-extension-cls", "vllm_test_extension.RefusingExtension"]
+    srv = _launch(tiny_model_dir, root, adapter=serving, extra=extra, env=env, data_parallel_size=2)
     client = VLLMClient(srv.host, srv.port, control_token=srv.token, api_key=API_KEY)
     try:
         client.init_weight_transfer("adapter", bucket_bytes=4 * 1024)  # A and B of a module in different buckets
@@ -427,8 +496,10 @@ def _auth(key: str = API_KEY) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
 
-def _adapter_diff(lora, temperature=0.0, prompts=PROMPTS) -> float:
-    return _max_diff(lora["http"], lora["name"], lora["peft"], prompts, temperature, headers=_auth())
+def _adapter_diff(lora, temperature=0.0, prompts=PROMPTS, engine: int | None = None) -> float:
+    # `engine`: the data-parallel engine to ask (vLLM's X-data-parallel-rank); else vLLM balances the requests
+    headers = _auth() if engine is None else {**_auth(), "X-data-parallel-rank": str(engine)}
+    return _max_diff(lora["http"], lora["name"], lora["peft"], prompts, temperature, headers=headers)
 
 
 def test_adapter_is_served_by_name_next_to_the_base(lora, tiny_model_dir):
@@ -505,6 +576,22 @@ def test_refused_adapter_updates_leave_the_adapter_serving(lora):
         client.update_weights(dataclasses.replace(good, tensors=renamed), version=99)
     assert client.weight_version() == version and client.health()
     assert _adapter_diff(lora) < 1e-4  # still the last good adapter
+
+
+def test_a_refusal_by_the_second_engine_fails_the_sync(lora):
+    """vLLM's /collective_rpc answers with data-parallel engine 0's results only: engine 1's refusal reaches the
+    trainer through the weight group's store, and fails the sync."""
+    import dataclasses
+
+    from verifiers_rl.rl.inference.client import ServerError
+
+    client, good = lora["client"], _adapter_weights(lora["peft"])
+    refused = dataclasses.replace(good, peft_config={**good.peft_config, "vf_test_refuse_on_engine": 1})
+    with pytest.raises(ServerError, match="refused on data-parallel engine 1"):
+        client.update_weights(refused, version=98)
+    client.update_weights(good, version=50)  # engine 0 took the refused update: one adapter on both again
+    assert client.weight_version() == "50"
+    assert max(_adapter_diff(lora, prompts=PROMPTS[:1], engine=e) for e in (0, 1)) < 1e-4
 
 
 def test_runtime_lora_routes_need_the_control_token(lora):

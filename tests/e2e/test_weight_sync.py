@@ -191,3 +191,27 @@ def test_adapter_after_merged_sync_is_refused(engine_cls):
             engine.load_weights(_engine_names(adapter_weights(peft)), lora_scaling=1.0)
     finally:
         engine.close()
+
+
+def test_every_receiving_rank_reports_through_the_store():
+    """The trainer learns each rank's answer to an adapter update from its own store (vLLM's /collective_rpc
+    under data parallelism answers with the first engine's results only); a rank with no answer is named."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from verifiers_rl.rl.inference.transfer import gloo
+
+    store = gloo.open_store("127.0.0.1", 0, world_size=3, timeout_s=10)
+    try:
+        peer = dist.TCPStore("127.0.0.1", store.port, 3, is_master=False, timeout=datetime.timedelta(seconds=10))
+        trainer = gloo.WeightGroup(None, store, rank=0, world_size=3, key="run")
+        gloo.publish_report(gloo.WeightGroup(None, peer, rank=1, world_size=3, key="run"), "7-a", {"tensors": 4})
+        with pytest.raises(RuntimeError, match=r"inference ranks \[2\] left no answer"):
+            gloo.collect_reports(trainer, "7-a", timeout_s=0.5)
+        gloo.publish_report(gloo.WeightGroup(None, peer, rank=2, world_size=3, key="run"), "7-a", {"error": "no"})
+        assert gloo.collect_reports(trainer, "7-a", timeout_s=5) == {1: {"tensors": 4}, 2: {"error": "no"}}
+        with pytest.raises(RuntimeError, match=r"ranks \[1, 2\]"):  # read once: the next sync starts clean
+            gloo.collect_reports(trainer, "7-a", timeout_s=0.2)
+    finally:
+        gloo.close_store(store)

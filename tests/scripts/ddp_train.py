@@ -28,6 +28,7 @@ args = RLConfig(
     save_strategy="no",
     max_async_level=0,
     log_completions=False,
+    server_mode="spawn",  # its own server, whatever listens on port 8000
 )
 trainer = RLTrainer(model=model_dir, env=reverse_env(), args=args)
 try:

@@ -116,3 +116,34 @@ def test_lora_fields_reach_peft():
     assert layer.scaling["default"] == pytest.approx(12 / 4**0.5)
     assert not hasattr(peft.base_model.model.model.layers[0].self_attn.k_proj, "lora_A")
     assert RLTrainer._wrap_lora(build_tiny_model()[0], _cfg(use_lora=False)).__class__.__name__ == "Qwen3ForCausalLM"
+
+
+def test_gradient_checkpointing_is_taken_as_activation_checkpointing_without_a_warning():
+    """transformers 5.2x renamed it (and warns on the old name); verifiers' and TRL's configs still use it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = _cfg(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+        copy = dataclasses.replace(cfg)  # a copy carries both names, equal
+    assert cfg.activation_checkpointing is True and copy.activation_checkpointing is True
+    assert cfg.activation_checkpointing_kwargs == {"use_reentrant": False}
+    assert _cfg().activation_checkpointing is False
+    with pytest.raises(ValueError, match=r"gradient_checkpointing=False contradicts activation_checkpointing=True"):
+        _cfg(gradient_checkpointing=False, activation_checkpointing=True)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(final_model="zip"), "final_model='zip': allowed: merged+adapter, merged, adapter, none"),
+        (dict(final_model="adapter", use_lora=False), "final_model='adapter': 'adapter' needs use_lora=True"),
+        (dict(final_model="none", push_to_hub=True), "final_model='none': 'none' leaves push_to_hub nothing to push"),
+    ],
+)
+def test_final_model_rules(kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _cfg(**kw)
+    from verifiers_rl.scripts.config_schema import load_schema, rule_errors
+
+    assert any(message in e for e in rule_errors(kw, load_schema())), "the TOML check says the same before torch"

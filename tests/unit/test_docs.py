@@ -73,3 +73,45 @@ def test_readme_performance_table_is_the_committed_full_run():
             if verdict:
                 judged = [r["pass"] for r in matches if r.get("pass") is not None]
                 assert judged and (verdict == "✓") in judged, f"README's {verdict} disagrees with the run: {line}"
+
+
+def test_protocol_states_the_code_s_default_bucket_size():
+    import dataclasses
+
+    from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES
+    from verifiers_rl.rl.trainer.config import RLConfig
+
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    stated = re.findall(r"buckets \(default (\d+) MiB", doc)
+    assert stated, "docs/protocol.md no longer states the default bucket size"
+    trainer_default = next(f.default for f in dataclasses.fields(RLConfig) if f.name == "sync_bucket_mb")
+    assert {int(s) << 20 for s in stated} == {DEFAULT_BUCKET_BYTES, trainer_default << 20}
+
+
+def test_readme_use_your_model_step_serves_and_evaluates_the_main_jobs_model():
+    """The step after the main job serves that job's final/ and runs vf-eval on its environment, with its env args,
+    temperature and token limit; `vf-rl export`'s usage in the README is the command's own."""
+    import json
+    import shlex
+    import tomllib
+
+    from verifiers_rl.scripts.export import USAGE
+
+    readme = (ROOT / "README.md").read_text()
+    before, after = readme.split("### Use your model", 1)
+    assert "vf-rl @ configs/vf-rl/tiny-reverse-text.toml" in before.split("## Set up and test", 1)[1]
+    section = after.split("\n## ", 1)[0]
+    cfg = tomllib.loads((ROOT / "configs" / "vf-rl" / "tiny-reverse-text.toml").read_text())
+    args = cfg["trainer"]["args"]
+    final = f"outputs/{args['run_name']}/final"  # vf-rl's output_dir: outputs/<run_name>
+    serve, evaluate = (shlex.split(c) for c in re.findall(r"```bash\n(.+?)\n```", section))
+    assert serve[:3] == [".venv/bin/vf-vllm", "--model", final] and "--port" in serve
+    port = serve[serve.index("--port") + 1]
+    assert evaluate[:2] == [".venv/bin/vf-eval", cfg["env"]["id"]]
+    flag = {k: v for k, v in zip(evaluate[2::2], evaluate[3::2])}
+    assert flag["-m"] == final and flag["-b"] == f"http://127.0.0.1:{port}/v1"
+    assert json.loads(flag["-a"]) == cfg["env"]["args"]
+    assert float(flag["-T"]) == args["temperature"] and int(flag["-t"]) == args["max_tokens"]
+    assert int(flag["-n"]) == cfg["eval"]["num_examples"]
+    table = readme.split("## Commands", 1)[1]
+    assert f"| `{USAGE.removeprefix('usage: ').replace('|', chr(92) + '|')}` |" in table

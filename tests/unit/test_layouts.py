@@ -223,3 +223,55 @@ def test_gpu_smoke_script_dry_runs_on_cpu():
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "gpu_smoke: every check passed" in r.stdout and r.stdout.count("[ok]") >= 20
+
+
+def test_a_run_follows_the_launchers_mixed_precision(monkeypatch):
+    """`accelerate launch` with upstream's zero3.yaml (mixed_precision: bf16) exports ACCELERATE_MIXED_PRECISION;
+    the run trains in it, so DeepSpeed's config check (bf16.enabled vs the trainer's bf16) passes instead of
+    refusing the first step."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    args = _args()
+    assert args.bf16 and not args.fp16
+    ds = HfTrainerDeepSpeedConfig({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}})
+    ds.trainer_config_process(args)  # raises "ds bf16.enabled=True vs hf bf16|bf16_full_eval=False" on a mismatch
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    assert not _args().bf16
+    assert _args(fp16=False, bf16=False).bf16 is False
+
+
+def test_multi_node_plan_prints_every_machine(tmp_path):
+    """`vf-rl --dry-run --nodes 2 --gpus 8`: node 0 serves for remote trainers (token-guarded control routes), node 1
+    trains as one accelerate world rendezvousing at itself and connects to node 0."""
+    from verifiers_rl.scripts.rl_nodes import node_commands
+
+    cfg = {"model": "Qwen/Qwen3-0.6B", "env": {"id": "reverse-text"}, "inference": {"gpus": 8},
+           "trainer": {"accelerate_config": "configs/accelerate/zero3.yaml"}}  # fmt: skip
+    (server_node, server), (trainer_node, trainer) = node_commands(cfg, str(tmp_path / "c.toml"), [], 2, 8)
+    assert "node 0" in server_node and "--allow-remote-control" in server and "--data-parallel-size 8" in server
+    assert server.startswith("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 vf-vllm")
+    assert "--num_machines 1" in trainer and "--machine_rank 0" in trainer and "--num_processes 8" in trainer
+    assert "--inference.host $NODE0" in trainer and "--trainer.args.server_mode connect" in trainer
+    assert "--config_file configs/accelerate/zero3.yaml" in trainer and "VF_CONTROL_TOKEN" in trainer
+    three = node_commands(cfg, str(tmp_path / "c.toml"), [], 3, 8)
+    assert [line.split("--machine_rank ")[1].split()[0] for _, line in three[1:]] == ["0", "1"]
+
+
+def test_dry_run_refuses_a_trainer_rank_that_cannot_fit():
+    from verifiers_rl.errors import ConfigError
+    from verifiers_rl.rl.plan.memory import shape_of
+    from verifiers_rl.rl.plan.ranks import check_fits, rank_memory, training_layout
+
+    shape = shape_of("Qwen/Qwen3-8B")
+    kw = {"use_lora": False, "lora_rank": 8, "micro_batch_tokens": 2048, "gradient_checkpointing": True}
+    ddp = rank_memory(shape, layout="ddp", ranks=8, **kw)
+    deepspeed = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3}}
+    zero3 = rank_memory(shape, layout=training_layout(deepspeed), ranks=8, **kw)
+    assert zero3.layout == "zero3" and zero3.parameters * 8 == ddp.parameters and zero3.optimizer < ddp.optimizer
+    with pytest.raises(ConfigError, match="one trainer rank needs ~.*shard the model"):
+        check_fits(ddp, 40 << 30)  # 8B full fine-tuning replicated: weights, gradients and AdamW exceed 40 GiB
+    check_fits(zero3, 40 << 30)
+    assert training_layout({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}) == "fsdp2"
+    with pytest.raises(ConfigError, match="FSDP version 1 is not supported"):
+        training_layout({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 1}})

@@ -55,7 +55,7 @@ def test_plan_gives_vllm_what_the_trainer_leaves():
 
 def test_plan_that_does_not_fit_says_what_to_change():
     shape = shape_of("Qwen/Qwen3-8B")
-    with pytest.raises(ValueError, match="use LoRA, gradient_checkpointing, a smaller micro_batch_tokens"):
+    with pytest.raises(ValueError, match="use LoRA, activation_checkpointing, a smaller micro_batch_tokens"):
         plan_shared_gpu(shape, 24 * GIB, use_lora=False, lora_rank=8, micro_batch_tokens=16384, max_seq_len=4096,
                         gradient_checkpointing=False)  # fmt: skip
 

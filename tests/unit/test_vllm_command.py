@@ -228,3 +228,33 @@ def test_client_sends_both_credentials_to_lora_routes():
         assert client._headers("/v1/models") == {"Authorization": "Bearer sk-api"}
     finally:
         client.close()
+
+
+def test_vf_vllm_hands_the_flags_it_parses_on_to_vllm(monkeypatch):
+    """`vf-vllm` parses --max-model-len, --max-num-seqs, ... itself (the CPU engine reads them): vLLM must still get
+    them. Only the process start is replaced (no vLLM here); the command line is vf-vllm's own."""
+    import signal
+    import subprocess
+
+    from verifiers_rl.rl.inference import server
+
+    started = []
+
+    class Started:
+        def __init__(self, argv, env=None):
+            started.append(argv)
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(vllm_command, "check_vllm", lambda: "0.32.0")
+    monkeypatch.setattr(subprocess, "Popen", Started)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # run_vllm installs handlers for the real server
+    argv = ["--model", "m", "--max-num-seqs", "7", "--max-model-len", "300", "--served-model-name", "s", "--dtype", "x"]
+    args, passthrough = server.build_parser().parse_known_args(argv)
+    assert server.run_vllm(args, passthrough) == 0
+    (cmd,) = started
+    assert _values(cmd, "--max-num-seqs") == ["7"]
+    assert _values(cmd, "--max-model-len") == ["300"]
+    assert _values(cmd, "--served-model-name") == ["s"]
+    assert _values(cmd, "--dtype") == ["x"]

@@ -30,6 +30,11 @@ def split_argv(argv: list[str], prog: str) -> tuple[str, list[str], set[str]]:
             if not value.isdigit():
                 raise ConfigError("--gpus needs a number of CUDA devices")
             flags.add(f"--gpus={value}")
+        elif a == "--nodes" or a.startswith("--nodes="):  # plan for N machines of --gpus N each
+            value = a.split("=", 1)[1] if "=" in a else next(args, "")
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError("--nodes needs a number of machines (>= 1)")
+            flags.add(f"--nodes={value}")
         elif a == "--gpu-memory" or a.startswith("--gpu-memory="):  # GiB per GPU of that machine
             value = a.split("=", 1)[1] if "=" in a else next(args, "")
             try:
@@ -72,8 +77,9 @@ def load_env(cfg: dict[str, Any]):
 def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, serving=None) -> int:
     """RLTrainer with the config's [eval] before/after (every process runs it: evaluate() talks to the server on
     the main process only and hands the metrics to the others), resuming from the last checkpoint of output_dir
-    unless trainer.args.resume_from_checkpoint = false; the main process writes the report. `server` and `serving`:
-    the server vf-rl started and the plan it started it by."""
+    unless trainer.args.resume_from_checkpoint = false; the main process writes the report, then <output_dir>/final
+    (whose model card shows both evaluations). `server` and `serving`: the server vf-rl started and the plan it
+    started it by."""
     from verifiers_rl.rl.trainer import RLTrainer
     from verifiers_rl.rl.trainer.checkpoints import has_checkpoint
     from verifiers_rl.scripts.report import write_report
@@ -88,17 +94,21 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
         if has_checkpoint(args.output_dir):
             resume = True
     trainer = RLTrainer(model=model, env=env, args=args)
+    trainer.run_config = cfg
     trainer.runtime.session.watched = server  # the server vf-rl started: a dead or stuck one is named at once
     if serving is not None:
         trainer.runtime.session.plan = serving  # vf-rl planned that server: the trainer syncs by the same plan
     try:
         before = trainer.evaluate(metric_key_prefix="eval_before") if ev.get("before", False) else None
-        trainer.train(resume_from_checkpoint=resume)
+        trainer.train(resume_from_checkpoint=resume, save_final=False)
         after = trainer.evaluate(metric_key_prefix="eval_after") if ev.get("after", False) else None
     finally:
         trainer.close()
     if trainer.is_world_process_zero():
         write_report(args.output_dir, before, after)
+    final = trainer.save_final()
+    if final and trainer.is_world_process_zero():
+        print(f"final model: {final} (serve it: vf-vllm --model {final})", flush=True)
     return 0
 
 

@@ -36,6 +36,7 @@ startup_timeout = 600
 
 [trainer]
 gpus = 1                        # CUDA devices for the trainer (after the server's); > 1 runs accelerate
+accelerate_config = "configs/accelerate/zero3.yaml"  # optional: ZeRO-3 or FSDP2 (fsdp_version 2); see docs/scaling.md
 [trainer.args]                  # RLConfig fields (below); vf-sft: SFTConfig fields + use_lora, lora_rank, ...
 
 [sft]                           # ours: warm-start with this vf-sft config first (skipped when done)
@@ -101,7 +102,7 @@ def render() -> str:
         lines.append(f"| `{f.name}` | `{_type_name(f)}` | `{_default(f)}` | {help_text} |")
     lines += [
         "",
-        "Every other `TrainingArguments` field (e.g. `gradient_checkpointing`, `bf16`, `seed`, `eval_strategy`,",
+        "Every other `TrainingArguments` field (e.g. `activation_checkpointing`, `bf16`, `seed`, `eval_strategy`,",
         "`eval_steps`, `save_total_limit`) works as in transformers.",
         "",
     ]

@@ -13,55 +13,13 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _smooth(values: list[float], window: int) -> list[float]:
-    out, acc = [], []
-    for v in values:
-        acc.append(v)
-        acc = acc[-window:]
-        out.append(sum(acc) / len(acc))
-    return out
-
-
 def plot_reward_curve(output_dir: str | Path, before: float | None = None, after: float | None = None) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """<output_dir>/reward_curve.png from metrics.jsonl (None when it holds no reward)."""
+    from verifiers_rl.rl.trainer.reward_curve import save_reward_curve
 
     rows = read_metrics(output_dir)
-    train = [(r["step"], r["reward"]) for r in rows if "reward" in r]
-    evals = [(r["step"], v) for r in rows for k, v in r.items() if k.endswith("/reward") and k.startswith("eval")]
-    if not train and not evals:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    if train:
-        steps, rewards = zip(*train)
-        ax.plot(steps, rewards, color="#9bb7d4", lw=1, label="train reward (batch mean)")
-        ax.plot(
-            steps,
-            _smooth(list(rewards), max(1, len(rewards) // 10)),
-            color="#1f5fa8",
-            lw=2,
-            label="train reward (smoothed)",
-        )
-    if evals:
-        es, ev = zip(*evals)
-        ax.scatter(es, ev, color="#d1495b", zorder=3, label="eval reward")
-    for value, label in ((before, "eval before RL"), (after, "eval after RL")):
-        if value is not None:
-            ax.axhline(
-                value, ls="--", lw=1, color="#d1495b" if "after" in label else "#888888", label=f"{label}: {value:.3f}"
-            )
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    ax.set_title(Path(output_dir).name)
-    fig.tight_layout()
-    out = Path(output_dir) / "reward_curve.png"
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    path = Path(output_dir) / "reward_curve.png"
+    return save_reward_curve(rows, path, before=before, after=after, title=Path(output_dir).name)
 
 
 def _reward(metrics: dict | None) -> float | None:

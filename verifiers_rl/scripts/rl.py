@@ -1,5 +1,6 @@
 """`vf-rl @ cfg.toml [--section.key value ...] [--dry-run]`: server + trainer in one command.
 `vf-rl setup [DIR] [--force]`: lay out a workspace (configs, endpoints, environments/AGENTS.md).
+`vf-rl export CHECKPOINT OUT [--merge | --adapter]`: a checkpoint as a model to serve and share (scripts/export.py).
 
 Order of work (the plan is `rl_plan.py`'s): resolve the model (build the tiny one, run the SFT warm-start if the
 config asks and it is not done yet), assign GPUs (inference first, then trainer), start the inference server
@@ -94,6 +95,10 @@ def run_command(argv: list[str] | None = None) -> int:
         from verifiers_rl.scripts.setup import run_setup
 
         return run_setup(argv[1:])
+    if argv[:1] == ["export"]:
+        from verifiers_rl.scripts.export import run_export
+
+        return run_export(argv[1:])
 
     def body() -> int:
         path, overrides, flags = split_argv(argv, "vf-rl")
@@ -103,6 +108,14 @@ def run_command(argv: list[str] | None = None) -> int:
         if gpus is not None and not dry:
             raise ConfigError("--gpus only plans (with --dry-run); a real run uses the visible CUDA devices")
         memory = next((float(f.split("=")[1]) for f in flags if f.startswith("--gpu-memory=")), None)
+        nodes = next((int(f.split("=")[1]) for f in flags if f.startswith("--nodes=")), None)
+        if nodes is not None:
+            if not dry or gpus is None:
+                raise ConfigError("--nodes only plans (with --dry-run --gpus <per node>): run the printed commands")
+            from verifiers_rl.scripts.rl_nodes import print_nodes
+
+            print_nodes(cfg, path, overrides, nodes, gpus)
+            return 0
         plan = build_plan(cfg, path, overrides, dry_run=dry, cuda=gpus, gpu_memory_gib=memory)
         if dry:
             print_plan(plan)
@@ -110,8 +123,9 @@ def run_command(argv: list[str] | None = None) -> int:
         code = run(plan)
         out = Path(plan.output_dir)
         print(
-            f"vf-rl: done. metrics: {out / 'metrics.jsonl'}  curve: {out / 'reward_curve.png'}  "
-            f"checkpoints: {out}/checkpoint-*  server log: {out / 'logs' / 'inference.log'}"
+            f"vf-rl: done. model: {out / 'final'}  metrics: {out / 'metrics.jsonl'}  "
+            f"curve: {out / 'reward_curve.png'}  checkpoints: {out}/checkpoint-*  "
+            f"server log: {out / 'logs' / 'inference.log'}"
         )
         return code
 

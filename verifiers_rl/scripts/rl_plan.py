@@ -35,6 +35,8 @@ class Plan:
     trainer_cmd: list[str] = field(default_factory=list)
     trainer_overrides: dict[str, Any] = field(default_factory=dict)  # [trainer.args] values the plan pins
     elsewhere: bool = False  # planned for GPUs this machine does not have (`--gpus N`): indices as they are there
+    accelerate_config: str | None = None  # [trainer] accelerate_config, resolved
+    ranks: Any = None  # plan.ranks.RankMemory of one trainer rank (None: the model's shape is unknown here)
 
     def visible(self, indices: list[int]) -> str:
         """CUDA_VISIBLE_DEVICES of a process that gets `indices` of the GPUs vf-rl sees."""
@@ -122,21 +124,66 @@ def build_plan(
     server = make_server(cfg, args, model, serving)
     plan = Plan(cfg, config_path, overrides, model, gpus, serving, args.output_dir, server, sft)
     plan.trainer_overrides, plan.elsewhere = pinned, cuda > real_cuda
+    plan.accelerate_config = _accelerate_config(cfg, config_path)
     if gpus.trainer:  # every GPU layout: the trainer in processes of its own, on its own GPUs (see trainer_command)
-        plan.trainer_cmd = trainer_command(config_path, overrides, pinned, len(gpus.trainer), inf.get("host"))
+        plan.ranks = _rank_memory(cfg, args, model, sft, plan, gpu_bytes)
+        launch = launcher_args(len(gpus.trainer), plan.accelerate_config)
+        plan.trainer_cmd = trainer_command(config_path, overrides, pinned, launch, inf.get("host"))
     return plan
 
 
-def trainer_command(config_path: str, overrides: list[str], pinned: dict, processes: int, host: str | None):
-    """The trainer's command on GPUs: `vf-train` for one process, under `accelerate launch` for several. Never in
-    vf-rl's own process, which sees every GPU: CUDA_VISIBLE_DEVICES must narrow the trainer to its GPUs before CUDA
-    starts (one process with several visible GPUs would take cuda:0, the server's, and Trainer would spread it
-    with nn.DataParallel). vf-rl runs it with CUDA_VISIBLE_DEVICES, the control token and the plan set
-    (`trainer_env`); "<server port>" becomes the port the server got."""
-    launcher = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes)]
+def _accelerate_config(cfg: dict[str, Any], config_path: str) -> str | None:
+    path = cfg.get("trainer", {}).get("accelerate_config")
+    return str(Path(resolve_path(path, config_path)).resolve()) if path else None
+
+
+def _rank_memory(cfg, args, model: str, sft, plan: Plan, gpu_bytes: int):
+    """One trainer rank's memory for the accelerate config's layout; a plan that cannot fit is refused (a GPU it
+    shares with the server is planned by the shared-GPU planner instead)."""
+    from verifiers_rl.rl.plan.memory import shape_of
+    from verifiers_rl.rl.plan.ranks import check_fits, rank_memory, read_accelerate_config, training_layout
+
+    config = read_accelerate_config(plan.accelerate_config) if plan.accelerate_config else None
+    shape = shape_of(model) or (shape_of(sft["cfg"]["model"]) if sft else None)
+    if shape is None:
+        return None
+    memory = rank_memory(
+        shape, layout=training_layout(config), ranks=len(plan.gpus.trainer), use_lora=args.use_lora,
+        lora_rank=args.lora_rank, micro_batch_tokens=args.token_budget,
+        gradient_checkpointing=bool(args.gradient_checkpointing),
+    )  # fmt: skip
+    if not plan.serving.shared_gpu:
+        check_fits(memory, gpu_bytes)
+    return memory
+
+
+def launcher_args(processes: int, accelerate_config: str | None = None) -> list[str]:
+    """How the trainer's processes start: one plain process, or `accelerate launch` (the user's accelerate config,
+    e.g. DeepSpeed ZeRO-3 or FSDP2, or plain multi-GPU data parallel)."""
+    if accelerate_config:
+        return [
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            accelerate_config,
+            "--num_processes",
+            str(processes),
+        ]
+    if processes > 1:
+        return ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes)]
+    return []
+
+
+def trainer_command(config_path: str, overrides: list[str], pinned: dict, launch: list[str], host: str | None):
+    """The trainer's command on GPUs: `vf-train` for one process, under `accelerate launch` for several or for an
+    accelerate config (`launcher_args`). Never in vf-rl's own process, which sees every GPU: CUDA_VISIBLE_DEVICES
+    must narrow the trainer to its GPUs before CUDA starts (one process with several visible GPUs would take
+    cuda:0, the server's, and Trainer would spread it with nn.DataParallel). vf-rl runs it with
+    CUDA_VISIBLE_DEVICES, the control token and the plan set (`trainer_env`); "<server port>" becomes the port the
+    server got."""
     return [
         sys.executable,
-        *(launcher if processes > 1 else []),
+        *launch,
         "-m",
         "verifiers_rl.scripts.train",
         "@",
@@ -214,6 +261,8 @@ def print_plan(plan: Plan) -> None:
     print(f"\n# inference server (engine: {plan.engine})\n{dev}{shlex.join(plan.server_cmd)}")
     decided = ", ".join(f"{k} = {v!r}" for k, v in sorted(plan.trainer_overrides.items()))
     print(f"\n# the plan pins\n[trainer.args] {decided}")
+    if plan.ranks is not None:
+        print(f"\n# trainer memory\n{plan.ranks.describe()}")
     if plan.trainer_cmd:
         n = len(plan.gpus.trainer)
         dev = f"CUDA_VISIBLE_DEVICES={plan.visible(plan.gpus.trainer)} "
@@ -221,4 +270,4 @@ def print_plan(plan: Plan) -> None:
         print(f"{dev}{shlex.join(plan.trainer_cmd)}")
     else:
         print("\n# trainer\nin this process, on the CPU (RLTrainer, connected to the server above)")
-    print(f"\n# outputs\n{plan.output_dir} (metrics.jsonl, reward_curve.png, checkpoints, logs/inference.log)")
+    print(f"\n# outputs\n{plan.output_dir} (final/ = the trained model, metrics.jsonl, reward_curve.png, checkpoints)")

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from verifiers_rl.rl.trainer.lora import LORA_ALPHA, LORA_DROPOUT, LORA_RANK, lora_config
+from verifiers_rl.rl.trainer.lora import LORA_ALPHA, LORA_DROPOUT, LORA_RANK, lora_config, quiet_peft_wrap
 from verifiers_rl.scripts.common import resolve_model, run_cli, split_argv
 from verifiers_rl.scripts.toml_config import ConfigError, _suggest, apply_overrides, load, resolve_path, validate
 
@@ -69,6 +69,11 @@ def sft_args(cfg: dict[str, Any], config_path: str):
     import torch
 
     kwargs = {**SFT_DEFAULTS, "output_dir": str(sft_output_dir(cfg, config_path)), **given}
+    # TRL turns checkpointing on by default under transformers' old name, which warns (FutureWarning): the same
+    # default, and a user's gradient_checkpointing, under the new name
+    old_name = kwargs.pop("gradient_checkpointing", None)
+    if kwargs.get("activation_checkpointing") is None:
+        kwargs["activation_checkpointing"] = True if old_name is None else old_name
     if not torch.cuda.is_available():
         kwargs.update(use_cpu=True, bf16=False, fp16=False)
     try:
@@ -126,9 +131,10 @@ def run_sft(cfg: dict[str, Any], config_path: str) -> str:
             lora["lora_rank"], lora["lora_alpha"], lora["lora_dropout"], lora["lora_target_modules"]
         )
     print(f"vf-sft: {len(dataset)} examples -> {args.output_dir}", flush=True)
-    trainer = SFTTrainer(
-        model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
-    )
+    with quiet_peft_wrap():  # TRL wraps the model with peft itself
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
+        )
     trainer.train()
     final = Path(args.output_dir) / "final"
     model = trainer.model

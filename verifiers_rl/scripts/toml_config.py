@@ -3,7 +3,7 @@
     model = "Qwen/Qwen3-0.6B"            # hub id, local path, or "tiny" (built offline from [tiny])
     [env]       id = "reverse-text"      # + [env.args] for load_environment(**args)
     [inference] gpus = 1                 # + engine, host, port, [inference.args] (vLLM flags)
-    [trainer]   gpus = 1                 # + [trainer.args] (RLConfig fields)
+    [trainer]   gpus = 1                 # + [trainer.args] (RLConfig fields), accelerate_config (ZeRO-3, FSDP2)
     [sft]       config = "configs/vf-sft/x.toml"   # ours: warm-start first (skipped when already done)
     [tiny]      hidden = 64, layers = 2, seed = 0  # ours: the offline tiny model
     [eval]      before = true, after = true        # ours: held-out eval around RL
@@ -26,7 +26,7 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "": {"model": str, "output_dir": str, "run_name": str},
     "env": {"id": str, "args": dict},
     "inference": {"gpus": int, "engine": str, "host": str, "port": int, "args": dict, "startup_timeout": (int, float)},
-    "trainer": {"gpus": int, "args": dict},
+    "trainer": {"gpus": int, "args": dict, "accelerate_config": str},
     "sft": {"config": str},
     "tiny": {"hidden": int, "layers": int, "seed": int, "head_dim": int},
     "eval": {"before": bool, "after": bool, "num_examples": int, "rollouts_per_example": int},

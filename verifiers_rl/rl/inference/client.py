@@ -9,6 +9,7 @@ client. A weight sync is pause -> sender.send(tensors, version) -> resume; what 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 
@@ -18,6 +19,11 @@ from verifiers_rl.rl.inference.control_auth import ADAPTER_ROUTES, CONTROL_ROUTE
 from verifiers_rl.rl.inference.errors import ServerError
 from verifiers_rl.rl.inference.transfer.backends import create_sender
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats, WeightSender
+
+logger = logging.getLogger(__name__)
+# What a request meets on a keep-alive connection the server has closed since its last answer (vLLM closes it
+# after a 500): an idempotent request is sent once more, on a new connection.
+STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class InferenceClient:
@@ -64,10 +70,21 @@ class InferenceClient:
         return self._check("GET", path, self._http.get(path, headers=self._headers(path), **kwargs))
 
     def post(
-        self, path: str, json: dict | None = None, *, params: dict | None = None, timeout: float | None = None
+        self,
+        path: str,
+        json: dict | None = None,
+        *,
+        params: dict | None = None,
+        timeout: float | None = None,
+        idempotent: bool = False,
     ) -> dict:
         kwargs = {"timeout": timeout} if timeout is not None else {}
-        r = self._http.post(path, json=json, params=params, headers=self._headers(path), **kwargs)
+        try:
+            r = self._http.post(path, json=json, params=params, headers=self._headers(path), **kwargs)
+        except STALE_CONNECTION:
+            if not idempotent:
+                raise
+            r = self._http.post(path, json=json, params=params, headers=self._headers(path), **kwargs)
         return self._check("POST", path, r)
 
     def models(self) -> list[dict]:
@@ -97,21 +114,34 @@ class InferenceClient:
         return bool(self.get("/is_paused")["is_paused"])
 
     def pause(self, mode: str = "keep") -> None:
-        self.post("/pause", params={"mode": mode})
+        self.post("/pause", params={"mode": mode}, idempotent=True)
 
     def resume(self) -> None:
-        self.post("/resume")
+        self.post("/resume", idempotent=True)
 
     @contextlib.contextmanager
     def paused(self, mode: str = "keep") -> Iterator[None]:
         self.pause(mode)
         try:
             yield
-        finally:
-            self.resume()
+        except BaseException:
+            try:
+                self.resume()
+            except Exception as e:  # noqa: BLE001 - the error inside is the one the caller must see
+                logger.warning("could not resume the inference server after a failed weight sync: %s", e)
+            raise
+        self.resume()
 
-    def reset_prefix_cache(self) -> None:
-        self.post("/reset_prefix_cache")
+    def reset_prefix_cache(self, *, timeout: float | None = None) -> None:
+        """Drop every KV block cached under the old weights. vLLM cannot while running requests hold blocks (a
+        sync under `pause(keep)` always has them) and then answers 200 with `success: false`: so it is asked to
+        preempt those requests too, which resume by recomputing their tokens under the new weights."""
+        answer = self.post("/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=timeout)
+        if answer.get("success") is False:
+            raise ServerError(
+                "the server could not reset its prefix cache (/reset_prefix_cache answered success=false): new "
+                "requests would reuse keys and values computed with the old weights"
+            )
 
     def weight_version(self) -> str | None:
         return self.get("/weight_info").get("weight_version")

@@ -145,8 +145,11 @@ def run_vllm(args, passthrough: list[str]) -> int:
         print(f"vf-vllm: {e}", file=sys.stderr)
         return 2
     extra = list(passthrough) + ["--middleware", "verifiers_rl.rl.inference.control_auth.ControlGuard"]
-    if args.max_model_len:  # vf-vllm parses this flag itself (the CPU engine needs it too), so hand it on
+    # vf-vllm parses these flags itself (the CPU engine needs them too), so vLLM never sees them unless handed on
+    if args.max_model_len:
         extra += ["--max-model-len", str(args.max_model_len)]
+    if args.max_num_seqs:
+        extra += ["--max-num-seqs", str(args.max_num_seqs)]
     if args.served_model_name:
         extra += ["--served-model-name", args.served_model_name]
     if args.api_key:

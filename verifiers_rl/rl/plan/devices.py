@@ -139,7 +139,7 @@ def plan_memory(cfg: dict[str, Any], args, model: str, gpu_bytes: int, base: str
             lora_rank=args.lora_rank,
             micro_batch_tokens=args.token_budget,
             max_seq_len=args.max_seq_len,
-            gradient_checkpointing=bool(args.gradient_checkpointing),
+            gradient_checkpointing=bool(args.activation_checkpointing),
         )
     except ValueError as e:
         raise ConfigError(f"one GPU: {e}") from None

@@ -162,7 +162,7 @@ def plan_shared_gpu(shape: ModelShape, gpu_bytes: int, *, use_lora: bool, lora_r
         raise ValueError(
             f"the trainer (~{trainer['total'] / GIB:.1f} GiB) and vLLM (~{(vllm_weights + VLLM_RESERVE) / GIB:.1f} GiB "
             f"+ KV cache for one {max_seq_len}-token sequence) need ~{need / GIB:.1f} GiB, the GPU has "
-            f"{gpu_bytes / GIB:.1f}: use LoRA, gradient_checkpointing, a smaller micro_batch_tokens, or a second GPU"
+            f"{gpu_bytes / GIB:.1f}: use LoRA, activation_checkpointing, a smaller micro_batch_tokens, or a second GPU"
         )
     utilization = int(100 * vllm_budget / gpu_bytes) / 100
     return SharedGpuPlan(gpu_bytes, trainer, vllm_weights, kv, kv // per_token, utilization)

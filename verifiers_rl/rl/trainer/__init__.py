@@ -17,6 +17,7 @@ _EXPORTS = {
     "lora_defaults": "verifiers_rl.rl.trainer.compat",
     "get_model": "verifiers_rl.models",
     "get_model_and_tokenizer": "verifiers_rl.models",
+    "LiveRewardCurve": "verifiers_rl.rl.trainer.reward_curve",
 }
 
 __all__ = list(_EXPORTS)

@@ -1,4 +1,5 @@
-"""Callbacks for people: a rich progress bar with a sample panel, and metrics.jsonl."""
+"""Callbacks for people: a rich progress bar with a sample panel, metrics.jsonl, and our metric names as
+transformers' logging integrations (wandb, TensorBoard, ...) expect them."""
 
 from __future__ import annotations
 
@@ -22,6 +23,34 @@ class MetricsFileCallback(TrainerCallback):
         row = {"step": state.global_step, **values}
         with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def integration_names(logs: dict) -> dict:
+    """Our eval metrics are `<prefix>/<name>` ("eval/reward", "eval_after/reward"). transformers' integrations file a
+    key under eval/ only when it starts with "eval_" and put every other key under train/, so "eval/reward" would
+    be charted as "train/eval/reward": give them "eval_reward" (charted as "eval/reward")."""
+    return {("eval_" + k[5:] if k.startswith("eval/") else k): v for k, v in logs.items()}
+
+
+def adapt_integrations(callbacks, output_dir: str) -> None:
+    """transformers' own logging callbacks (report_to) as an RL run needs them: fed `integration_names(logs)` (every
+    other callback, and metrics.jsonl, keep our names), and TensorBoard's folder fixed before the first log. An
+    evaluation before train() logs before `on_train_begin`, where TensorBoardCallback picks <output_dir>/runs/...;
+    left unset, its writer opens in the working directory instead."""
+    from transformers.integrations import TensorBoardCallback
+    from transformers.integrations.integration_utils import default_logdir
+
+    for callback in callbacks:
+        if not type(callback).__module__.startswith("transformers.integrations"):
+            continue
+        if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
+            callback.logging_dir = os.path.join(output_dir, default_logdir())
+        on_log = callback.on_log
+
+        def renamed(args, state, control, logs=None, _on_log=on_log, **kwargs):
+            return _on_log(args, state, control, logs=integration_names(logs or {}), **kwargs)
+
+        callback.on_log = renamed
 
 
 def _jsonable(v) -> bool:
@@ -101,4 +130,6 @@ def _log_wandb_table(trainer, rollouts) -> None:
     table = wandb.Table(
         columns=["step", "prompt", "completion", "reward"], data=rows[: trainer.args.num_completions_to_log]
     )
-    wandb.log({"completions": table}, step=trainer.state.global_step)
+    # no explicit step: transformers' WandbCallback logs on wandb's own step counter with train/global_step as the
+    # x-axis, and a row logged at an explicit step behind that counter is dropped
+    wandb.log({"completions": table, "train/global_step": trainer.state.global_step})

@@ -22,12 +22,12 @@ STAGING = ".staging"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
-def write_manifest(folder: str | os.PathLike, step: int) -> None:
+def write_manifest(folder: str | os.PathLike, step: int, name: str = MANIFEST, **extra) -> None:
     folder = Path(folder)
     files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
-    os.replace(tmp, folder / MANIFEST)
+    tmp = folder / (name + ".tmp")
+    tmp.write_text(json.dumps({"step": step, **extra, "files": files}, indent=1, default=str))
+    os.replace(tmp, folder / name)
 
 
 def publish(staged: str | os.PathLike, final: str | os.PathLike) -> None:
@@ -128,15 +128,26 @@ def problem(folder: str | os.PathLike, *, use_lora: bool, save_only_model: bool 
         json.loads(state.read_text())
     except (OSError, ValueError):
         return f"{state} is missing or not valid JSON"
-    if not save_only_model and not (folder / "optimizer.pt").exists():
+    deepspeed = _deepspeed_states(folder)
+    if not save_only_model and not (folder / "optimizer.pt").exists() and not deepspeed:
         return f"{folder / 'optimizer.pt'} is missing (a resume needs the optimizer state)"
     adapter = (folder / "adapter_model.safetensors").exists() or (folder / "adapter_model.bin").exists()
-    full = any(folder.glob("model*.safetensors")) or (folder / "pytorch_model.bin").exists()
+    full = any(folder.glob("model*.safetensors")) or (folder / "pytorch_model.bin").exists() or bool(deepspeed)
     if use_lora and not adapter:
         return f"{folder} holds full model weights, not a LoRA adapter, but use_lora=True"
     if not use_lora and adapter and not full:
         return f"{folder} holds a LoRA adapter, but use_lora=False (full fine-tuning)"
     return None
+
+
+def _deepspeed_states(folder: Path) -> list[Path]:
+    """DeepSpeed's own checkpoint inside a Trainer checkpoint: `latest` names a folder of per-rank model and
+    optimizer states (ZeRO-3 keeps the optimizer state there, not in optimizer.pt)."""
+    latest = folder / "latest"
+    if not latest.is_file():
+        return []
+    tag = folder / latest.read_text().strip()
+    return sorted(tag.glob("*optim_states.pt")) if tag.is_dir() else []
 
 
 def resume_point(

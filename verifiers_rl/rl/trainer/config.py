@@ -16,6 +16,7 @@ from verifiers_rl.rl.inference.limits import room_for_prompt
 from verifiers_rl.rl.trainer.config_checks import check_config, effective_sampling_args
 from verifiers_rl.rl.trainer.legacy import translate_legacy_kwargs
 from verifiers_rl.rl.trainer.lora import DEFAULT_LORA_TARGETS, LORA_ALPHA, LORA_DROPOUT, LORA_RANK
+from verifiers_rl.rl.trainer.sharding import follow_launcher_precision
 
 DEFAULT_SERVER_PORT = 8000  # where vf-vllm listens by default, and where server_mode="auto" looks first
 
@@ -288,6 +289,16 @@ class RLConfig(TrainingArguments):
     )
     num_completions_to_log: int = field(default=8, metadata=_help("Rows of the completions table per logged step."))
 
+    # ---------------------------------------------------------------- the trained model
+    final_model: str = field(
+        default="merged+adapter",
+        metadata=_help(
+            "What train() writes to <output_dir>/final when it finishes, with a model card: 'merged+adapter' (LoRA "
+            "merged into the weights, the adapter alone in final/adapter), 'merged', 'adapter' or 'none'. "
+            "push_to_hub=True pushes that folder to hub_model_id (checkpoints stay local)."
+        ),
+    )
+
     # ---------------------------------------------------------------- TrainingArguments defaults that fit RL
     learning_rate: float = field(default=1e-5, metadata=_help("AdamW learning rate."))
     lr_scheduler_type: str = field(default="constant", metadata=_help("Learning-rate schedule."))
@@ -299,6 +310,7 @@ class RLConfig(TrainingArguments):
     remove_unused_columns: bool = field(default=False, metadata=_help("Keep dataset columns (environments need them)."))
 
     def __post_init__(self):
+        follow_launcher_precision(self)
         if self.output_dir is None:
             self.output_dir = os.path.join("outputs", self.run_name or "vf-rl")
         if self.server_api_key is None:
@@ -372,6 +384,7 @@ def _accept_legacy_names(init):
             if kwargs.pop(name, 1) != 1:
                 warnings.warn(f"{owner}({name}=...) is ignored: set {instead}", UserWarning, stacklevel=2)
         init(self, *args, **kwargs)
+        self.__dict__["given_fields"] = tuple(kwargs)  # what the user set (the model card lists those); not a field
 
     return __init__
 

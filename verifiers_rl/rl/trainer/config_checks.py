@@ -12,6 +12,7 @@ from verifiers_rl.rl.plan.serving import ENGINES, LORA_SYNC, SERVER_MODES, SYNC_
 
 LOSS_TYPES = ("is", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
+FINAL_MODELS = ("merged+adapter", "merged", "adapter", "none")  # what train() writes to <output_dir>/final
 
 # sampling_args keys that are RLConfig fields: a user's sampling_args sets the field, so the trainer scores
 # with exactly what the server samples with (temperature above all)
@@ -74,6 +75,7 @@ def check_config(cfg) -> list[str]:
         ("server_engine", ENGINES),
         ("sync_backend", SYNC_BACKENDS),
         ("overlong_policy", ("truncate", "drop")),
+        ("final_model", FINAL_MODELS),
     ):
         check(getattr(cfg, name) in choices, name, f"allowed: {', '.join(choices)}")
     _batch_rules(cfg, check)
@@ -150,6 +152,12 @@ def _loss_and_lora_rules(cfg, check) -> None:
         "'adapter' sends LoRA A/B only: it cannot carry lora_modules_to_save (use lora_sync='merged')",
     )
     check(cfg.lora_rank >= 1, "lora_rank", "must be >= 1")
+    check(cfg.final_model != "adapter" or cfg.use_lora, "final_model", "'adapter' needs use_lora=True")
+    check(
+        cfg.final_model != "none" or not cfg.push_to_hub,
+        "final_model",
+        "'none' leaves push_to_hub nothing to push (push_to_hub pushes <output_dir>/final)",
+    )
     check(
         cfg.lora_config is None or type(cfg.lora_config).__name__ == "LoraConfig",
         "lora_config",

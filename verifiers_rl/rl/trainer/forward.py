@@ -1,9 +1,11 @@
 """One micro-batch through the policy: per-token logprobs of the sampled tokens, at trained positions only.
 
-The model runs with `logits_to_keep=1`, so it never builds [B, T, V] logits; the final hidden states go
-through the output head in checkpointed chunks (`logprobs.chunked_logprobs`, reached through the weight export,
-which knows how the head is laid out across ranks), and only at positions whose token is trained. Temperature
-is applied exactly as the inference engine applies it.
+With a head every rank holds whole, the model runs with `logits_to_keep=1`, so it never builds [B, T, V] logits;
+the final hidden states go through the output head in checkpointed chunks (`logprobs.chunked_logprobs`, reached
+through the weight export), and only at positions whose token is trained. A sharded head (ZeRO-3, FSDP2) is used
+inside the model's forward, whose hooks gather it: the model returns logits at the columns that hold a trained
+target (`logits_to_keep` as positions), [B, P, V] instead of [B, T, V]. Temperature is applied exactly as the
+inference engine applies it.
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ import contextlib
 
 import torch
 
+from verifiers_rl.rl.trainer.logprobs import logits_logprobs
 from verifiers_rl.rl.trainer.microbatches import MicroBatch
 from verifiers_rl.rl.trainer.weight_export import WeightExport
 
 
-def model_inputs(mb: MicroBatch) -> dict:
-    """The model's keyword arguments for one micro-batch (no KV cache: packed rows need attention_mask=None)."""
-    inputs = {"input_ids": mb.input_ids, "use_cache": False, "output_hidden_states": True, "logits_to_keep": 1}
+def model_inputs(mb: MicroBatch, logits_to_keep: int | torch.Tensor = 1) -> dict:
+    """The model's keyword arguments for one micro-batch (no KV cache: packed rows need attention_mask=None).
+    `logits_to_keep=1`: hidden states out, the head applied by the caller; positions: logits at those columns."""
+    hidden = isinstance(logits_to_keep, int)
+    inputs = {"input_ids": mb.input_ids, "use_cache": False, "output_hidden_states": hidden}
+    inputs["logits_to_keep"] = logits_to_keep
     if mb.position_ids is not None:  # packed: block-diagonal attention derived from position_ids
         inputs["position_ids"] = mb.position_ids
     if mb.attention_mask is not None:
@@ -36,14 +42,18 @@ def token_logprobs(
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T-1] logprobs of `target_ids` (0 where not trained) and the matching entropies (no grad)."""
-    out = model(**model_inputs(mb))
-    hidden = out.hidden_states[-1][:, :-1]  # position t predicts token t+1
     mask = mb.loss_mask
     targets = mb.target_ids[mask]
-    sel = hidden[mask]
-    lp, ent = export.head_logprobs(
-        sel, targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
-    )
+    if export.head_in_forward:
+        # column j of the logits predicts token j+1, as row j of mask/targets describes it
+        columns = mask.any(dim=0).nonzero().squeeze(-1)
+        logits = model(**model_inputs(mb, logits_to_keep=columns)).logits
+        lp, ent = logits_logprobs(logits[mask[:, columns]], targets, temperature, with_entropy=with_entropy)
+    else:
+        hidden = model(**model_inputs(mb)).hidden_states[-1][:, :-1]  # position t predicts token t+1
+        lp, ent = export.head_logprobs(
+            hidden[mask], targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+        )
     logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=lp.device).masked_scatter(mask, lp)
     entropy = None
     if ent is not None:

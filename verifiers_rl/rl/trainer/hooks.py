@@ -34,28 +34,30 @@ class StartInference(TrainerCallback):
 
 
 class SyncWeights(TrainerCallback):
-    """Send the policy to the server at the start and after every optimizer step (version = global step)."""
+    """Send the policy to the server at the start and after every optimizer step (version = global step). Every
+    rank calls in: under a sharded layout each takes part in gathering what rank 0 sends."""
 
     def __init__(self, trainer):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            self.trainer.sync_weights()
+        self.trainer.sync_weights()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        metrics = self.trainer.step_metrics
         try:
             sync_s = self.trainer.sync_weights(changed=self.trainer.trained_last_step)
         except ServerLost as e:
+            if self.trainer.accelerator.num_processes > 1:
+                raise  # the other ranks would train on: the job ends here, and its launcher stops them
             # the step trained: it is logged and checkpointed as every step is, then the run stops with `e`;
             # batches waiting for this step's weights would never start: a resume generates them again
             self.trainer.server_lost = e
             self.trainer.runtime.stop_rollouts()
             control.should_save = control.should_training_stop = True
             return
+        if not state.is_world_process_zero:
+            return
+        metrics = self.trainer.step_metrics
         step_s = metrics.get("timing/step_s", 0.0) + sync_s
         metrics["timing/sync_s"] = sync_s
         metrics["timing/sync_frac"] = sync_s / step_s if step_s else 0.0

@@ -2,6 +2,10 @@
 
 A renamed field is translated, with a DeprecationWarning that names its replacement; a field with no
 equivalent is refused with a line that says what replaced it. Nothing is silently ignored.
+
+transformers 5.2x renamed `gradient_checkpointing` to `activation_checkpointing` and warns (FutureWarning) on the
+old name. Scripts and configs written for verifiers and TRL use the old name, so it is taken as the new one
+without a warning: the user has nothing to fix until transformers drops it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ RENAMED = {
     "generation_batch_size": "batch_size",
     "beta": "kl_beta",
     "num_completions_to_print": "num_completions_to_log",
+}
+
+# transformers' old name -> its new one (same TrainingArguments field), translated silently
+TRANSFORMERS_RENAMED = {
+    "gradient_checkpointing": "activation_checkpointing",
+    "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs",
 }
 
 # old name -> what to do instead (no RLConfig field means the same thing)
@@ -51,6 +61,13 @@ def translate_legacy_kwargs(kwargs: dict, owner: str = "RLConfig") -> dict:
             raise ValueError(f"invalid {owner}: pass {new} only ({old} is its old name)")
         warnings.warn(f"{owner}({old}=...) is deprecated; use {new}=...", DeprecationWarning, stacklevel=4)
         out[new] = out.pop(old)
+    for old, new in TRANSFORMERS_RENAMED.items():
+        value = out.pop(old, None)
+        if value is None:
+            continue
+        if out.get(new) is not None and out[new] != value:  # a copy of resolved args holds both, equal
+            raise ValueError(f"invalid {owner}: {old}={value!r} contradicts {new}={out[new]!r} (pass {new} only)")
+        out[new] = value
     if "scale_rewards" in out and isinstance(out["scale_rewards"], bool):
         # GRPOConfig's scale_rewards was a bool: True = divide by the group std
         warnings.warn("scale_rewards=True/False is deprecated; use 'group' or 'none'", DeprecationWarning, stacklevel=4)

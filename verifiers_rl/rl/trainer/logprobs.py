@@ -151,3 +151,20 @@ def full_logprobs(
         with torch.no_grad():
             entropy = _entropy(logits.detach())
     return logp, entropy
+
+
+def logits_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, *, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(targets) [N] float32 and entropy [N] (no grad) or None, from logits [N, V] a model already computed
+    (a sharded output head is applied inside the model's forward)."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = _entropy(z.detach(), lse.detach())
+    return logp, entropy

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 # all attention and MLP projections of Llama/Qwen-style decoders (what peft's "all-linear" picks there)
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_RANK = 8
@@ -32,6 +35,24 @@ def lora_config(
     )
 
 
+@contextlib.contextmanager
+def quiet_peft_wrap():
+    """peft (0.21) reads transformers' deprecated `is_gradient_checkpointing` property whenever it wraps a model,
+    and transformers 5.2x warns (FutureWarning) on every read. The warning is about peft's code, not the user's:
+    it is filtered here, that message only, around peft's own calls."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def wrap_lora(model, config):
+    """`peft.get_peft_model` without peft's deprecation noise."""
+    from peft import get_peft_model
+
+    with quiet_peft_wrap():
+        return get_peft_model(model, config)
+
+
 def run_lora_config(args):
     """The run's LoraConfig: `args.lora_config` as given, else built from the lora_* fields."""
     return args.lora_config or lora_config(
@@ -59,7 +80,6 @@ def write_zero_adapter(model_name: str, args, directory) -> None:
     it before any rollout. Shapes come from the model's config on the meta device: no weights are loaded."""
     import torch
     from accelerate import init_empty_weights
-    from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from verifiers_rl.model_source import resolve_model_path
@@ -69,7 +89,7 @@ def write_zero_adapter(model_name: str, args, directory) -> None:
     config = AutoConfig.from_pretrained(resolve_model_path(model_name))
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
-    peft = get_peft_model(model, run_lora_config(args))
+    peft = wrap_lora(model, run_lora_config(args))
     shapes = adapter_weights(peft)  # meta tensors: names, shapes and the unit-scaling config
     zeros = [(name, torch.zeros(t.shape, dtype=torch.float32)) for name, t in shapes]
     write_adapter(AdapterWeights(zeros, shapes.peft_config, shapes.ranks), directory)

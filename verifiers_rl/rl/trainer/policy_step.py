@@ -127,7 +127,7 @@ def run_microbatches(accelerator, model, prepared: PreparedBatch, args, pad_toke
             if mb.empty:
                 loss = loss * 0.0
             # DDP averages gradients over ranks; the loss is already normalised globally
-            accelerator.backward(loss * accelerator.num_processes)
+            backward(accelerator, loss * accelerator.num_processes, last=i == n - 1)
         total += loss.detach()
         if not mb.empty:
             # policy_loss metrics are already weighted by 1/num_tokens_global: they add up to step means
@@ -176,3 +176,16 @@ def empty_microbatch(packed: bool) -> MicroBatch:
     sample = Sample([0, 0], [False, True], [0.0, 0.0], advantage=0.0, rollout=-1)  # one trained target, no rollout
     mb = collate_packed([sample]) if packed else collate_padded([sample], 0)
     return dataclasses.replace(mb, empty=True)
+
+
+def backward(accelerator, loss: torch.Tensor, last: bool) -> None:
+    """One micro-batch's backward. DeepSpeed steps its optimizer inside backward whenever it is at an accumulation
+    boundary, and `accelerator.backward` says every backward is one: only the step's last micro-batch may be, or a
+    step of several micro-batches would take as many optimizer steps (and the later micro-batches' logprobs would
+    come from already-updated weights)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=last)
+    else:
+        accelerator.backward(loss)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES
 from verifiers_rl.rl.trainer.policy_version import PolicyVersion
 from verifiers_rl.rl.trainer.weight_export import WeightExport
 
@@ -24,6 +25,7 @@ class PolicySync:
         self.served = served or PolicyVersion()
         self.client = None  # InferenceClient with a weight sender (set by `attach`)
         self.weights = "merged"  # what a transfer sends: the serving plan's "merged" | "adapter"
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES  # the sender's bucket size; sharded exports gather about this much
         self.started_from: int | None = None  # the version whose weights the server was started from
         self.before_transfer: Callable[[int], None] = lambda version: None  # e.g. wait for older batches
         self.on_failure: Callable[[str], Exception] = RuntimeError
@@ -38,17 +40,27 @@ class PolicySync:
         self.client, self.started_from = None, None
         self.served.forget()
 
-    def sync(self, export: WeightExport, version: int, changed: bool = True) -> float:
-        """Make the server serve `version`; returns the seconds spent moving weights (0.0 when none moved)."""
+    def needs_transfer(self, version: int, changed: bool = True) -> bool:
+        """Whether making the server serve `version` moves weights (the rule; `sync` follows it)."""
         served = self.served.value
         if served == version:
+            return False
+        return not ((served is None and self.started_from == version) or (served is not None and not changed))
+
+    def sync(self, export: WeightExport, version: int, changed: bool = True) -> float:
+        """Make the server serve `version`; returns the seconds spent moving weights (0.0 when none moved).
+        Under a sharded layout the other ranks iterate the same stream meanwhile (`RLTrainer.sync_weights`)."""
+        if self.served.value == version:
             return 0.0
-        if (served is None and self.started_from == version) or (served is not None and not changed):
+        if not self.needs_transfer(version, changed):
             return self._advance(version)
         self.before_transfer(version)
+        stream = export.stream(self.weights, self.bucket_bytes)
         try:
-            stats = self.client.update_weights(export.stream(self.weights), version=version)
+            stats = self.client.update_weights(stream, version=version)
         except Exception as e:  # noqa: BLE001 - httpx, gloo and server errors all end here, as one line
+            if export.collective:
+                stream.drain()  # the other ranks are inside the stream's gathers: let them finish
             raise self.on_failure(f"weight sync to version {version} failed: {type(e).__name__}: {e}") from None
         self.served.advance(version)
         return stats.seconds

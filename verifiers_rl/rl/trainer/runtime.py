@@ -60,6 +60,7 @@ class InferenceRuntime:
             return self.session.client
         client = self.session.open(model, tokenizer, version, self.from_files)
         self.policy.attach(client, self.session.plan.weights, self.session.started_from)
+        self.policy.bucket_bytes = self.args.sync_bucket_mb << 20
         threads = self.session.plan.threads
         if threads and self._threads_before is None:
             self._threads_before = torch.get_num_threads()
@@ -222,9 +223,11 @@ class InferenceRuntime:
     # ------------------------------------------------------------------ eval
 
     def evaluate(self, model, tokenizer, export: WeightExport, prefix: str = "eval", version: int = 0) -> dict:
+        """Rollouts on the eval split with the policy the server serves (the caller synced it: see
+        `RLTrainer.evaluate`, where every rank takes part in a sharded sync)."""
         args = self.args
         self.ensure_server(model, tokenizer, version)
-        self.sync(export, version)
+        self.sync(export, version)  # a no-op after the caller's sync
         rows = self.env.get_eval_dataset(n=args.num_eval_examples or -1)
         rows, _ = filter_prompts(rows, tokenizer, args.prompt_limit, self.env)
         rows, _ = self.fitting_rows(rows, tokenizer)

@@ -52,6 +52,9 @@ class ServerRecovery:
         """Start a server where the lost one was, sync the current weights into it, regenerate lost batches."""
         rt, args = self.runtime, self.runtime.args
         session = rt.session
+        export, version = rt.current()
+        if export.collective:  # every rank gathers what a sync sends: rank 0 cannot refill a new server alone
+            raise self._give_up(f"{cause} (a sharded layout is not restarted in place: it resumes)")
         limit = args.server_restarts  # a server we only connected to: how often it is awaited in a row
         if self.in_a_row >= limit:
             bound = f"server_restarts={args.server_restarts}"
@@ -85,7 +88,6 @@ class ServerRecovery:
         rt.policy.attach(client, session.plan.weights, session.started_from)
         if rt.orchestrator is not None:
             rt.orchestrator.reconnect(client.base_url + "/v1", session.model_name)
-        export, version = rt.current()
         rt.policy.sync(export, version)
 
     def _give_up(self, what: str) -> ServerLost:

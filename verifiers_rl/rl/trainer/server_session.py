@@ -131,7 +131,7 @@ class ServerSession:
             lora_rank=args.lora_rank,
             micro_batch_tokens=args.token_budget,
             max_seq_len=args.max_seq_len,
-            gradient_checkpointing=bool(args.gradient_checkpointing),
+            gradient_checkpointing=bool(args.activation_checkpointing),
         )
         for line in plan.describe():
             logger.info(line)

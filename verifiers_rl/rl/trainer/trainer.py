@@ -24,7 +24,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from verifiers_rl.errors import TrainingError
 from verifiers_rl.rl.inference.errors import ServerLost
-from verifiers_rl.rl.trainer.callbacks import MetricsFileCallback, RichProgressCallback
+from verifiers_rl.rl.trainer import final
+from verifiers_rl.rl.trainer.callbacks import MetricsFileCallback, RichProgressCallback, adapt_integrations
 from verifiers_rl.rl.trainer.checkpoints import (
     MANIFEST,
     ORCHESTRATOR_STATE,
@@ -45,6 +46,8 @@ from verifiers_rl.rl.trainer.prompts import filter_prompts
 from verifiers_rl.rl.trainer.reward_checks import check_dataset, check_reward_inputs, guard_rewards, training_dataset
 from verifiers_rl.rl.trainer.runtime import InferenceRuntime
 from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch
+from verifiers_rl.rl.trainer.sharded_checkpoints import FSDP2Checkpoints
+from verifiers_rl.rl.trainer.sharding import fsdp2_requested, load_sharded, sharded_model_error, take_over_fsdp
 from verifiers_rl.rl.trainer.weight_export import WeightExport, weight_export
 
 logger = logging.getLogger(__name__)
@@ -67,7 +70,7 @@ def _collate(items):
     return {"vf_rl_step": torch.tensor([it["step"] for it in items])}
 
 
-class RLTrainer(Trainer):
+class RLTrainer(FSDP2Checkpoints, Trainer):
     def __init__(
         self,
         model,
@@ -87,8 +90,13 @@ class RLTrainer(Trainer):
             args.lora_config, args.use_lora = peft_config, True
         model_arg = model
         model_path = model if isinstance(model, str) else getattr(model, "name_or_path", None)
+        self.fsdp2 = fsdp2_requested(args)
+        if self.fsdp2:
+            take_over_fsdp(args)
         if isinstance(model, str):
-            model = get_model(model, use_liger=args.use_liger)
+            model = load_sharded(model, args.use_liger) if self.fsdp2 else get_model(model, use_liger=args.use_liger)
+        elif self.fsdp2 and not getattr(model, "is_distributed_loading_by_transformers", False):
+            raise sharded_model_error()
         if processing_class is None:
             if not model_path:
                 raise ValueError("pass processing_class (the tokenizer) when model has no name_or_path")
@@ -106,6 +114,7 @@ class RLTrainer(Trainer):
         )
         self.runtime = InferenceRuntime(args, model_path, env)
         self.resume_from: str | None = None
+        self.run_config: dict | None = None  # the config the run was started from (vf-rl: its TOML), for the card
         self.step_metrics: dict[str, float] = {}
         self.empty_steps = EmptySteps(args.max_empty_steps)
         self._seen_failures: set[str | None] = set()
@@ -118,6 +127,9 @@ class RLTrainer(Trainer):
         self.server_lost: ServerLost | None = None  # the sync after a step found the server gone for good
         hooks = [StartInference(self), SyncWeights(self), SubmitRollouts(self), StopOnSignal(lambda: self._guard)]
         callbacks = [*hooks, MetricsFileCallback(), *(callbacks or [])]
+        # Trainer refuses to checkpoint the optimizer of a model sharded at load time unless it saves weights only;
+        # this trainer checkpoints it itself (sharded_checkpoints.py), so the refusal is stepped around for init
+        only, args.save_only_model = args.save_only_model, args.save_only_model or self.fsdp2
         super().__init__(
             model=model,
             args=args,
@@ -128,30 +140,32 @@ class RLTrainer(Trainer):
             callbacks=callbacks,
             **kwargs,
         )
+        args.save_only_model = only
         self.remove_callback(ProgressCallback)
         self.add_callback(RichProgressCallback(self))
+        adapt_integrations(self.callback_handler.callbacks, self.args.output_dir)
 
     @staticmethod
     def _wrap_lora(model, args: RLConfig):
         if not args.use_lora or hasattr(model, "peft_config"):
             return model
-        from peft import get_peft_model
         from transformers import set_seed
 
-        from verifiers_rl.rl.trainer.lora import run_lora_config
+        from verifiers_rl.rl.trainer.lora import run_lora_config, wrap_lora
 
         set_seed(args.seed)  # LoRA A is random-initialised: seed it so runs (and ranks) start identically
-        model = get_peft_model(model, run_lora_config(args))
-        if args.gradient_checkpointing:
+        model = wrap_lora(model, run_lora_config(args))
+        if args.activation_checkpointing:
             model.enable_input_require_grads()
         return model
 
     # ------------------------------------------------------------------ lifecycle
 
-    def train(self, resume_from_checkpoint=None, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, save_final: bool = True, **kwargs):
         """`Trainer.train`, plus: a checkpoint is checked before it is resumed from (the newest usable one with
         `True`); SIGTERM / Ctrl-C checkpoint the last completed step before the run ends (preemption.py), and so
-        does a server that is lost for good (server_recovery.py); a run that trained nothing raises."""
+        does a server that is lost for good (server_recovery.py); a run that trained nothing raises; a run that
+        finishes writes <output_dir>/final (`final_model`; `save_final=False` leaves that to the caller)."""
         resume = self._resume_point(resume_from_checkpoint)
         self.resume_from = resume
         guard = self._guard = PreemptionGuard(on_second_signal=self.runtime.kill_server)
@@ -159,7 +173,7 @@ class RLTrainer(Trainer):
             with guard:
                 try:
                     self.empty_steps, self.server_lost = EmptySteps(self.args.max_empty_steps), None
-                    result = super().train(resume_from_checkpoint=resume, **kwargs)
+                    result = super().train(resume, *args, **kwargs)
                     if self.server_lost is not None:  # after a sync: that step was logged and checkpointed
                         raise self.server_lost
                     if guard.signum is None:
@@ -177,12 +191,14 @@ class RLTrainer(Trainer):
                 logger.warning("stopped by signal %d after step %d", guard.signum, self.state.global_step)
                 self.close()
                 guard.raise_for_signal()
-            return result
         finally:
             self._guard = None
             self.runtime.stop_rollouts()
             if not self.args.keep_server:  # a notebook kernel must not hold a server (or its GPU memory) idle
                 self.runtime.close()
+        if save_final:
+            self.save_final()
+        return result
 
     def _resume_point(self, requested):
         if not requested:
@@ -215,6 +231,23 @@ class RLTrainer(Trainer):
         if step > 0 and not os.path.exists(done):
             self._save_checkpoint(self.model, trial=None)
 
+    def save_final(self) -> str | None:
+        """Write <output_dir>/final: the trained model (LoRA merged, and the adapter on its own), tokenizer and
+        a model card with the evaluations logged so far and the reward curve; pushed when push_to_hub (final.py)."""
+        out = final.save_final(self)
+        return str(out) if out is not None else None
+
+    def init_hf_repo(self, token=None, private=None) -> None:
+        # Trainer creates the hub repository at init; here nothing reaches the hub before there is a model
+        self.push_in_progress = None
+
+    def _push_from_checkpoint(self, checkpoint_folder) -> None:
+        pass  # checkpoints stay local: push_to_hub pushes final/ when the run ends
+
+    def push_to_hub(self, commit_message=None, blocking=True, token=None, revision=None, private=None, **kwargs):
+        """Upload <output_dir>/final (written first if it is not there) to `hub_model_id`; every process calls it."""
+        return final.push_final(self, commit_message=commit_message, token=token, revision=revision, private=private)
+
     def close(self) -> None:
         """Stop rollouts and the inference server this trainer spawned (evaluate() or train() start one again)."""
         self.runtime.close()
@@ -226,8 +259,22 @@ class RLTrainer(Trainer):
         self.close()
 
     def sync_weights(self, changed: bool = True) -> float:
-        """Make the server serve policy version = global step (`PolicySync` decides whether weights move)."""
-        return self.runtime.sync(self.weight_export(), self.state.global_step, changed)
+        """Make the server serve policy version = global step (`PolicySync` decides whether weights move). Called
+        on every rank: rank 0 syncs; under a sharded layout the others iterate the same stream, which gathers
+        what rank 0 sends, when rank 0 says weights move."""
+        export, version = self.weight_export(), self.state.global_step
+        rank0 = self.is_world_process_zero()
+        if not export.collective:
+            return self.runtime.sync(export, version, changed) if rank0 else 0.0
+        policy = self.runtime.policy
+        decision = [(policy.needs_transfer(version, changed), policy.weights, policy.bucket_bytes) if rank0 else None]
+        broadcast_object_list(decision, from_process=0)
+        if rank0:
+            return self.runtime.sync(export, version, changed)
+        moves, kind, bucket_bytes = decision[0]
+        if moves:
+            export.stream(kind, bucket_bytes).drain()
+        return 0.0
 
     def weight_export(self) -> WeightExport:
         """The training model as the server and the loss read it, for its parallel layout (weight_export.py)."""
@@ -319,6 +366,7 @@ class RLTrainer(Trainer):
                     timeout = self.args.save_on_signal_timeout if self._guard and self._guard.signum else None
                     state = self.runtime.rollout_state(timeout=timeout)
                     torch.save(state, os.path.join(staged, ORCHESTRATOR_STATE))
+                final.write_run_info(self, staged)  # what `vf-rl export` needs to describe this checkpoint
                 write_manifest(staged, self.state.global_step)
         except OSError as e:
             full = save_failed(e, staged, final_root)  # a full disk: one line, the staged half removed
@@ -341,8 +389,11 @@ class RLTrainer(Trainer):
         """Rollouts on the environment's eval split with the current policy. Only the main process talks to the
         server (the others would start or re-initialise one); every process gets the same metrics."""
         payload = [None]
+        model = self.accelerator.unwrap_model(self.model)
         if self.is_world_process_zero():
-            model = self.accelerator.unwrap_model(self.model)
+            self.runtime.ensure_server(model, self.processing_class, self.state.global_step)
+        self.sync_weights()  # every rank: a sharded model's sync gathers on all of them
+        if self.is_world_process_zero():
             metrics = self.runtime.evaluate(
                 model, self.processing_class, self.weight_export(), metric_key_prefix, self.state.global_step
             )

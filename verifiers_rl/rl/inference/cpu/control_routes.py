@@ -53,10 +53,15 @@ def generation_router(engine: Engine) -> APIRouter:
     async def is_paused():
         return {"is_paused": engine.is_paused}
 
+    # vLLM's query flags are accepted and need nothing here: running requests keep KV of their own, only the
+    # shared prompt cache is dropped, so the reset always succeeds.
     @router.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
+    async def reset_prefix_cache(
+        reset_running_requests: bool = Query(False),  # noqa: ARG001
+        reset_external: bool = Query(False),  # noqa: ARG001
+    ):
         await asyncio.to_thread(engine.reset_prefix_cache)
-        return {"status": "ok"}
+        return {"success": True}
 
     @router.post("/update_weight_version")
     async def update_weight_version(new_version: str | int = Body(..., embed=True)):

@@ -56,10 +56,17 @@ class WeightReceiver:
         return loaded
 
     def lora_update(self, update_json: str) -> dict[str, Any]:
-        """`vf_lora_update` (transfer/adapter.py): W = W0 + B @ A on the pristine base weights, B pre-scaled."""
+        """`vf_lora_update` (transfer/adapter.py): W = W0 + B @ A on the pristine base weights, B pre-scaled.
+        The result is the RPC's answer and, like every receiver's, left in the trainer's store."""
         if self.pg is None:
             raise ValueError(f"call /init_weight_transfer_engine before {adapter.UPDATE_RPC}")
         update = adapter.AdapterUpdate.parse(update_json)
+        result = self._lora_update(update)
+        if update.report:
+            gloo.publish_report(self.pg, update.report, result)
+        return result
+
+    def _lora_update(self, update: adapter.AdapterUpdate) -> dict[str, Any]:
         metas = update.update_info.metas()
         paused_here = not self.engine.is_paused
         if paused_here:

@@ -10,6 +10,9 @@ One protocol, two engines. Per sync (the client pauses generation around it):
 
 The RPC's result is `{"error": reason}` when the server refuses the update (DoRA, biases, modules_to_save, a
 rank above --max-lora-rank, a module the model lacks); it drains the buckets first and keeps the old adapter.
+Every receiving rank also leaves its result in the trainer's store under the update's `report` id
+(`gloo.publish_report`): under data parallelism vLLM's /collective_rpc answers with the first engine's results
+only, and a refusal by another engine must not pass for a sync.
 
 vLLM runs it in every worker through our worker extension (`vllm/extension.WorkerExtension`; the adapter methods
 are `vllm/lora.LoraSyncExtension`), which installs the adapter in place of the one registered at startup
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +34,7 @@ from pathlib import Path
 from verifiers_rl.rl.inference.errors import ServerError
 from verifiers_rl.rl.inference.layout import WORKER_EXTENSION
 from verifiers_rl.rl.inference.transfer.buckets import UpdateInfo, plan_buckets
-from verifiers_rl.rl.inference.transfer.gloo import GlooSender, run_in_thread, send_buckets
+from verifiers_rl.rl.inference.transfer.gloo import GlooSender, collect_reports, run_in_thread, send_buckets
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
 from verifiers_rl.rl.inference.transfer.stream import as_stream
 
@@ -38,6 +42,8 @@ UPDATE_RPC = "vf_lora_update"
 INFO_RPC = "vf_lora_info"
 # vLLM numbers adapters from 1 in registration order; ours is the only `--lora-modules` entry.
 LORA_INT_ID = 1
+# The receivers' reports are in the store by the time the RPC answers (vLLM gathers every engine first).
+REPORT_WAIT_S = 30.0
 
 
 @dataclass
@@ -47,10 +53,11 @@ class AdapterUpdate:
     update_info: UpdateInfo
     peft_config: dict
     lora_int_id: int = LORA_INT_ID
+    report: str = ""  # the id under which every receiving rank leaves its result in the group's store
 
     def to_json(self) -> str:
         body = {"update_info": self.update_info.to_dict(), "peft_config": self.peft_config}
-        return json.dumps({**body, "lora_int_id": self.lora_int_id})
+        return json.dumps({**body, "lora_int_id": self.lora_int_id, "report": self.report})
 
     @classmethod
     def parse(cls, text: str) -> AdapterUpdate:
@@ -58,12 +65,14 @@ class AdapterUpdate:
             body = json.loads(text)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{UPDATE_RPC}: argument is not JSON: {e}") from None
-        if not isinstance(body, dict) or set(body) != {"update_info", "peft_config", "lora_int_id"}:
+        required = {"update_info", "peft_config", "lora_int_id"}
+        if not isinstance(body, dict) or not required <= set(body) <= required | {"report"}:
             keys = sorted(body) if isinstance(body, dict) else type(body).__name__
-            raise ValueError(f"{UPDATE_RPC}: expected keys update_info, peft_config, lora_int_id; got {keys}")
+            raise ValueError(f"{UPDATE_RPC}: expected keys update_info, peft_config, lora_int_id[, report]; got {keys}")
         if not isinstance(body["peft_config"], dict):
             raise ValueError(f"{UPDATE_RPC}: peft_config must be an object")
-        return cls(UpdateInfo.parse(body["update_info"]), body["peft_config"], int(body["lora_int_id"]))
+        info, config = UpdateInfo.parse(body["update_info"]), body["peft_config"]
+        return cls(info, config, int(body["lora_int_id"]), str(body.get("report") or ""))
 
 
 def lora_module(name: str) -> tuple[str, str]:
@@ -108,7 +117,7 @@ class AdapterSender(GlooSender):
         # Ask first: a server without our worker extension or LoRA enabled would otherwise fail the RPC only
         # after the trainer has started broadcasting, and the trainer would wait out the group timeout.
         try:
-            self.server_info = (self.client.post("/collective_rpc", {"method": INFO_RPC}).get("results") or [{}])[0]
+            self.server_info = (self.post("/collective_rpc", {"method": INFO_RPC}).get("results") or [{}])[0]
         except Exception as e:
             raise RuntimeError(
                 "adapter sync (lora_sync='adapter') needs a server that takes LoRA updates: our CPU engine, or vLLM "
@@ -133,17 +142,20 @@ class AdapterSender(GlooSender):
         tensors = as_stream(named_tensors)
         metas = tensors.metas
         buckets = plan_buckets(metas, self.bucket_bytes)
-        update = AdapterUpdate(UpdateInfo.from_metas(metas), config)
+        update = AdapterUpdate(UpdateInfo.from_metas(metas), config, report=f"{version}-{secrets.token_hex(6)}")
         body = {"method": UPDATE_RPC, "args": [update.to_json()]}
-        pending = run_in_thread(lambda: self.client.post("/collective_rpc", body))
+        pending = run_in_thread(lambda: self.post("/collective_rpc", body))
         sent = send_buckets(self.group, buckets, tensors)
+        pending.join()
         # A refusal is a result {"error": ...} (the data was drained first, so the group stays usable).
-        results = pending.join().get("results") or []
-        refused = [r["error"] for r in results if isinstance(r, dict) and r.get("error")]
+        reports = collect_reports(self.group, update.report, min(REPORT_WAIT_S, self.timeout_s))
+        refused = {rank: r["error"] for rank, r in reports.items() if r.get("error")}
         if refused:
-            raise ServerError(f"{UPDATE_RPC} refused by the server: {refused[0]}")
+            rank, reason = next(iter(refused.items()))
+            where = f"inference rank {rank}" + (f" and {len(refused) - 1} more" if len(refused) > 1 else "")
+            raise ServerError(f"{UPDATE_RPC} refused by the server ({where}): {reason}")
         # The prefix cache is keyed by adapter name and path, which stay the same: blocks computed with the old
         # adapter would be served again.
-        self.client.reset_prefix_cache()
-        self.client.post("/update_weight_version", {"new_version": str(version)})
+        self.client.reset_prefix_cache(timeout=self.timeout_s)
+        self.post("/update_weight_version", {"new_version": str(version)})
         return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)

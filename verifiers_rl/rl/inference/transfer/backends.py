@@ -30,5 +30,5 @@ def create_sender(
     if backend == "nccl":
         from verifiers_rl.rl.inference.transfer.nccl import NCCLSender
 
-        return NCCLSender(client, host=host, bucket_bytes=bucket_bytes)
+        return NCCLSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
     raise ValueError(f"weight-sync backend={backend!r}; allowed: gloo, adapter, nccl")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import secrets
 import socket
@@ -91,6 +92,7 @@ class WeightGroup:
     store: object  # kept alive with the group: gloo reads the store lazily
     rank: int
     world_size: int
+    key: str = ""  # the run's secret: every key this group puts in the store lives under it
     # Two staging buffers reused across syncs: a fresh 256 MB buffer per sync costs page faults that took
     # longer than the transfer itself (104 ms vs 14 ms to fill; raw gloo 1.35 vs 3.34 GB/s into it).
     buffers: list = field(default_factory=list)
@@ -129,7 +131,7 @@ def join_group(store, rank: int, world_size: int, timeout_s: float = 300.0, grou
     timeout = datetime.timedelta(seconds=timeout_s)
     prefix = f"{_PREFIX}/{group_key}" if group_key else _PREFIX
     pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, timeout)
-    return WeightGroup(pg, store, rank, world_size)
+    return WeightGroup(pg, store, rank, world_size, group_key)
 
 
 def connect_group(info: GlooInitInfo, rank: int) -> WeightGroup:
@@ -206,6 +208,31 @@ def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket) -> Non
         on_bucket(unpack(bucket, bufs[i % 2][: bucket.nbytes]))
 
 
+def _report_key(group: WeightGroup, sync_id: str, rank: int) -> str:
+    return f"{_PREFIX}/{group.key}/report/{sync_id}/{rank}"
+
+
+def publish_report(group: WeightGroup, sync_id: str, result: dict) -> None:
+    """Receiver side: leave this rank's answer to sync `sync_id` in the trainer's store. vLLM's /collective_rpc
+    answers with the first data-parallel engine's results only; the store reaches the trainer from every rank."""
+    group.store.set(_report_key(group, sync_id, group.rank), json.dumps(result))
+
+
+def collect_reports(group: WeightGroup, sync_id: str, timeout_s: float) -> dict[int, dict]:
+    """Trainer side: every receiving rank's answer to `sync_id` (ranks 1..world-1), removed from the store once
+    read; a rank that left none within `timeout_s` is a RuntimeError that names it."""
+    keys = {rank: _report_key(group, sync_id, rank) for rank in range(1, group.world_size)}
+    try:
+        group.store.wait(list(keys.values()), datetime.timedelta(seconds=timeout_s))
+    except RuntimeError:  # torch's DistStoreError
+        missing = [rank for rank, key in keys.items() if not group.store.check([key])]
+        raise RuntimeError(f"inference ranks {missing} left no answer to the update within {timeout_s:.0f}s") from None
+    reports = {rank: json.loads(group.store.get(key)) for rank, key in keys.items()}
+    for key in keys.values():
+        group.store.delete_key(key)
+    return reports
+
+
 class GlooSender:
     """Merged weights: one `/update_weights` request describes the whole sync, the bytes follow in buckets."""
 
@@ -220,6 +247,11 @@ class GlooSender:
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.group: WeightGroup | None = None
 
+    def post(self, path: str, body: dict | None = None) -> dict:
+        """A request of the sync: it may take as long as the sync itself (a server loading a large model answers
+        once every worker has), so the sync's deadline applies, not the client's per-request one."""
+        return self.client.post(path, body, timeout=self.timeout_s)
+
     def init(self) -> None:
         world = 1 + self.client.get_world_size()
         store = open_store(self.host, 0, world, self.timeout_s)
@@ -227,7 +259,7 @@ class GlooSender:
         info = GlooInitInfo(self.host, store.port, 1, world, self.bucket_bytes, self.timeout_s, key)
         # the server's workers join while this thread waits in the rendezvous
         body = {"init_info": dataclasses.asdict(info)}
-        joined = run_in_thread(lambda: self.client.post("/init_weight_transfer_engine", body, timeout=self.timeout_s))
+        joined = run_in_thread(lambda: self.post("/init_weight_transfer_engine", body))
         self.group = join_group(store, 0, world, self.timeout_s, key)
         joined.join()
 
@@ -244,18 +276,16 @@ class GlooSender:
         info = self.update_info(metas).to_dict()
         if self.pauses_itself:  # our CPU engine: the whole sync is one request (vLLM keeps its own routes)
             body = {"update_info": info, "weight_version": str(version)}
-            pending = run_in_thread(lambda: self.client.post("/update_weights", body, timeout=self.timeout_s))
+            pending = run_in_thread(lambda: self.post("/update_weights", body))
             sent = send_buckets(self.group, buckets, tensors)
             pending.join()
             return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)
-        self.client.post("/start_weight_update")
-        pending = run_in_thread(
-            lambda: self.client.post("/update_weights", {"update_info": info}, timeout=self.timeout_s)
-        )
+        self.post("/start_weight_update")
+        pending = run_in_thread(lambda: self.post("/update_weights", {"update_info": info}))
         sent = send_buckets(self.group, buckets, tensors)
         pending.join()
-        self.client.post("/finish_weight_update", {"weight_version": str(version)})
-        self.client.reset_prefix_cache()
+        self.post("/finish_weight_update", {"weight_version": str(version)})
+        self.client.reset_prefix_cache(timeout=self.timeout_s)
         return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)
 
     def close(self, polite: bool = True) -> None:

@@ -2,57 +2,66 @@
 
 Everything vLLM-specific is imported lazily: this module loads without vLLM, and only `NCCLSender.init`
 needs it. NCCL needs the trainer and the server on different GPUs (it cannot put two ranks on one device).
-NOT exercised on CPU machines: CI covers the control adapter against our server; the NCCL data path runs
-only where vLLM and CUDA are present.
+On CPU machines tests/e2e/test_nccl_sync.py drives this sender with vLLM's real trainer and worker engines,
+only CUDA and the NCCL communicator replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
 
 import torch
 
 from verifiers_rl.rl.inference.net import free_port
 from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
+from verifiers_rl.rl.inference.transfer.stream import WeightStream, as_stream
 
 
 class SyncControl:
     """vLLM's `VLLMWeightSyncClient` protocol (four methods, plain dicts) over our authenticated client, so
-    vLLM's trainer engine sends our control token and the weight version we choose."""
+    vLLM's trainer engine sends our control token and the weight version we choose. Every request of a sync
+    may take as long as the sync itself (`/update_weights` answers once every worker loaded every tensor)."""
 
-    def __init__(self, client):
+    def __init__(self, client, timeout_s: float = 300.0):
         self.client = client
+        self.timeout_s = timeout_s
         self.next_version: int | None = None
 
+    def _post(self, path: str, body: dict | None = None) -> None:
+        self.client.post(path, body, timeout=self.timeout_s)
+
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.client.post("/init_weight_transfer_engine", {"init_info": init_info})
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self.client.post("/start_weight_update")
+        self._post("/start_weight_update")
 
     def update_weights(self, update_info) -> None:
-        self.client.post("/update_weights", {"update_info": update_info})
+        self._post("/update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if weight_version is None and self.next_version is not None:
             weight_version = str(self.next_version)
-        self.client.post("/finish_weight_update", {"weight_version": weight_version})
+        self._post("/finish_weight_update", {"weight_version": weight_version})
 
 
-def _named_tensor_source(items: Callable[[], list[tuple[str, torch.Tensor]]]):
-    """A vLLM WeightSource whose tensors are whatever `items()` holds for the current sync."""
+def _stream_source(sender: NCCLSender):
+    """A vLLM WeightSource over the sync in progress: described from the stream's metas, and iterated lazily,
+    so vLLM's packer pulls (and merges) one bucket's tensors at a time instead of a copy of the whole model."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    class NamedTensorSource(WeightSource):
+    class StreamSource(WeightSource):
         def metadata(self):
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in items()]
+            return [ParamMeta(m.name, m.dtype, tuple(m.shape)) for m in sender.current().metas]
 
         def __iter__(self):
-            return iter(items())
+            device = sender.device
+            for name, t in sender.current():
+                yield name, (t if t.device == device else t.to(device))
 
-    return NamedTensorSource()
+    return StreamSource()
 
 
 class NCCLSender:
@@ -61,13 +70,22 @@ class NCCLSender:
 
     backend = "nccl"
 
-    def __init__(self, client, *, host: str = "127.0.0.1", bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(
+        self, client, *, host: str = "127.0.0.1", bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0
+    ):
         self.client = client
-        self.control = SyncControl(client)
+        self.control = SyncControl(client, timeout_s)
         self.host = host
         self.bucket_bytes = bucket_bytes
-        self._items: list[tuple[str, torch.Tensor]] = []
+        self.timeout_s = timeout_s
+        self.device: torch.device | None = None  # the NCCL communicator's GPU: tensors are broadcast from there
+        self._stream: WeightStream | None = None
         self.engine = None
+
+    def current(self) -> WeightStream:
+        if self._stream is None:
+            raise RuntimeError("the NCCL weight source was read outside a sync")
+        return self._stream
 
     def init(self) -> None:
         try:
@@ -88,24 +106,39 @@ class NCCLSender:
             world_size=1 + self.client.get_world_size(),
             packed=True,
             packed_buffer_size_bytes=self.bucket_bytes,
+            rank=0,  # the one trainer process that sends; vLLM's workers take ranks 1..n
         )
-        source = _named_tensor_source(lambda: self._items)
-        self.engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=self.control, source=source)
+        engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=self.control, source=_stream_source(self))
+        group = engine.model_update_group
+        if getattr(group, "disabled", False):
+            # vLLM's communicator turns itself into a no-op when it cannot load libnccl: every sync would
+            # "succeed" and move nothing.
+            engine.shutdown()
+            raise RuntimeError("vLLM could not load the NCCL library in the trainer process; use the gloo backend")
+        self.engine, self.device = engine, group.device
 
     def send(self, named_tensors: NamedTensors, version: int) -> SyncStats:
+        if self.engine is None:
+            raise RuntimeError("call init() before send()")
         t0 = time.perf_counter()
-        device = torch.device("cuda", torch.cuda.current_device())
-        self._items = [(n, t.to(device, non_blocking=True)) for n, t in named_tensors]
-        self.control.next_version = version
+        stream = as_stream(named_tensors)
+        self._stream, self.control.next_version = stream, version
+        # The optimizer step wrote the parameters on the current stream; vLLM's packer reads them on its own
+        # streams, which do not wait for it.
+        torch.cuda.current_stream().synchronize()
         try:
             self.engine.send_weights()  # start -> update_weights ‖ packed broadcast -> finish
-            self.client.reset_prefix_cache()
+            self.client.reset_prefix_cache(timeout=self.timeout_s)
         finally:
-            n, nbytes = len(self._items), sum(t.numel() * t.element_size() for _, t in self._items)
-            self._items = []
-        return SyncStats(time.perf_counter() - t0, nbytes, n, 0, version)
+            self._stream = None
+        return SyncStats(time.perf_counter() - t0, stream.nbytes, len(stream.metas), 0, version)
 
     def close(self, polite: bool = True) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        with contextlib.suppress(Exception):  # a communicator whose peer died may fail to tear down
+            engine.shutdown()
+        if polite:
+            with contextlib.suppress(Exception):  # a goodbye with a short deadline: the server may be gone
+                self.client.post("/shutdown_weight_transfer_engine", timeout=5.0)

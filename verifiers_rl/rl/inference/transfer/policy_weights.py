@@ -45,41 +45,100 @@ def engine_name(name: str, adapter: str = "default") -> str | None:
     return name.replace(f".modules_to_save.{adapter}.", ".").replace(".base_layer.", ".")
 
 
-def merged_metas(model, dtype: torch.dtype | None = None) -> list[TensorMeta]:
-    """What `merged_weights` yields, described without computing a merge: names, dtypes and shapes, in order."""
-    inner, peft_base = _unwrap(model)
-    adapter = _active_adapter(peft_base) if peft_base is not None else "default"
-    metas = []
-    for name, p in inner.named_parameters():
-        out = engine_name(name, adapter)
-        if out is not None:
-            metas.append(TensorMeta(out, dtype or p.dtype, tuple(p.shape)))
-    return metas
+@dataclass(frozen=True)
+class ExportItem:
+    """One tensor the server loads, and the training parameters it is computed from (`sources`, names relative
+    to the transformers model). The plan of a sync is a list of these, made from the model's structure alone:
+    no weight is read, so a sharded model is described without gathering anything."""
+
+    name: str  # engine name (merged) or peft's on-disk name (adapter)
+    meta: TensorMeta
+    sources: tuple[str, ...]  # copy: (param,); merge: (base, lora_A, lora_B); lora_A: (A,); lora_B: (B,)
+    role: str  # "copy" | "merge" | "lora_A" | "lora_B"
+    scaling: float = 1.0
+    fan_in_fan_out: bool = False
 
 
-def merged_stream(model, dtype: torch.dtype | None = None) -> WeightStream:
-    """The merged weights as a stream: each merge is computed when the sender reaches its bucket."""
-    return WeightStream(merged_metas(model, dtype), lambda: merged_weights(model, dtype))
+def full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's whole shape, whatever holds it: DeepSpeed ZeRO-3 keeps `ds_shape` beside an empty local
+    tensor; an FSDP2 DTensor reports its global shape."""
+    return tuple(getattr(p, "ds_shape", p.shape))
 
 
-def merged_weights(model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (engine name, tensor) for the full model with LoRA deltas merged out of place."""
+def _linear_lora(layer, adapter: str) -> bool:
+    return adapter in layer.lora_A and isinstance(layer.get_base_layer(), torch.nn.Linear)
+
+
+def merged_items(model, dtype: torch.dtype | None = None) -> list[ExportItem]:
+    """Every base weight under its engine name; a LoRA'd linear weight is merged with its delta (out of place)."""
     inner, peft_base = _unwrap(model)
     lora = _lora_layers(inner) if peft_base is not None else {}
     adapter = _active_adapter(peft_base) if peft_base is not None else "default"
-    # No `with torch.no_grad()` around the yields: a consumer that stops early (a failed sync) would leave the
-    # generator suspended inside it, and grad mode off in the trainer's thread until garbage collection.
+    items = []
     for name, p in inner.named_parameters():
         out = engine_name(name, adapter)
         if out is None:
             continue
-        t = p.detach()
+        meta = TensorMeta(out, dtype or p.dtype, full_shape(p))
         module = name[: -len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
-        if module in lora and adapter in lora[module].lora_A and not lora[module].merged:
-            with torch.no_grad():
-                delta = lora[module].get_delta_weight(adapter)
-            t = t.float() + delta.float()
-        yield out, t.to(dtype or p.dtype).contiguous()
+        layer = lora.get(module)
+        if layer is not None and adapter in layer.lora_A and not layer.merged:
+            if not _linear_lora(layer, adapter):
+                raise ValueError(f"merged sync supports LoRA on linear layers only ({module})")
+            sources = (name, f"{module}.lora_A.{adapter}.weight", f"{module}.lora_B.{adapter}.weight")
+            scaling, fan = float(layer.scaling[adapter]), bool(getattr(layer, "fan_in_fan_out", False))
+            items.append(ExportItem(out, meta, sources, "merge", scaling, fan))
+        else:
+            items.append(ExportItem(out, meta, (name,), "copy"))
+    return items
+
+
+def materialize(item: ExportItem, full: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tensor of `item` from whole source tensors (`full`: name -> tensor). Merges and scales in float32, then
+    casts to the transfer dtype, so every layout (replicated, ZeRO-3, FSDP2) rounds the same way."""
+    with torch.no_grad():
+        if item.role == "copy":
+            return full[item.sources[0]].detach().to(item.meta.dtype).contiguous()
+        if item.role == "merge":
+            base, a, b = (full[s].detach() for s in item.sources)
+            delta = b.float() @ a.float()
+            if item.fan_in_fan_out:
+                delta = delta.T
+            return (base.float() + delta * item.scaling).to(item.meta.dtype).contiguous()
+        if item.role == "lora_A":
+            return full[item.sources[0]].detach().to(item.meta.dtype).contiguous()
+        if item.role == "lora_B":
+            return (full[item.sources[0]].detach().float() * item.scaling).to(item.meta.dtype).contiguous()
+    raise ValueError(f"unknown export role {item.role!r}")
+
+
+def replicated_stream(model, items: list[ExportItem], peft_config: dict | None = None, rank: int = 0):
+    """A stream over a model whose every parameter is whole on this rank: each tensor computed when reached."""
+    inner, _ = _unwrap(model)
+    params = dict(inner.named_parameters())
+
+    def produce():
+        # No `with torch.no_grad()` around the yields: a consumer that stops early (a failed sync) would leave the
+        # generator suspended inside it, and grad mode off in the trainer's thread until garbage collection.
+        for item in items:
+            yield item.name, materialize(item, {s: params[s] for s in item.sources})
+
+    return WeightStream([i.meta for i in items], produce, peft_config, rank)
+
+
+def merged_metas(model, dtype: torch.dtype | None = None) -> list[TensorMeta]:
+    """What `merged_weights` yields, described without computing a merge: names, dtypes and shapes, in order."""
+    return [i.meta for i in merged_items(model, dtype)]
+
+
+def merged_stream(model, dtype: torch.dtype | None = None) -> WeightStream:
+    """The merged weights as a stream: each merge is computed when the sender reaches its bucket."""
+    return replicated_stream(model, merged_items(model, dtype))
+
+
+def merged_weights(model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (engine name, tensor) for the full model with LoRA deltas merged out of place."""
+    return iter(merged_stream(model, dtype))
 
 
 @dataclass
@@ -118,8 +177,8 @@ def unsupported_adapter_features(config: dict) -> list[str]:
     return problems
 
 
-def adapter_weights(model, dtype: torch.dtype | None = None) -> AdapterWeights:
-    """The active LoRA adapter of a peft model in the adapter-sync format (see `AdapterWeights`)."""
+def adapter_items(model, dtype: torch.dtype | None = None) -> tuple[list[ExportItem], dict[str, int]]:
+    """The active LoRA adapter in the adapter-sync format (see `AdapterWeights`): its items and each module's rank."""
     inner, peft_base = _unwrap(model)
     if peft_base is None:
         raise ValueError("adapter-only sync needs a peft LoRA model; use merged sync for full fine-tuning")
@@ -128,26 +187,34 @@ def adapter_weights(model, dtype: torch.dtype | None = None) -> AdapterWeights:
     problems = unsupported_adapter_features(config.to_dict())
     if problems:
         raise ValueError(f"adapter-only sync cannot carry {', '.join(problems)}; use lora_sync='merged'")
-    tensors, ranks = [], {}
-    with torch.no_grad():
-        for module, layer in _lora_layers(inner).items():
-            if adapter in getattr(layer, "lora_embedding_A", {}) or (
-                adapter in layer.lora_A and not isinstance(layer.get_base_layer(), torch.nn.Linear)
-            ):
-                raise ValueError(f"adapter-only sync supports LoRA on linear layers only ({module}); use merged sync")
-            if adapter not in layer.lora_A:
-                continue
-            if getattr(layer, "fan_in_fan_out", False):
-                raise ValueError(f"adapter-only sync does not support fan_in_fan_out layers ({module})")
-            a = layer.lora_A[adapter].weight.detach()
-            # float32 product, then the transfer dtype: the same rounding merged sync applies to its deltas
-            b = layer.lora_B[adapter].weight.detach().float() * layer.scaling[adapter]
-            prefix = f"base_model.model.{module}"
-            tensors.append((f"{prefix}.lora_A.weight", a.to(dtype or a.dtype).contiguous()))
-            tensors.append((f"{prefix}.lora_B.weight", b.to(dtype or a.dtype).contiguous()))
-            ranks[module] = int(layer.r[adapter])
+    params = dict(inner.named_parameters())
+    items, ranks = [], {}
+    for module, layer in _lora_layers(inner).items():
+        if adapter in getattr(layer, "lora_embedding_A", {}) or (
+            adapter in layer.lora_A and not isinstance(layer.get_base_layer(), torch.nn.Linear)
+        ):
+            raise ValueError(f"adapter-only sync supports LoRA on linear layers only ({module}); use merged sync")
+        if adapter not in layer.lora_A:
+            continue
+        if getattr(layer, "fan_in_fan_out", False):
+            raise ValueError(f"adapter-only sync does not support fan_in_fan_out layers ({module})")
+        prefix, scaling = f"base_model.model.{module}", float(layer.scaling[adapter])
+        for kind in ("lora_A", "lora_B"):
+            source = f"{module}.{kind}.{adapter}.weight"
+            p = params[source]
+            # float32 product for B, then the transfer dtype: the same rounding merged sync applies to its deltas
+            meta = TensorMeta(f"{prefix}.{kind}.weight", dtype or p.dtype, full_shape(p))
+            items.append(ExportItem(meta.name, meta, (source,), kind, scaling if kind == "lora_B" else 1.0))
+        ranks[module] = int(layer.r[adapter])
     if not ranks:
         raise ValueError(f"peft model has no LoRA weights for its active adapter {adapter!r}")
+    return items, ranks
+
+
+def adapter_weights(model, dtype: torch.dtype | None = None) -> AdapterWeights:
+    """The active LoRA adapter of a peft model in the adapter-sync format (see `AdapterWeights`), materialised."""
+    items, ranks = adapter_items(model, dtype)
+    tensors = list(replicated_stream(model, items))
     return AdapterWeights(tensors, unit_scaling_config(ranks), ranks)
 
 

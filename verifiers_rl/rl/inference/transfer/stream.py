@@ -20,8 +20,20 @@ class WeightStream:
     peft_config: dict | None = None  # adapter sync: the adapter config the server installs the tensors with
     rank: int = 0  # adapter sync: the adapter's largest LoRA rank
 
+    def __post_init__(self):
+        self._live: Iterator | None = None
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.produce()
+        self._live = self.produce()
+        return self._live
+
+    def drain(self) -> None:
+        """Produce what is left of the stream and drop it. A sender that failed mid-sync calls this: producing a
+        sharded model's tensors is a collective, and the other ranks are waiting in it."""
+        it = self._live if self._live is not None else self.produce()
+        self._live = None
+        for _ in it:
+            pass
 
     @property
     def nbytes(self) -> int:

@@ -71,11 +71,14 @@ class LoraSyncExtension:
         received = time.perf_counter() - t0
         try:
             self._vf_install(update.lora_int_id, tensors, update.peft_config)
+            result = {"tensors": len(tensors), "receive_s": received, "install_s": time.perf_counter() - t0 - received}
         except Exception as e:  # noqa: BLE001 - reported to the trainer, which raises it
             # An answer, not an exception: vLLM's /collective_rpc turns a worker exception into a 500 and then
             # drops the connection, so the trainer's next request (its /resume) would fail too.
-            return {"error": f"{type(e).__name__}: {e}"}
-        return {"tensors": len(tensors), "receive_s": received, "install_s": time.perf_counter() - t0 - received}
+            result = {"error": f"{type(e).__name__}: {e}"}
+        if update.report:  # the RPC's answer carries the first data-parallel engine's results only
+            engine.report(update.report, result)
+        return result
 
     def _vf_install(self, lora_id: int, tensors: dict, peft_config: dict) -> None:
         from vllm.lora.lora_model import LoRAModel

@@ -73,13 +73,32 @@ def _mtp_check_disabled():
     return disable_mtp_completeness_check()
 
 
+class _DrainingLoader:
+    """A bucket callback that loads until one load fails, then keeps taking (and dropping) the rest: the trainer
+    is mid-broadcast and would otherwise wait out the group timeout before it learns anything."""
+
+    def __init__(self, load):
+        self.load, self.error = load, None
+
+    def __call__(self, items) -> None:
+        if self.error is None:
+            try:
+                self.load(items)
+            except Exception as e:  # noqa: BLE001 - raised by `check`, once every bucket has arrived
+                self.error = e
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise ValueError(f"weight update failed: {type(self.error).__name__}: {self.error}") from self.error
+
+
 @functools.cache
 def engine_class():
     """Build the worker engine class on first use: it must subclass vLLM's base, which needs vLLM."""
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
     from verifiers_rl.rl.inference.transfer.buckets import plan_buckets
-    from verifiers_rl.rl.inference.transfer.gloo import connect_group, receive_buckets
+    from verifiers_rl.rl.inference.transfer.gloo import connect_group, publish_report, receive_buckets
 
     class GlooWeightTransferEngine(WeightTransferEngine):
         """Receives bucketed gloo broadcasts from the trainer and loads them with layerwise reload."""
@@ -114,24 +133,29 @@ def engine_class():
             # gloo receives are synchronous, so there is nothing to wait for.
             self.receive_weights(self.parse_update_info(update_info))
 
-        def receive(self, metas, on_bucket) -> None:
-            """Receive one sync's buckets on this worker's group; also used by the LoRA worker extension."""
+        def joined(self):
             if self._group is None:
                 raise RuntimeError("gloo weight transfer is not initialized: POST /init_weight_transfer_engine first")
-            receive_buckets(self._group, plan_buckets(metas, self._bucket_bytes), on_bucket)
+            return self._group
+
+        def receive(self, metas, on_bucket) -> None:
+            """Receive one sync's buckets on this worker's group; also used by the LoRA worker extension."""
+            receive_buckets(self.joined(), plan_buckets(metas, self._bucket_bytes), on_bucket)
+
+        def report(self, sync_id: str, result: dict) -> None:
+            """Leave this worker's answer to an update in the trainer's store (see `gloo.publish_report`)."""
+            publish_report(self.joined(), sync_id, result)
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
-            metas = update_info.metas()
-            device = self.device
-
-            def load(items):
-                # Layerwise reload keeps the loaded tensors until every weight of a layer has arrived, and a
-                # layer (q/k/v, gate/up) can straddle buckets: the views point into a receive buffer that the
-                # next bucket overwrites, so each tensor is copied out first.
-                self.model.load_weights([(name, t.to(device=device, copy=True)) for name, t in items])
-
+            # Layerwise reload keeps the loaded tensors until every weight of a layer has arrived, and a layer
+            # (q/k/v, gate/up) can straddle buckets: the views point into a receive buffer that the next bucket
+            # overwrites, so each tensor is copied out first.
+            load = _DrainingLoader(
+                lambda items: self.model.load_weights([(n, t.to(self.device, copy=True)) for n, t in items])
+            )
             with _mtp_check_disabled():
-                self.receive(metas, load)
+                self.receive(update_info.metas(), load)
+            load.check()
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

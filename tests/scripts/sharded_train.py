@@ -1,0 +1,55 @@
+"""Run by tests/e2e/test_sharded.py: a few RL steps of the tiny model, alone or under a launcher (DDP, DeepSpeed
+ZeRO-3, FSDP2), then the weights the server would load, as rank 0 sees them after a sync (the merged stream).
+
+    python sharded_train.py MODEL_DIR OUT_DIR {lora,full} [--resume]
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rl_envs import reverse_env  # noqa: E402
+
+from verifiers_rl.rl.trainer import RLConfig, RLTrainer  # noqa: E402
+
+model_dir, out, policy = sys.argv[1], sys.argv[2], sys.argv[3]
+resume = "--resume" in sys.argv
+lora = policy == "lora"
+args = RLConfig(
+    output_dir=out,
+    rollouts_per_example=4,
+    batch_size=16,
+    micro_batch_size=4,
+    max_steps=3,
+    max_tokens=6,
+    max_seq_len=96,
+    max_prompt_len=64,
+    learning_rate=5e-3 if lora else 2e-4,
+    use_lora=lora,
+    lora_rank=4,
+    lora_alpha=8,
+    use_cpu=True,
+    seed=3,
+    save_strategy="steps",
+    save_steps=2,
+    max_async_level=0,
+    log_completions=False,
+    sync_bucket_mb=1,  # several gather groups and buckets even for the tiny model
+    server_mode="spawn",  # its own server, whatever listens on port 8000
+)
+trainer = RLTrainer(model=model_dir, env=reverse_env(), args=args)
+try:
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    # every rank iterates the export (a sharded one gathers); rank 0 keeps what a sync would send
+    stream = trainer.weight_export().stream("merged", 1 << 20)
+    weights = {name: t.detach().clone() for name, t in stream}
+finally:
+    trainer.close()
+if trainer.is_world_process_zero():
+    torch.save(weights, f"{out}/weights.pt")
+    layout = type(trainer.weight_export()).__name__
+    print("LAYOUT", layout, "WORLD", trainer.accelerator.num_processes)
+    (Path(out) / "layout.json").write_text(json.dumps({"export": layout, "world": trainer.accelerator.num_processes}))

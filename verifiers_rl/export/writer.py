@@ -1,0 +1,102 @@
+"""A trained model written as a folder anyone can load, serve and share.
+
+    OUT/              config.json, generation_config.json, model*.safetensors (LoRA merged into the weights),
+                      tokenizer files, chat_template.jinja, README.md (model card), reward_curve.png,
+                      vf_rl_run.json (base model, environment, config), vf_rl_export.json (written last)
+    OUT/adapter/      adapter_config.json, adapter_model.safetensors: the LoRA adapter on its own
+
+`kind` "merged+adapter" (the default for a LoRA model) writes both; "merged" leaves out `adapter/`; "adapter" puts
+the adapter files at the top instead of merged weights. A fully fine-tuned model is written as it is.
+
+The merge is out of place (`policy_weights.merged_weights`: base + LoRA delta in float32, cast back), so exporting
+in the middle of a run never moves the trainer's weights. The folder is written beside OUT and renamed into place
+once complete (`checkpoints.publish`): a crash mid-export leaves a `.OUT.staging` folder, never an OUT that looks
+whole.
+
+Sharded layouts plug in through `weights`: the merged (name, tensor) pairs, which a sharded trainer gathers
+collectively on every rank (its `WeightExport.stream("merged")`) and hands to rank 0; `adapter_state` likewise for
+the adapter's gathered state dict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from verifiers_rl.export.card import RUN_INFO, ModelCard
+from verifiers_rl.rl.inference.transfer.policy_weights import merged_weights
+from verifiers_rl.rl.trainer.checkpoints import publish, write_manifest
+
+FINAL_DIR = "final"
+ADAPTER_DIR = "adapter"
+EXPORT_MANIFEST = "vf_rl_export.json"
+KINDS = ("merged+adapter", "merged", "adapter")
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def check_kind(kind: str, lora: bool) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"export kind={kind!r}; allowed: {', '.join(KINDS)}")
+    if kind == "adapter" and not lora:
+        raise ValueError("an adapter-only export needs a LoRA (peft) model; this one is fully fine-tuned")
+
+
+def write_merged(model, folder: Path, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+    """The model's weights with LoRA merged, as transformers' save_pretrained writes a model (safetensors, shards
+    and index when large, config, generation config)."""
+    inner = model.get_base_model() if is_lora(model) else model
+    state = dict(merged_weights(model) if weights is None else weights)
+    inner.save_pretrained(folder, state_dict=state)
+
+
+def write_adapter(model, folder: Path, adapter_state: dict | None = None) -> None:
+    """The LoRA adapter as peft saves it (loads with `PeftModel.from_pretrained(base, folder)`)."""
+    model.save_pretrained(folder, state_dict=adapter_state)
+    (folder / "README.md").unlink(missing_ok=True)  # peft's blank template: the export's own card describes it
+
+
+def export_model(
+    model,
+    tokenizer,
+    out: str | os.PathLike,
+    *,
+    kind: str = "merged+adapter",
+    card: ModelCard | None = None,
+    run_info: dict | None = None,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    adapter_state: dict | None = None,
+) -> Path:
+    """Write `model` (a transformers model or a peft LoRA model, unwrapped) and its tokenizer to `out` (replacing
+    what is there), with its model card; returns `out`. One process writes; see the module doc for sharding."""
+    out = Path(out)
+    lora = is_lora(model)
+    check_kind(kind, lora)
+    staging = out.parent / f".{out.name}.staging"
+    shutil.rmtree(staging, ignore_errors=True)  # an export that was killed
+    staging.mkdir(parents=True)
+    if kind != "adapter":
+        write_merged(model, staging, weights)
+    if lora and kind != "merged":
+        write_adapter(model, staging if kind == "adapter" else staging / ADAPTER_DIR, adapter_state)
+    tokenizer.save_pretrained(staging)
+    if run_info is not None:
+        (staging / RUN_INFO).write_text(json.dumps(run_info, indent=2, default=str))
+    if card is not None:
+        card.write(staging)
+    step = card.step if card is not None else 0
+    write_manifest(staging, step, EXPORT_MANIFEST, kind=kind if lora else "merged")
+    publish(staging, out)
+    return out
+
+
+def is_export(folder: str | os.PathLike) -> bool:
+    """A complete export (its manifest is written last, inside the staging folder, before the rename)."""
+    return (Path(folder) / EXPORT_MANIFEST).exists()
