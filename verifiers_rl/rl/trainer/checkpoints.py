@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 MANIFEST = "vf_rl_checkpoint.json"
@@ -177,6 +178,15 @@ def resume_point(
     ]
     instead = f"resume from {usable[0]} instead" if usable else "start without resume_from_checkpoint"
     raise ValueError(f"cannot resume from {requested}: {why}; {instead}")
+
+
+def resuming(output_dir: str | os.PathLike, resume: str, max_steps: int) -> None:
+    """The main process, once the checkpoint to resume from is chosen: say so (a requeued job resumes silently
+    otherwise), drop the metrics rows logged after it and what a killed save left in the staging folder."""
+    step = int(str(resume).rsplit("-", 1)[1])
+    print(f"verifiers-rl: resuming from {resume} (step {step} of {max_steps})", file=sys.stderr)
+    drop_metrics_after(output_dir, step)
+    shutil.rmtree(Path(output_dir) / STAGING, ignore_errors=True)
 
 
 def drop_metrics_after(output_dir: str | os.PathLike, step: int) -> int:

@@ -8,9 +8,27 @@ error (a missing API key or module), and at the end of a run that trained nothin
 
 from __future__ import annotations
 
+import logging
+
 from verifiers_rl.errors import TrainingError
 from verifiers_rl.rl.trainer.prompts import prompt_length, tools_for
 from verifiers_rl.rl.trainer.rollouts import Rollout
+
+logger = logging.getLogger(__name__)
+
+
+def report_failures(rollouts, prepared, step: int, seen: set, args, tokenizer, env, context_limit) -> None:
+    """Rank 0: say once per distinct cause that rollouts were rejected or errored; explain an empty step (its
+    cause, and the configuration error every rollout failed with, if one did)."""
+    for kind in ("rejected", "errored"):
+        n = int(prepared.counts.get(f"rollouts_{kind}", 0))
+        text = first_error(rollouts, kind)
+        if n and text not in seen:
+            seen.add(text)
+            logger.warning("step %d: %d of %d rollouts %s (first: %s)", step, n, len(rollouts), kind, text)
+    if prepared.num_sequences == 0:
+        prepared.problem = explain_empty_step(rollouts, prepared.counts, args, tokenizer, env, context_limit)
+        prepared.config_error = configuration_error(rollouts)
 
 
 def first_error(rollouts: list[Rollout], kind: str) -> str | None:

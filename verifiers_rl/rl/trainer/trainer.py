@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import sys
 import time
 
 import torch
@@ -30,15 +28,15 @@ from verifiers_rl.rl.trainer.checkpoints import (
     MANIFEST,
     ORCHESTRATOR_STATE,
     STAGING,
-    drop_metrics_after,
     publish,
     recover_staged,
     resume_point,
+    resuming,
     save_failed,
     write_manifest,
 )
 from verifiers_rl.rl.trainer.config import RLConfig
-from verifiers_rl.rl.trainer.diagnose import EmptySteps, configuration_error, explain_empty_step, first_error
+from verifiers_rl.rl.trainer.diagnose import EmptySteps, report_failures
 from verifiers_rl.rl.trainer.hooks import StartInference, SubmitRollouts, SyncWeights
 from verifiers_rl.rl.trainer.policy_step import run_microbatches
 from verifiers_rl.rl.trainer.preemption import PreemptionGuard, StepAbandoned, StopOnSignal
@@ -216,11 +214,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         for note in notes:
             logger.warning(note)
         if self.is_world_process_zero():
-            # a requeued job (SLURM --requeue, a restarted pod) resumes silently otherwise: say from where
-            step = int(resume.rsplit("-", 1)[1])
-            print(f"verifiers-rl: resuming from {resume} (step {step} of {self.args.max_steps})", file=sys.stderr)
-            drop_metrics_after(self.args.output_dir, int(resume.rsplit("-", 1)[1]))
-            shutil.rmtree(os.path.join(self.args.output_dir, STAGING), ignore_errors=True)  # a save that was killed
+            resuming(self.args.output_dir, resume, self.args.max_steps)
         return resume
 
     def _save_after_signal(self) -> None:
@@ -294,7 +288,9 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
             prepared.metrics["policy_version"] = float(batch.policy_version)  # the weights the batch was sampled with
             prepared.metrics["timing/wait_s"] = time.perf_counter() - t0
             prepared.metrics["server_restarts"] = float(self.runtime.recovery.total)
-            self._report_failures(batch.rollouts, prepared)
+            step = self.state.global_step + 1  # as metrics.jsonl numbers it
+            report_failures(batch.rollouts, prepared, step, self._seen_failures, self.args, self.processing_class,
+                            self.env, self.runtime.max_model_len)  # fmt: skip
             payload = [prepared]
         if self.accelerator.num_processes > 1:
             with self._guard.waiting_for_rollouts() if self._guard else contextlib.nullcontext():
@@ -315,21 +311,6 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         self.step_metrics = metrics
         # each rank holds a partial sum of a globally normalised loss; Trainer logs the mean over ranks
         return loss.detach() * self.accelerator.num_processes
-
-    def _report_failures(self, rollouts, prepared: PreparedBatch) -> None:
-        """Rank 0: say once per distinct cause that rollouts were rejected or errored; explain an empty step."""
-        for kind in ("rejected", "errored"):
-            n = int(prepared.counts.get(f"rollouts_{kind}", 0))
-            text = first_error(rollouts, kind)
-            if n and text not in self._seen_failures:
-                self._seen_failures.add(text)
-                step = self.state.global_step + 1  # as metrics.jsonl numbers it
-                logger.warning("step %d: %d of %d rollouts %s (first: %s)", step, n, len(rollouts), kind, text)
-        if prepared.num_sequences == 0:
-            prepared.problem = explain_empty_step(
-                rollouts, prepared.counts, self.args, self.processing_class, self.env, self.runtime.max_model_len
-            )
-            prepared.config_error = configuration_error(rollouts)
 
     def _stop_when_nothing_trains(self, prepared: PreparedBatch) -> None:
         """Every rank: count steps without a trainable sample; stop with the cause after max_empty_steps of them in
