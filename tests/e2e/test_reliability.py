@@ -248,12 +248,19 @@ class _Saver:
         self.proc = subprocess.Popen(
             [sys.executable, str(script), model, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
-        assert self.proc.stdout.readline().strip() == "ready"
+        assert self._reply() == "ready"
+
+    def _reply(self) -> str:
+        """The saver's next answer (its lines start with "saver> "; libraries print to stdout too)."""
+        for line in self.proc.stdout:
+            if line.startswith("saver> "):
+                return line[len("saver> ") :].strip()
+        raise AssertionError(f"the saver exited ({self.proc.wait()})")
 
     def ask(self, command: str) -> str:
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
-        return self.proc.stdout.readline()
+        return self._reply()
 
     def kill_and_check(self, command: str, delay: float | None) -> dict:
         import json

@@ -34,6 +34,7 @@ from verifiers_rl.rl.trainer.checkpoints import ORCHESTRATOR_STATE, STAGING, che
 from verifiers_rl.rl.trainer.orchestrator import Orchestrator, RolloutBatch  # noqa: E402
 from verifiers_rl.rl.trainer.rollouts import Rollout, Turn  # noqa: E402
 
+PROTOCOL = "saver> "
 model_dir, out = sys.argv[1], sys.argv[2]
 args = RLConfig(output_dir=out, use_cpu=True, batch_size=8, rollouts_per_example=4, micro_batch_size=4,
                 max_tokens=4, max_seq_len=96, max_steps=10_000, save_total_limit=2, report_to="none")  # fmt: skip
@@ -46,7 +47,10 @@ rollout = Rollout(group=0, reward=1.0, turns=[Turn([1, 2, 3], [4, 5], [1, 1], [-
                   error=None, policy_version=0)  # fmt: skip
 orch.load_state_dict({"ready": {7: RolloutBatch(7, [rollout] * 8, 0, 0.1)}})
 trainer.runtime.orchestrator = orch
-print("ready", flush=True)
+
+
+def reply(value) -> None:
+    print(f"{PROTOCOL}{value}", flush=True)  # libraries print to stdout too (deepspeed's accelerator notice)
 
 
 def newest_step() -> int:
@@ -113,6 +117,7 @@ def check() -> dict:
 
 
 child = None
+reply("ready")
 for line in sys.stdin:
     command = line.strip()
     if command.startswith("save"):
@@ -122,7 +127,7 @@ for line in sys.stdin:
                 save_forever() if command == "save" else save_again_and_die(int(command.split()[1]))
             finally:
                 os._exit(1)
-        print(child, flush=True)
+        reply(child)
     elif command == "check":
         os.waitpid(child, 0)
-        print(json.dumps(check()), flush=True)
+        reply(json.dumps(check()))
