@@ -24,7 +24,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import RESULTS_DIR, _fmt, machine, wait_for_quiet  # noqa: E402
 
-BENCHMARKS = ("bench_engine", "bench_client", "bench_sync", "bench_train", "bench_async", "bench_e2e", "bench_scaling")
+BENCHMARKS = (
+    "bench_engine",
+    "bench_client",
+    "bench_sync",
+    "bench_train",
+    "bench_async",
+    "bench_e2e",
+    "bench_scaling",
+    "bench_endurance",
+    "bench_load",
+)
 HEADERS = ["benchmark", "metric", "unit", "baseline", "ours", "ratio", "goal", "pass"]
 
 

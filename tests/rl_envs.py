@@ -59,3 +59,10 @@ class _SandboxWithoutKey(vf.MultiTurnEnv):
 def sandbox_env_without_key() -> vf.MultiTurnEnv:
     ds = Dataset.from_list([{"question": f"Run {w}", "answer": w} for w in WORDS[:6]])
     return _SandboxWithoutKey(dataset=ds, rubric=vf.Rubric(funcs=[char_match]), max_turns=3)
+
+
+def python_env_without_key() -> vf.MultiTurnEnv:
+    """Upstream's math-python in small: verifiers' own PythonEnv (a prime sandbox per rollout) on a local dataset.
+    Without PRIME_API_KEY every rollout fails to create its sandbox, with the same error."""
+    ds = Dataset.from_list([{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(6)])
+    return vf.PythonEnv(dataset=ds, rubric=vf.Rubric(funcs=[char_match]), max_turns=3)

@@ -6,10 +6,13 @@ import importlib.util
 import logging
 import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from verifiers_rl.model_source import hub_offline, resolve_model_path
+
+__all__ = ["ensure_pad_token", "get_model", "get_model_and_tokenizer", "get_tokenizer", "resolve_model_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -17,31 +20,6 @@ logger = logging.getLogger(__name__)
 # collators that mask pad positions would then also mask every real eos, and the model never learns to stop.
 _PAD_CANDIDATES = ("<|endoftext|>", "<|finetune_right_pad_id|>", "<pad>", "<|pad|>", "[PAD]")
 _ADDED_PAD = "<|pad|>"
-
-
-def _looks_like_path(name: str) -> bool:
-    # Hub ids are "name" or "org/name"; anything else (absolute, ./, ~, several slashes) means a local path.
-    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or "\\" in name
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """Return the local directory or hub id to load, or raise a clear error for a missing local path."""
-    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
-        raise ValueError(f"model must be a hub id or a local directory, got {name_or_path!r}")
-    name = os.path.expanduser(str(name_or_path))
-    if os.path.exists(name):
-        path = Path(name)
-        if not path.is_dir():
-            raise NotADirectoryError(f"model path {name!r} is a file; pass the directory that holds config.json")
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(
-                f"model directory {name!r} has no config.json; is it a saved model "
-                "(model.save_pretrained) or, for a LoRA adapter, its base model?"
-            )
-        return name
-    if _looks_like_path(name):
-        raise FileNotFoundError(f"model path {name!r} does not exist")
-    return name
 
 
 def default_dtype(device: str) -> torch.dtype:
@@ -57,10 +35,9 @@ def default_attn_implementation(device: str) -> str:
 
 
 def _hub_error(name: str, err: Exception) -> OSError:
-    offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("TRANSFORMERS_OFFLINE") == "1"
     hint = (
         " (HF_HUB_OFFLINE is set: the model must already be in the local cache)"
-        if offline
+        if hub_offline()
         else " (check the id, your network, and HF_TOKEN for gated models)"
     )
     return OSError(f"could not load model {name!r} from the Hugging Face hub{hint}: {err}")

@@ -164,16 +164,23 @@ def test_frozen_server_ends_the_run_within_the_deadline(tmp_path, tiny_model_dir
     assert not _wait_survivors_gone(proc.pid)
 
 
-def test_killed_server_is_one_line_with_its_log(tmp_path, tiny_model_dir):
-    proc = _start(_cfg(tmp_path, tiny_model_dir))
+def test_killed_server_without_restarts_is_one_line_with_its_log_and_the_resume(tmp_path, tiny_model_dir):
+    from verifiers_rl.rl.trainer.checkpoints import checkpoints, problem
+
+    cfg = _cfg(tmp_path, tiny_model_dir, save_steps=100, extra="server_restarts = 0\n")  # restarts: test_reliability
+    proc = _start(cfg)
     _wait_for_step(proc, tmp_path / "out", 1)
     for pid in _server_pids(proc.pid):
         os.kill(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, err[-2000:]
     line = _error_line(err)
-    assert "was killed by signal 9" in line and "inference.log" in line, line
+    assert "was killed by signal 9 (restarts are off: server_restarts=0)" in line and "inference.log" in line, line
+    assert f"then run `vf-rl @ {cfg}` again: it resumes from the last checkpoint" in line, line
     assert "last log lines" in err  # the tail follows the line
+    saved = checkpoints(tmp_path / "out")  # nothing lost: the last completed step is checkpointed
+    assert saved and int(saved[0].name.split("-")[1]) == max(_steps(tmp_path / "out"))
+    assert problem(saved[0], use_lora=True) is None
     assert not _wait_survivors_gone(proc.pid)
 
 
@@ -298,7 +305,7 @@ def broken_env_path(tmp_path_factory):
                     "judge unreachable)"),
         ("none", "reward function returns_none returned None, not a finite number"),
         ("no_answer", "reward function reads_answer reads `answer`, but the training dataset has no 'answer' column"),
-        ("empty", "the training dataset of the environment (SingleTurnEnv) is empty"),
+        ("empty", "environment 'broken-env' has no training examples with env.args {'kind': 'empty'}"),
         ("no_prompt", "has no 'prompt' column (columns: text)"),
         ("env_response", "the environment raised RuntimeError: tool server crashed in env_response (broken_env.py:"),
     ],
@@ -314,7 +321,7 @@ def test_broken_environments_are_named(tmp_path, tiny_model_dir, broken_env_path
     cfg.write_text(text)
     env = {"PYTHONPATH": f"{broken_env_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r, pid = run_command("vf-rl", "@", cfg, env=env, timeout=300)
-    assert r.returncode == 1, r.stderr[-3000:]
+    assert r.returncode == (2 if kind == "empty" else 1), r.stderr[-3000:]  # an empty one: before anything starts
     assert message in _error_line(r.stderr)
     assert not _wait_survivors_gone(pid)
 

@@ -150,8 +150,9 @@ log_completions = false
 """
 
 
-def test_every_request_rejected_stops_non_zero_with_cause(tiny_model_dir, tmp_path):
-    # the server's context is shorter than the config plans for: every request is rejected with HTTP 400
+def test_a_server_with_a_shorter_context_filters_prompts_by_its_own_rule(tiny_model_dir, tmp_path):
+    # the server's context is shorter than the config plans for: the preflight runs again with the server's number
+    # (its rule, so no request is rejected); here no prompt fits, which stops the run before its first step
     cfg = _write(
         tmp_path,
         RL.format(model=tiny_model_dir, out=tmp_path / "o", inference_args="[inference.args]\nmax_model_len = 100"),
@@ -159,9 +160,9 @@ def test_every_request_rejected_stops_non_zero_with_cause(tiny_model_dir, tmp_pa
     r, pid = run_command("vf-rl", "@", cfg, timeout=600)
     assert r.returncode == 1, r.stderr[-3000:]
     line = _one_error_line(r)
-    assert "2 consecutive steps had nothing to train: all 8 requests were rejected by the server" in line
-    assert "but the server's context is 100 tokens: start the server with --max-model-len >=" in line
-    assert "rollouts rejected" in r.stderr  # logged per step before stopping
+    assert "every one of the 16 prompts is longer than the prompt limit of 92 tokens" in line, line
+    assert "start the server with a larger --max-model-len (it has 100), or lower max_tokens" in line
+    assert "rollouts rejected" not in r.stderr  # no step ran
     assert not survivors(pid)
 
 
@@ -188,13 +189,12 @@ def test_every_rollout_erroring_stops_with_the_environments_error(tiny_model_dir
                     log_completions=False)  # fmt: skip
     trainer = RLTrainer(model=tiny_model_dir, env=sandbox_env_without_key(), args=args)
     try:
-        with pytest.raises(
-            TrainingError, match="2 consecutive steps had nothing to train: every rollout failed.*PRIME_API_KEY"
-        ):
+        # one missing key fails every rollout alike: the run stops at the first step, naming it
+        with pytest.raises(TrainingError, match="step 1: every one of the 8 rollouts failed .*PRIME_API_KEY"):
             trainer.train()
     finally:
         trainer.close()
-    assert trainer.state.global_step < 5
+    assert trainer.state.global_step == 0
 
 
 @pytest.mark.parametrize("prog", ["rl", "train", "vllm"])

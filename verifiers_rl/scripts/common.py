@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -51,7 +52,9 @@ def resolve_model(cfg: dict[str, Any], config_path: str | Path | None = None, dr
     model = cfg["model"]
     if model != "tiny":
         if config_path is not None and model.startswith(("./", "../", "~")):
-            return resolve_path(model, config_path)
+            path = resolve_path(model, config_path)
+            # a config beside the current directory gives "x": keep it a path, or it would be read as a hub id
+            return path if os.path.isabs(path) or path.startswith(".") else os.path.join(".", path)
         return model
     spec = {"hidden": 64, "layers": 2, "seed": 0, "head_dim": 32, **cfg.get("tiny", {})}
     path = TINY_CACHE / f"h{spec['hidden']}-l{spec['layers']}-d{spec['head_dim']}-s{spec['seed']}"
@@ -77,9 +80,8 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
     unless trainer.args.resume_from_checkpoint = false; the main process writes the report, then <output_dir>/final
     (whose model card shows both evaluations). `server` and `serving`: the server vf-rl started and the plan it
     started it by."""
-    from transformers.trainer_utils import get_last_checkpoint
-
     from verifiers_rl.rl.trainer import RLTrainer
+    from verifiers_rl.rl.trainer.checkpoints import has_checkpoint
     from verifiers_rl.scripts.report import write_report
 
     ev = cfg.get("eval", {})
@@ -89,7 +91,7 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
         args.eval_rollouts_per_example = ev["rollouts_per_example"]
     resume = None
     if cfg.get("trainer", {}).get("args", {}).get("resume_from_checkpoint") is not False:
-        if Path(args.output_dir).is_dir() and get_last_checkpoint(args.output_dir):
+        if has_checkpoint(args.output_dir):
             resume = True
     trainer = RLTrainer(model=model, env=env, args=args)
     trainer.run_config = cfg

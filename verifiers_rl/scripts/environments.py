@@ -85,9 +85,31 @@ def load_environment(env_id: str, args: dict[str, Any] | None = None):
     module = import_environment(env_id)
     check_env_args(env_id, module, args)
     try:
-        return vf.load_environment(env_id, **args)
+        env = vf.load_environment(env_id, **args)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the environment's own load failed: name the root cause
         cause = _root_cause(e)
         raise ConfigError(f"environment {env_id!r} failed to load: {type(cause).__name__}: {cause}") from None
+    require_training_data(env_id, env, args)
+    return env
+
+
+def require_training_data(env_id: str, env, args: dict[str, Any]) -> None:
+    """Every command trains on the environment's dataset: an environment built without one (verifiers' own
+    `get_dataset()` then raises "dataset is not set") is named here with the [env.args] that emptied it."""
+    dataset = getattr(env, "dataset", None)
+    if dataset is None and getattr(env, "dataset_source", None) is not None:
+        try:
+            dataset = env.get_dataset()
+        except ValueError:
+            dataset = None
+    if dataset is not None and len(dataset) > 0:
+        return
+    # the arguments that can empty a dataset: counts set to zero (num_train_examples = 0), empty selections
+    culprits = [f"env.args.{k}={v!r}" for k, v in args.items() if v in (0, [], "", {}) and not isinstance(v, bool)]
+    given = ", ".join(culprits) or (f"env.args {args}" if args else "its default arguments")
+    raise ConfigError(
+        f"environment {env_id!r} has no training examples with {given}: "
+        "give it at least one training example (e.g. a positive num_train_examples)"
+    )

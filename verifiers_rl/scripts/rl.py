@@ -60,7 +60,27 @@ def run(plan: Plan) -> int:
 def _run_trainer_processes(plan: Plan, server) -> int:
     cmd = [str(server.port) if a == "<server port>" else a for a in plan.trainer_cmd]
     print(f"vf-rl: {shlex.join(cmd)}", flush=True)
-    return subprocess.call(cmd, env={**os.environ, **trainer_env(plan, server.token)})
+    trainer = subprocess.Popen(cmd, env={**os.environ, **trainer_env(plan, server.token)})
+    return supervise(trainer, server, rl_config(plan.cfg, quiet=True).server_restarts)
+
+
+def supervise(trainer: subprocess.Popen, server, restarts: int, poll_s: float = 1.0) -> int:
+    """Wait for the trainer processes; a server that dies meanwhile is started again (same port and token, up to
+    `restarts` times), and the trainers, connected to it, wait for it (`server_restart_grace`) and sync into it."""
+    done = 0
+    while True:
+        try:
+            return trainer.wait(poll_s)
+        except subprocess.TimeoutExpired:
+            pass
+        status = server.status()
+        if status and "is stopped" not in status and done < restarts:
+            done += 1
+            print(f"vf-rl: {status}; restarting it ({done} of {restarts}), log: {server.log_path}", flush=True)
+            try:
+                server.restart()
+            except Exception as e:  # noqa: BLE001 - the trainers stop by themselves after their grace period
+                print(f"vf-rl: the inference server did not start again: {e}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> NoReturn:

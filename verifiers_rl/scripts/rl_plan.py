@@ -51,6 +51,19 @@ class Plan:
         return self.server.command()
 
 
+def check_model(model: str, dry_run: bool) -> None:
+    """A model that cannot be found fails now, before torch is imported and anything starts (a dry run plans
+    for another machine: it checks local paths only)."""
+    from verifiers_rl.model_source import looks_like_path, resolve_model_path
+
+    if dry_run and not (looks_like_path(model) or Path(model).exists()):
+        return
+    try:
+        resolve_model_path(model)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model = {model!r}: {e}") from None
+
+
 def _cuda_count() -> int:
     try:
         import torch
@@ -77,6 +90,7 @@ def build_plan(
         model = sft["final_dir"]
     else:
         model = resolve_model(cfg, config_path, dry_run=dry_run)
+        check_model(model, dry_run)
     real_cuda = _cuda_count()
     cuda = real_cuda if cuda is None else cuda
     gpus = assign_gpus(cfg, cuda)
@@ -186,7 +200,10 @@ def trainer_command(config_path: str, overrides: list[str], pinned: dict, launch
 def trainer_env(plan: Plan, token: str) -> dict[str, str]:
     """What the trainer processes get besides vf-rl's environment: their GPUs, the server's control token, the
     serving plan (they follow it instead of making their own)."""
+    from verifiers_rl.rl.trainer.server_recovery import RUN_COMMAND_ENV
+
     return {
+        RUN_COMMAND_ENV: shlex.join(["vf-rl", *sys.argv[1:]]),  # what a trainer that must stop says to run again
         "VF_CONTROL_TOKEN": token,
         "CUDA_VISIBLE_DEVICES": plan.visible(plan.gpus.trainer),
         PLAN_ENV: plan.serving.to_json(),

@@ -9,6 +9,7 @@ import sys
 from typing import NoReturn
 
 from verifiers_rl.scripts.common import load_env, resolve_model, run_cli, split_argv, train_and_evaluate
+from verifiers_rl.scripts.rl_plan import check_model
 from verifiers_rl.scripts.toml_config import apply_overrides, load, resolve_path, rl_config, validate
 
 
@@ -29,7 +30,9 @@ def run_command(argv: list[str] | None = None) -> int:
             from verifiers_rl.scripts.sft import sft_plan
 
             model = sft_plan(resolve_path(cfg["sft"]["config"], path), dry_run=True)["final_dir"]
-        model = model or resolve_model(cfg, path)
+        if model is None:
+            model = resolve_model(cfg, path)
+            check_model(model, dry_run="--dry-run" in flags)
         inf = cfg.get("inference", {})
         args = rl_config(
             cfg,

@@ -96,6 +96,7 @@ class InferenceServer:
         self.client: InferenceClient | None = None
         self.client_kwargs: dict = {}  # e.g. the control / sync timeouts of the trainer's client
         self._lock = threading.Lock()
+        self._stop_at_exit = False
 
     @property
     def engine(self) -> str:
@@ -124,7 +125,7 @@ class InferenceServer:
         return env
 
     def start(self) -> InferenceClient:
-        from verifiers_rl.models import resolve_model_path
+        from verifiers_rl.model_source import resolve_model_path
 
         resolve_model_path(self.spec.model)  # a missing local path fails here, in one line, not in a log
         if self.spec.port is None:
@@ -146,7 +147,9 @@ class InferenceServer:
             preexec_fn=_die_with_parent,
         )
         log.close()
-        atexit.register(self.stop)
+        if not self._stop_at_exit:  # once, however often it is restarted
+            atexit.register(self.stop)
+            self._stop_at_exit = True
         self.client = InferenceClient(self.spec.host, self.spec.port, control_token=self.token, **self.client_kwargs)
         try:
             self._wait_healthy()
@@ -155,20 +158,26 @@ class InferenceServer:
             raise
         return self.client
 
+    def restart(self) -> InferenceClient:
+        """Start the server again after it died: what is left of its process group is reaped, and the new one
+        listens on the same port with the same token, so clients keep their address and credentials."""
+        self.stop()
+        return self.start()
+
     def _wait_healthy(self) -> None:
         """Poll /health; fail fast when the child exits, with the log's tail in the error."""
         deadline = time.monotonic() + self.startup_timeout
         while not self.client.health():
             code = self.process.poll()
             if code is not None:
-                raise ServerError(f"inference server exited with code {code} before becoming healthy{self._tail()}")
+                raise ServerError(f"inference server exited with code {code} before becoming healthy{self.tail()}")
             if time.monotonic() > deadline:
                 raise ServerError(
-                    f"inference server at {self.base_url} not healthy after {self.startup_timeout:.0f}s{self._tail()}"
+                    f"inference server at {self.base_url} not healthy after {self.startup_timeout:.0f}s{self.tail()}"
                 )
             time.sleep(0.25)
 
-    def _tail(self) -> str:
+    def tail(self) -> str:
         tail = log_tail(self.log_path)
         return f"; last log lines ({self.log_path}):\n{tail}" if tail else ""
 
@@ -217,9 +226,21 @@ class InferenceServer:
             return f"inference server (pid {proc.pid}) is stopped (SIGSTOP or a debugger) and serves nothing"
         return None
 
+    def wait_exit(self, timeout: float) -> None:
+        """Give a process that may be dying up to `timeout` seconds to exit (status() then says how it ended)."""
+        proc = self.process
+        if proc is not None:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+
     def describe_failure(self, what: str) -> str:
         """One line naming the server, what failed and where its log is, then the log's last lines."""
-        return f"{self.status() or what}; server {self.base_url}, log {self.log_path}{self._tail()}"
+        return f"{self.status() or what}; {self.location()}{self.tail()}"
+
+    def location(self) -> str:
+        return f"server {self.base_url}, log {self.log_path}"
 
     def kill(self) -> None:
         """SIGKILL the server's process group at once (the caller is about to exit)."""

@@ -9,10 +9,12 @@ one line that says why.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 MANIFEST = "vf_rl_checkpoint.json"
@@ -32,14 +34,40 @@ def write_manifest(folder: str | os.PathLike, step: int, name: str = MANIFEST, *
 def publish(staged: str | os.PathLike, final: str | os.PathLike) -> None:
     """Move a fully written checkpoint folder into place (same filesystem: an atomic rename)."""
     final = Path(final)
-    if final.exists():  # the same step saved again (e.g. a signal right after a scheduled save)
-        shutil.rmtree(final)
-    os.replace(staged, final)
+    if final.exists():  # the same step saved again (e.g. over an incomplete one a resume skipped)
+        # moved aside into the staging folder, never deleted in place: a kill mid-delete would leave a
+        # checkpoint-N that is neither the old one nor the new one (a resume clears the staging folder)
+        aside = Path(staged).parent / f"replaced-{final.name}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+        os.replace(staged, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(staged, final)
     fd = os.open(final.parent, os.O_RDONLY)
     try:
         os.fsync(fd)  # the rename itself survives a crash
     finally:
         os.close(fd)
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def save_failed(error: OSError, staged: str | os.PathLike, output_dir: str | os.PathLike) -> OSError | None:
+    """A save that ran out of disk: its half-written staging folder is removed (it holds space a retry needs) and
+    the error names the file, the space problem, and the checkpoint a resume will use. None for other errors."""
+    if error.errno not in NO_SPACE:
+        return None
+    shutil.rmtree(staged, ignore_errors=True)
+    where = error.filename or staged
+    usable = [p.name for p in checkpoints(output_dir) if (p / MANIFEST).exists()]
+    keep = f"{usable[0]} is intact and a resume starts from it" if usable else "no earlier checkpoint exists"
+    return OSError(
+        error.errno,
+        f"no space left on device while saving {Path(staged).name} (writing {where}): "
+        f"{os.strerror(error.errno)}; {keep}: free space (or lower save_total_limit) and run the same command again",
+    )
 
 
 def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -51,9 +79,29 @@ def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def problem(folder: str | os.PathLike, *, use_lora: bool, save_only_model: bool = False) -> str | None:
-    """Why `folder` cannot be resumed from (one phrase naming the file), or None when it can."""
-    folder = Path(folder)
+def recover_staged(output_dir: str | os.PathLike) -> list[str]:
+    """Before a resume clears the staging folder, keep what a save killed at its very end left there complete: a
+    checkpoint moved aside while the same step was saved again goes back, and a staged checkpoint whose manifest
+    is whole (killed between the manifest and the rename) is published. Returns a note per recovery."""
+    root = Path(output_dir)
+    staging = root / STAGING
+    notes = []
+    for folder in sorted(staging.glob("replaced-checkpoint-*")) + sorted(staging.glob("checkpoint-*")):
+        final = root / folder.name.removeprefix("replaced-")
+        if not final.exists() and _incomplete(folder) is None:
+            os.replace(folder, final)
+            notes.append(f"recovered {final.name} from an interrupted save")
+    return notes
+
+
+def has_checkpoint(output_dir: str | os.PathLike) -> bool:
+    """A checkpoint to resume from, published or left whole in the staging folder by a killed save."""
+    root = Path(output_dir)
+    return bool(checkpoints(root)) or any(_incomplete(p) is None for p in (root / STAGING).glob("*checkpoint-*"))
+
+
+def _incomplete(folder: Path) -> str | None:
+    """Why `folder` is not a whole save (its manifest, written last, is missing or disagrees with the files)."""
     manifest = folder / MANIFEST
     if not manifest.exists():
         return f"{manifest} is missing: the save was interrupted"
@@ -67,6 +115,15 @@ def problem(folder: str | os.PathLike, *, use_lora: bool, save_only_model: bool 
             return f"{path} is missing"
         if path.stat().st_size != size:
             return f"{path} is truncated or changed ({path.stat().st_size} of {size} bytes)"
+    return None
+
+
+def problem(folder: str | os.PathLike, *, use_lora: bool, save_only_model: bool = False) -> str | None:
+    """Why `folder` cannot be resumed from (one phrase naming the file), or None when it can."""
+    folder = Path(folder)
+    whole = _incomplete(folder)
+    if whole is not None:
+        return whole
     state = folder / "trainer_state.json"
     try:
         json.loads(state.read_text())
@@ -121,6 +178,15 @@ def resume_point(
     ]
     instead = f"resume from {usable[0]} instead" if usable else "start without resume_from_checkpoint"
     raise ValueError(f"cannot resume from {requested}: {why}; {instead}")
+
+
+def resuming(output_dir: str | os.PathLike, resume: str, max_steps: int) -> None:
+    """The main process, once the checkpoint to resume from is chosen: say so (a requeued job resumes silently
+    otherwise), drop the metrics rows logged after it and what a killed save left in the staging folder."""
+    step = int(str(resume).rsplit("-", 1)[1])
+    print(f"verifiers-rl: resuming from {resume} (step {step} of {max_steps})", file=sys.stderr)
+    drop_metrics_after(output_dir, step)
+    shutil.rmtree(Path(output_dir) / STAGING, ignore_errors=True)
 
 
 def drop_metrics_after(output_dir: str | os.PathLike, step: int) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from verifiers_rl.rl.inference.limits import room_for_prompt
 from verifiers_rl.rl.trainer.config_checks import check_config, effective_sampling_args
 from verifiers_rl.rl.trainer.legacy import translate_legacy_kwargs
 from verifiers_rl.rl.trainer.lora import DEFAULT_LORA_TARGETS, LORA_ALPHA, LORA_DROPOUT, LORA_RANK
@@ -168,7 +169,18 @@ class RLConfig(TrainingArguments):
         ),
     )
     generation_timeout: float = field(
-        default=600.0, metadata=_help("Seconds one rollout batch may take before training stops with an error.")
+        default=600.0,
+        metadata=_help(
+            "Seconds one rollout batch may take before training stops with an error naming the stage it is stuck "
+            "in (generation, env_response, scoring) and the function."
+        ),
+    )
+    scoring_timeout: float = field(
+        default=300.0,
+        metadata=_help(
+            "Seconds one reward-function call may run; a call still running after that stops training with the "
+            "function's name (a judge that never answers is not the inference server's fault)."
+        ),
     )
 
     # ---------------------------------------------------------------- inference server
@@ -208,6 +220,21 @@ class RLConfig(TrainingArguments):
     )
     vllm_server_timeout: float = field(
         default=300.0, metadata=_help("Seconds to wait for the server to become healthy.")
+    )
+    server_restarts: int = field(
+        default=2,
+        metadata=_help(
+            "A spawned server that dies (the OOM killer, a CUDA fault, kill -9) is restarted up to this many times "
+            "in a row, with backoff; the current weights are synced into it and the lost rollouts generated again. "
+            "0: stop instead."
+        ),
+    )
+    server_restart_grace: float = field(
+        default=60.0,
+        metadata=_help(
+            "A server the trainer only connected to that stops answering is awaited this many seconds (up to "
+            "server_restarts times in a row) before the run stops with the command that resumes it."
+        ),
     )
     server_control_token: str | None = field(
         default=None, metadata=_help("connect mode: control token of the server (default: $VF_CONTROL_TOKEN).")
@@ -329,7 +356,7 @@ class RLConfig(TrainingArguments):
         max_tokens within the server's context, unless max_prompt_len says otherwise."""
         if self.max_prompt_len is not None:
             return self.max_prompt_len
-        return self.server_max_len - (self.max_tokens or 1)
+        return room_for_prompt(self.server_max_len, self.max_tokens)
 
     @property
     def token_budget(self) -> int:

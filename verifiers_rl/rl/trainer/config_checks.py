@@ -102,6 +102,9 @@ def _batch_rules(cfg, check) -> None:
     check(cfg.max_empty_steps >= 1, "max_empty_steps", "must be >= 1")
     check(cfg.sync_bucket_mb >= 1, "sync_bucket_mb", "must be >= 1")
     check(cfg.generation_timeout > 0, "generation_timeout", "must be > 0")
+    check(cfg.scoring_timeout > 0, "scoring_timeout", "must be > 0")
+    check(cfg.server_restarts >= 0, "server_restarts", "must be >= 0")
+    check(cfg.server_restart_grace >= 0, "server_restart_grace", "must be >= 0")
     check(cfg.eval_rollouts_per_example >= 1, "eval_rollouts_per_example", "must be >= 1")
     port = cfg.vllm_server_port
     check(port is None or 0 < port < 65536, "vllm_server_port", "must be a TCP port in 1..65535")

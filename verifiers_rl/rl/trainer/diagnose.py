@@ -1,14 +1,34 @@
 """Why a step had nothing to train, in one line that names the cause and the fix.
 
 A run whose every request is rejected, whose every rollout errors, or whose every sample is cut away must not
-finish "successfully" with loss 0: the trainer logs the cause per step and, after `max_empty_steps`
-consecutive empty steps, stops with the line built here.
+finish "successfully" with loss 0: the trainer logs the cause per step and stops with the line built here after
+`max_empty_steps` consecutive empty steps, at once when every rollout of a step failed with one configuration
+error (a missing API key or module), and at the end of a run that trained nothing, whatever its length.
 """
 
 from __future__ import annotations
 
+import logging
+
+from verifiers_rl.errors import TrainingError
 from verifiers_rl.rl.trainer.prompts import prompt_length, tools_for
 from verifiers_rl.rl.trainer.rollouts import Rollout
+
+logger = logging.getLogger(__name__)
+
+
+def report_failures(rollouts, prepared, step: int, seen: set, args, tokenizer, env, context_limit) -> None:
+    """Rank 0: say once per distinct cause that rollouts were rejected or errored; explain an empty step (its
+    cause, and the configuration error every rollout failed with, if one did)."""
+    for kind in ("rejected", "errored"):
+        n = int(prepared.counts.get(f"rollouts_{kind}", 0))
+        text = first_error(rollouts, kind)
+        if n and text not in seen:
+            seen.add(text)
+            logger.warning("step %d: %d of %d rollouts %s (first: %s)", step, n, len(rollouts), kind, text)
+    if prepared.num_sequences == 0:
+        prepared.problem = explain_empty_step(rollouts, prepared.counts, args, tokenizer, env, context_limit)
+        prepared.config_error = configuration_error(rollouts)
 
 
 def first_error(rollouts: list[Rollout], kind: str) -> str | None:
@@ -65,3 +85,84 @@ def explain_empty_step(
     if counts.get("rollouts_nonfinite_reward", 0):
         return "every reward was NaN or infinite: check the environment's reward functions"
     return f"no rollout produced a trained token ({dict(counts)})"
+
+
+# what a configuration error says, whoever raised it: a missing key or credential, a missing module or extra
+_CONFIGURATION = (
+    "api key",
+    "api_key",
+    "apikey",
+    "no module named",
+    "modulenotfounderror",
+    "importerror",
+    "authenticationerror",
+    "permissiondeniederror",
+    "unauthorized",
+    "error code: 401",
+    "error code: 403",
+    "credentials",
+    "environment variable",
+    "is not installed",
+)
+
+
+def configuration_error(rollouts: list[Rollout]) -> str | None:
+    """The error every rollout of a step failed with, when it is one and the same configuration error (a missing
+    API key, module or credential): no later step can do better, so the run stops at this one."""
+    texts = {r.error for r in rollouts if r.error_kind == "errored"}
+    if not rollouts or len(texts) != 1 or any(r.error_kind != "errored" for r in rollouts):
+        return None
+    text = next(iter(texts)) or ""
+    return text if any(marker in text.lower() for marker in _CONFIGURATION) else None
+
+
+class EmptySteps:
+    """The steps of one `train()` that had nothing to train, and why. Every rank keeps the same ledger (the
+    prepared batch is broadcast), so every rank raises the same error at the same step."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.consecutive = 0
+        self.steps_run = 0
+        self.trained_samples = 0
+        self.causes: list[tuple[int, str]] = []  # (step, cause) of each empty step
+
+    def record(self, step: int, prepared, config_error: str | None = None) -> str | None:
+        """Count one step; raise when the run must stop now. Returns the warning to log for an empty step."""
+        self.steps_run += 1
+        self.trained_samples += prepared.num_sequences
+        if prepared.num_sequences:
+            self.consecutive = 0
+            return None
+        self.consecutive += 1
+        cause = prepared.problem or "no trainable sample"
+        self.causes.append((step, cause))
+        if config_error is not None:
+            n = prepared.counts.get("rollouts_errored", 0)
+            raise TrainingError(
+                f"step {step}: every one of the {n} rollouts failed with the same configuration error, so no later "
+                f"step can train: {config_error}; fix what it names (an API key, a module, credentials) and check "
+                "the environment with `vf-eval`"
+            )
+        if self.consecutive >= self.limit:
+            raise TrainingError(f"{self.consecutive} consecutive steps had nothing to train: {cause}")
+        return f"step {step} has nothing to train ({self.consecutive} of {self.limit}): {cause}"
+
+    def check_trained(self) -> None:
+        """At the end of `train()`: a run whose steps trained no sample at all is a failure, whatever its length."""
+        if self.steps_run and not self.trained_samples:
+            raise TrainingError(
+                f"the run trained nothing: none of its {self.steps_run} steps had a trainable sample "
+                f"({summarize(self.causes)})"
+            )
+
+
+def summarize(causes: list[tuple[int, str]]) -> str:
+    """`step 1: X; steps 2-4: Y`: runs of consecutive steps with the same cause, once each."""
+    runs: list[list] = []
+    for step, cause in causes:
+        if runs and runs[-1][2] == cause and runs[-1][1] == step - 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step, cause])
+    return "; ".join(f"step {a}: {c}" if a == b else f"steps {a}-{b}: {c}" for a, b, c in runs)

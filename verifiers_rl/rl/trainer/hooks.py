@@ -11,6 +11,7 @@ import os
 import torch
 from transformers import TrainerCallback
 
+from verifiers_rl.rl.inference.errors import ServerLost
 from verifiers_rl.rl.trainer.checkpoints import ORCHESTRATOR_STATE
 
 
@@ -43,7 +44,17 @@ class SyncWeights(TrainerCallback):
         self.trainer.sync_weights()
 
     def on_step_end(self, args, state, control, **kwargs):
-        sync_s = self.trainer.sync_weights(changed=self.trainer.trained_last_step)
+        try:
+            sync_s = self.trainer.sync_weights(changed=self.trainer.trained_last_step)
+        except ServerLost as e:
+            if self.trainer.accelerator.num_processes > 1:
+                raise  # the other ranks would train on: the job ends here, and its launcher stops them
+            # the step trained: it is logged and checkpointed as every step is, then the run stops with `e`;
+            # batches waiting for this step's weights would never start: a resume generates them again
+            self.trainer.server_lost = e
+            self.trainer.runtime.stop_rollouts()
+            control.should_save = control.should_training_stop = True
+            return
         if not state.is_world_process_zero:
             return
         metrics = self.trainer.step_metrics

@@ -82,7 +82,7 @@ def write_zero_adapter(model_name: str, args, directory) -> None:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from verifiers_rl.models import resolve_model_path
+    from verifiers_rl.model_source import resolve_model_path
     from verifiers_rl.rl.inference.transfer.adapter import write_adapter
     from verifiers_rl.rl.inference.transfer.policy_weights import AdapterWeights, adapter_weights
 

@@ -22,6 +22,7 @@ def rollout_metrics(rollouts: list[Rollout], prefix: str = "") -> dict[str, floa
         "rollouts_rejected": float(sum(r.error_kind == "rejected" for r in rollouts)),
         "rollouts_errored": float(sum(r.error_kind == "errored" for r in rollouts)),
         "truncated_frac": sum(r.is_truncated for r in rollouts) / n,
+        "rollouts_context_full": float(sum(r.context_full for r in rollouts)),
         "completion_tokens_mean": sum(sum(len(t.completion_ids) for t in r.turns) for r in ok) / max(len(ok), 1),
         "turns_mean": sum(len(r.turns) for r in ok) / max(len(ok), 1),
     }

@@ -32,14 +32,18 @@ from verifiers_rl.rl.trainer.policy_version import PolicyVersion
 from verifiers_rl.rl.trainer.reward_checks import REWARD_ERRORS_KEY
 from verifiers_rl.rl.trainer.rollout_client import ROLLOUT_KEY, RolloutClient, rollout_seed  # noqa: F401 - public here
 from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY, Rollout, rollouts_from_outputs
+from verifiers_rl.rl.trainer.server_recovery import quiet_lost_requests
+from verifiers_rl.rl.trainer.stages import stages_of, stuck_message
 
 
 class GenerationError(RuntimeError):
-    """Rollout generation failed; the message carries the environment's or server's error."""
+    """Rollout generation failed; the message carries the environment's or server's error. `stage`: where a batch
+    that did not finish was stuck ("generation" is the server's part; stages.py)."""
 
-    def __init__(self, message: str, timed_out: bool = False):
+    def __init__(self, message: str, timed_out: bool = False, stage: str | None = None):
         super().__init__(message)
         self.timed_out = timed_out
+        self.stage = stage
 
 
 def _where(error: BaseException) -> str:
@@ -103,6 +107,7 @@ class Orchestrator:
         api_key: str = "EMPTY",
         policy_version: PolicyVersion | None = None,
         max_async_level: int = 0,
+        scoring_timeout: float | None = None,
     ):
         if len(dataset) == 0:
             raise ValueError("the training dataset is empty (after filtering over-long prompts)")
@@ -114,6 +119,9 @@ class Orchestrator:
         self.seed, self.shuffle = seed if seed is not None else 0, shuffle
         self.policy_version = policy_version or PolicyVersion(0)
         self.max_async_level = max_async_level
+        self.scoring_timeout = scoring_timeout
+        self.stages = stages_of(env)
+        quiet_lost_requests(env)
         self._required: dict[int, int] = {}  # batch index -> the policy version it must be generated with
         self._futures: dict[int, Future] = {}
         self._ready: dict[int, RolloutBatch] = {}
@@ -135,6 +143,7 @@ class Orchestrator:
             self._client = RolloutClient(
                 AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=self.timeout),
                 self.seed,
+                stages=self.stages,
             )
             started.set()
             self._loop.run_forever()
@@ -148,13 +157,54 @@ class Orchestrator:
             fut.cancel()
         self._futures.clear()
         if self._loop is not None and self._thread is not None:
-            if self._client is not None:
+            # a loop held by environment code that never returns (a blocking call in a reward function) answers
+            # nothing: then nothing is waited for (the thread is a daemon and dies with the process)
+            alive = self._responsive(1.0)
+            if self._client is not None and alive:
                 # bounded: requests to a frozen server must not keep a closing trainer alive
                 with contextlib.suppress(Exception):
                     asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(5)
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
+            self._thread.join(5 if alive else 0.1)
         self._thread = self._loop = self._client = None
+
+    def _responsive(self, timeout: float) -> bool:
+        answered = threading.Event()
+        self._loop.call_soon_threadsafe(answered.set)
+        return answered.wait(timeout)
+
+    def discard_unfinished(self) -> list[int]:
+        """The server they ran against is gone: cancel batches in flight and drop finished ones that hold an
+        errored rollout (they may have lost requests), so that they are generated again. Returns their indices."""
+        dropped = sorted(self._futures)
+        for fut in self._futures.values():
+            fut.cancel()
+        self._futures.clear()
+        for index, batch in list(self._ready.items()):
+            if any(r.error_kind == "errored" for r in batch.rollouts):
+                dropped.append(self._ready.pop(index).index)
+        return sorted(dropped)
+
+    def reconnect(self, base_url: str, model_name: str | None = None) -> None:
+        """Talk to a new server (or the same address again): a fresh HTTP session, none of the dead one's
+        connections."""
+        self.base_url = base_url
+        self.model_name = model_name or self.model_name
+        if self._loop is None:
+            return
+        old = self._client
+
+        async def swap():
+            self._client = RolloutClient(
+                AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=self.timeout),
+                self.seed,
+                stages=self.stages,
+            )
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    await old.close()
+
+        asyncio.run_coroutine_threadsafe(swap(), self._loop).result(30)
 
     # ------------------------------------------------------------------ batches
 
@@ -213,13 +263,9 @@ class Orchestrator:
         self.submit(index)
         fut = self._futures[index]
         try:
-            batch = fut.result(timeout=self.timeout)
-        except FutureTimeout:
-            raise GenerationError(
-                f"rollout batch {index} did not finish within generation_timeout={self.timeout:.0f}s; "
-                "check the inference server log, or raise generation_timeout / lower batch_size",
-                timed_out=True,
-            ) from None
+            batch = self._wait(fut, f"rollout batch {index}")
+        except GenerationError:
+            raise
         except Exception as e:  # noqa: BLE001 - re-raised with context for the training loop
             raise GenerationError(
                 f"rollout batch {index} failed: the environment raised {type(e).__name__}: {e}{_where(e)}"
@@ -228,6 +274,36 @@ class Orchestrator:
             if fut.done():
                 self._futures.pop(index, None)
         return batch
+
+    def _wait(self, fut: Future, what: str):
+        """`fut`'s result within generation_timeout, watching the stages meanwhile: a reward function past
+        scoring_timeout stops the wait at once, and a timeout says which stage is stuck, in which function."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return fut.result(timeout=max(min(1.0, deadline - time.monotonic()), 0.0))
+            except FutureTimeout:
+                pass
+            if self.scoring_timeout is not None:
+                late = self.stages.overdue("scoring", self.scoring_timeout)
+                if late is not None:
+                    _, where = stuck_message(self.stages)
+                    raise GenerationError(
+                        f"{what}: {late.name} did not return within scoring_timeout={self.scoring_timeout:.0f}s "
+                        f"({where}); fix the function or raise scoring_timeout",
+                        timed_out=True,
+                        stage="scoring",
+                    ) from None
+            if time.monotonic() >= deadline:
+                stage, where = stuck_message(self.stages)
+                hint = "check the inference server log, or raise generation_timeout / lower batch_size"
+                if stage not in (None, "generation"):
+                    hint = "the stage named is where the environment's own code did not return"
+                raise GenerationError(
+                    f"{what} did not finish within generation_timeout={self.timeout:.0f}s: {where}; {hint}",
+                    timed_out=True,
+                    stage=stage,
+                ) from None
 
     def pending(self) -> list[int]:
         return sorted(set(self._futures) | set(self._ready))
@@ -264,7 +340,10 @@ class Orchestrator:
         version = self.policy_version.value or 0  # evaluate() syncs first; a bare orchestrator serves version 0
         fut = asyncio.run_coroutine_threadsafe(self._run(inputs, sampling_args), self._loop)
         try:
-            out = fut.result(timeout=self.timeout)
+            out = self._wait(fut, "evaluation rollouts")
+        except GenerationError:
+            fut.cancel()
+            raise
         except Exception as e:  # noqa: BLE001
             raise GenerationError(f"evaluation rollouts failed: {type(e).__name__}: {e}") from e
         return rollouts_from_outputs(out["outputs"], groups, version)

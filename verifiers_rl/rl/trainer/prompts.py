@@ -44,9 +44,19 @@ def prompt_length(tokenizer, prompt, tools: list[dict] | None = None) -> int:
     return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def filter_prompts(dataset, tokenizer, max_prompt_len: int | None, env=None):
+def filter_prompts(
+    dataset,
+    tokenizer,
+    max_prompt_len: int | None,
+    env=None,
+    *,
+    fix: str = "raise max_seq_len (or server_max_model_len), or lower max_tokens / max_prompt_len",
+    context: tuple[int, int | None] | None = None,
+):
     """Drop rows whose rendered prompt (with tool schemas) exceeds max_prompt_len tokens, once, up front;
-    return (rows, dropped). Every row dropped is a TrainingError that says how long the prompts are."""
+    return (rows, dropped). Every row dropped is a TrainingError that says how long the prompts are and `fix`.
+    `context`: (the server's context, max_tokens), to say up front when a multi-turn environment's later turns
+    cannot fit."""
     if max_prompt_len is None or dataset is None or "prompt" not in dataset.column_names:
         return dataset, 0
     lengths = [prompt_length(tokenizer, row["prompt"], tools_for(env, row)) for row in dataset]
@@ -55,8 +65,7 @@ def filter_prompts(dataset, tokenizer, max_prompt_len: int | None, env=None):
     if dropped and not keep_idx:
         raise TrainingError(
             f"every one of the {len(dataset)} prompts is longer than the prompt limit of {max_prompt_len} tokens "
-            f"(the shortest is {min(lengths):,} tokens with the chat template and tool schemas): raise max_seq_len "
-            "(or server_max_model_len), or lower max_tokens / max_prompt_len"
+            f"(the shortest is {min(lengths):,} tokens with the chat template and tool schemas): {fix}"
         )
     if dropped:
         logger.warning(
@@ -65,4 +74,23 @@ def filter_prompts(dataset, tokenizer, max_prompt_len: int | None, env=None):
             len(dataset),
             max_prompt_len,
         )
+    if context is not None and keep_idx:
+        note = later_turns_note(env, max(lengths[i] for i in keep_idx), *context)
+        if note:
+            logger.warning(note)
     return (dataset.select(keep_idx) if dropped else dataset), dropped
+
+
+def later_turns_note(env, longest_prompt: int, context: int, max_tokens: int | None) -> str | None:
+    """A multi-turn environment's second request carries the first turn: say up front when a full-length first
+    completion leaves it no room (each such rollout then ends after its first turn, as truncated)."""
+    turns = getattr(env, "max_turns", 1)
+    if turns == 1 or not max_tokens or longest_prompt + 2 * max_tokens <= context:
+        return None
+    return (
+        f"{type(env).__name__} is multi-turn (max_turns={turns}): each request carries the turns before it, and a "
+        f"second turn needs the prompt (up to {longest_prompt} tokens) + the first completion (up to max_tokens="
+        f"{max_tokens}) + the environment's reply + max_tokens={max_tokens}: more than the server's context of "
+        f"{context} tokens. A rollout that outgrows the context ends at its last turn that fits, as truncated "
+        "(rollouts_context_full counts them); raise max_seq_len (or server_max_model_len) to train later turns"
+    )

@@ -15,6 +15,7 @@ import math
 
 from verifiers_rl.errors import TrainingError
 from verifiers_rl.rl.trainer.rollouts import REWARD_ERRORS_KEY
+from verifiers_rl.rl.trainer.stages import Stages, watch_environment
 
 _GUARDED = "__vf_rl_guarded__"
 ROW_FIELDS = ("answer", "info", "task")  # reward-function arguments that come from the dataset's columns
@@ -36,7 +37,7 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _guard(func, group: bool):
+def _guard(func, group: bool, stages: Stages, checked: bool = True):
     sig = inspect.signature(func)
     params = sig.parameters
     takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
@@ -47,12 +48,17 @@ def _guard(func, group: bool):
         states = kwargs.get("states") if group else [kwargs.get("state")]
         call = kwargs if takes_all else {k: v for k, v in kwargs.items() if k in params}
         try:
-            value = func(**call)
-            if inspect.isawaitable(value):
-                value = await value
-        except Exception as e:  # noqa: BLE001 - recorded against the rollout(s), scored as failed
+            with stages.track("scoring", f"reward function {name}"):
+                value = func(**call)
+                if inspect.isawaitable(value):
+                    value = await value
+        except Exception as e:
+            if not checked:  # a metric (weight 0): verifiers logs its errors and scores it 0, as before
+                raise  # noqa: BLE001 - recorded against the rollout(s), scored as failed
             _record(states or [], name, f"raised {type(e).__name__}: {e}")
             return [0.0] * len(states or []) if group else 0.0
+        if not checked:
+            return value
         if group:
             values = list(value) if isinstance(value, (list, tuple)) else None
             if values is None or len(values) != len(states or []):
@@ -75,16 +81,19 @@ def _guard(func, group: bool):
 
 
 def guard_rewards(env) -> None:
-    """Wrap the environment's weighted reward functions (idempotent); metrics (weight 0) are left alone."""
+    """Wrap the environment's reward functions (idempotent): weighted ones are checked, metrics (weight 0) score
+    as before. Each call is marked as the scoring stage of its rollout (stages.py), so a function that never
+    returns is named."""
+    stages = watch_environment(env)
     for rubric in _rubrics(env.rubric):
         funcs, weights = getattr(rubric, "funcs", None), getattr(rubric, "weights", None)
         if not funcs:
             continue
         for i, func in enumerate(funcs):
             weight = weights[i] if weights and i < len(weights) else 1.0
-            if weight == 0 or getattr(func, _GUARDED, False):
+            if getattr(func, _GUARDED, False):
                 continue
-            funcs[i] = _guard(func, rubric._is_group_func(func))
+            funcs[i] = _guard(func, rubric._is_group_func(func), stages, checked=weight != 0)
 
 
 def check_reward_inputs(env, dataset) -> None:
@@ -101,6 +110,18 @@ def check_reward_inputs(env, dataset) -> None:
                         f"reward function {name} reads `{field}`, but the training dataset has no {field!r} column "
                         f"(columns: {', '.join(sorted(columns)) or 'none'})"
                     )
+
+
+def training_dataset(env):
+    """The environment's training dataset; an environment built without one is a TrainingError, not verifiers'
+    bare "dataset is not set"."""
+    try:
+        return env.get_dataset()
+    except ValueError as e:
+        raise TrainingError(
+            f"the environment ({type(env).__name__}) has no training dataset ({e}): build it with training "
+            "examples (for vf-rl: [env.args] that give it at least one, e.g. a positive num_train_examples)"
+        ) from None
 
 
 def check_dataset(env, dataset) -> None:

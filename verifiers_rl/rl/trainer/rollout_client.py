@@ -24,6 +24,7 @@ from openai.types.chat import ChatCompletion
 from pydantic import ValidationError
 
 from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY
+from verifiers_rl.rl.trainer.stages import SERVER, Stages
 
 ROLLOUT_KEY = "vf_rl_rollout"  # added to each input row; our client derives the sampling seed from it
 # request options that are JSON body fields (or headers) as they are; anything else takes the SDK's path
@@ -50,8 +51,9 @@ def chat_request_body(model: str, messages, sampling_args: dict, tools=None) -> 
 class RolloutClient(vf.OpenAIChatCompletionsClient):
     """verifiers' chat client plus a per-rollout, per-turn seed and the server's policy version per response."""
 
-    def __init__(self, client: AsyncOpenAI, base_seed: int | None, lean: bool = True):
+    def __init__(self, client: AsyncOpenAI, base_seed: int | None, lean: bool = True, stages: Stages | None = None):
         super().__init__(client)
+        self.stages = stages or Stages()  # requests in flight are the generation stage (stages.py)
         self.base_seed = base_seed
         self.lean = lean
         self.sdk_fallbacks = 0  # replies sent or built by the SDK's path (tests check the common case takes none)
@@ -64,11 +66,12 @@ class RolloutClient(vf.OpenAIChatCompletionsClient):
             turn = len(state.get("trajectory") or [])
             sampling_args = {**sampling_args, "seed": rollout_seed(self.base_seed, key, turn)}
         response = None
-        if self.lean and not (_SDK_ONLY & sampling_args.keys()):
-            response = await self._post(prompt, model, sampling_args, tools, kwargs.get("extra_headers"))
-        if response is None:
-            self.sdk_fallbacks += 1
-            response = await super().get_native_response(prompt, model, sampling_args, tools, **kwargs)
+        with self.stages.track("generation", SERVER):
+            if self.lean and not (_SDK_ONLY & sampling_args.keys()):
+                response = await self._post(prompt, model, sampling_args, tools, kwargs.get("extra_headers"))
+            if response is None:
+                self.sdk_fallbacks += 1
+                response = await super().get_native_response(prompt, model, sampling_args, tools, **kwargs)
         if state is not None:
             version = (getattr(response, "model_extra", None) or {}).get("policy_version")
             state.setdefault(POLICY_VERSIONS_KEY, []).append(version)

@@ -39,6 +39,7 @@ class Rollout:
     # "errored": anything else failed (the environment, a reward function, the network)
     error_kind: str | None = None
     context: list | None = None  # prompt + completion messages of a rejected rollout, to say how long it was
+    context_full: bool = False  # a later turn outgrew the server's context: the rollout ended there, truncated
 
 
 PROMPT_TOO_LONG = "the server rejected the prompt as longer than its context (max_model_len)"
@@ -46,7 +47,7 @@ PROMPT_TOO_LONG = "the server rejected the prompt as longer than its context (ma
 
 def classify_error(out: dict) -> tuple[str | None, str | None]:
     """(kind, text) of a verifiers output's failure; (None, None) when it finished."""
-    if out.get("prompt_too_long"):  # verifiers turns the server's context-length 400 into this flag
+    if out.get("prompt_too_long") and not context_full(out):  # verifiers' flag for the server's context-length 400
         return "rejected", PROMPT_TOO_LONG
     reward_errors = out.get(REWARD_ERRORS_KEY)
     if reward_errors:  # reward_checks.guard_rewards: the reward is not a score of this rollout
@@ -63,6 +64,12 @@ def classify_error(out: dict) -> tuple[str | None, str | None]:
         text = str(err)
     rejected = "BadRequestError" in text or "Error code: 400" in text
     return ("rejected" if rejected else "errored"), text
+
+
+def context_full(out: dict) -> bool:
+    """A later turn outgrew the server's context: verifiers ends the rollout there, truncated, with its earlier
+    turns kept (each of those requests fitted). It trains like a rollout cut by max_tokens, not as a failure."""
+    return bool(out.get("prompt_too_long")) and any(t.get("tokens") for t in out.get("trajectory") or [])
 
 
 def _text(messages: Any) -> str:
@@ -104,7 +111,7 @@ def rollouts_from_outputs(outputs: list[dict], groups: list[int], policy_version
                 group=group,
                 reward=float("nan") if reward is None else float(reward),
                 turns=turns,
-                is_truncated=bool(out.get("is_truncated")),
+                is_truncated=bool(out.get("is_truncated")) or context_full(out),
                 error=error,
                 policy_version=min(versions) if versions else policy_version,
                 metrics={k: float(v) for k, v in (out.get("metrics") or {}).items() if _is_number(v)},
@@ -112,6 +119,7 @@ def rollouts_from_outputs(outputs: list[dict], groups: list[int], policy_version
                 completion_text=_text(out.get("completion")),
                 error_kind=kind,
                 context=_messages(out) if kind == "rejected" else None,
+                context_full=context_full(out),
             )
         )
     return rollouts

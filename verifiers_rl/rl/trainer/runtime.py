@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import torch
 
-from verifiers_rl.rl.inference.errors import ServerError
+from verifiers_rl.rl.inference.errors import ServerError, ServerLost
+from verifiers_rl.rl.inference.limits import room_for_prompt
 from verifiers_rl.rl.trainer.metrics import rollout_metrics
 from verifiers_rl.rl.trainer.orchestrator import GenerationError, Orchestrator, RolloutBatch
 from verifiers_rl.rl.trainer.policy_sync import PolicySync
 from verifiers_rl.rl.trainer.prompts import filter_prompts
 from verifiers_rl.rl.trainer.rollouts import Rollout
+from verifiers_rl.rl.trainer.server_recovery import ServerRecovery
 from verifiers_rl.rl.trainer.server_session import ServerSession
 from verifiers_rl.rl.trainer.weight_export import WeightExport
 
@@ -32,6 +35,10 @@ class InferenceRuntime:
         self.orchestrator: Orchestrator | None = None
         self.from_files = False  # the trainer's weights are still its model path's (RLTrainer sets it)
         self.last_rollouts: list[Rollout] = []
+        self.prompts_filtered = 0  # by the server's own context (fitting_rows), besides the config's preflight
+        self.recovery = ServerRecovery(self)
+        # the trainer's current weights and version, for a replaced server (RLTrainer sets it)
+        self.current: Callable[[], tuple[WeightExport, int]] | None = None
         self._threads_before: int | None = None
 
     # ------------------------------------------------------------------ the server
@@ -79,7 +86,31 @@ class InferenceRuntime:
     # ------------------------------------------------------------------ the policy
 
     def sync(self, export: WeightExport, version: int, changed: bool = True) -> float:
-        return self.policy.sync(export, version, changed)
+        return self._recovering(lambda: self.policy.sync(export, version, changed))
+
+    def _recovering(self, attempt):
+        """`attempt()`, and once more after the server was replaced when it failed because the server died."""
+        while True:
+            try:
+                return attempt()
+            except ServerError as e:
+                cause = None if isinstance(e, ServerLost) else self.recovery.lost()
+                if cause is None:
+                    raise
+                self._replace(cause)
+
+    def _replace(self, cause: str) -> None:
+        """Replace the server; a replacement that dies on its first sync counts as the next restart."""
+        while True:
+            try:
+                self.recovery.replace(cause)
+                return
+            except ServerLost:
+                raise
+            except ServerError:
+                cause = self.recovery.lost()
+                if cause is None:
+                    raise
 
     def _before_transfer(self, version: int) -> None:
         if self.orchestrator is not None:  # no sync lands inside a batch that needs an older policy
@@ -104,11 +135,13 @@ class InferenceRuntime:
             api_key=args.server_api_key or "EMPTY",
             policy_version=self.policy.served,
             max_async_level=max_async_level,
+            scoring_timeout=args.scoring_timeout,
         )
 
     def start(self, model, tokenizer, rows, version: int, orchestrator_state: dict | None = None) -> None:
         self.ensure_server(model, tokenizer, version)
         if self.orchestrator is None:
+            rows, self.prompts_filtered = self.fitting_rows(rows, tokenizer)
             args = self.args
             self.orchestrator = self._orchestrator(
                 rows,
@@ -120,7 +153,19 @@ class InferenceRuntime:
             self.orchestrator.load_state_dict(orchestrator_state)
         self.orchestrator.start()
 
+    def fitting_rows(self, rows, tokenizer):
+        """The preflight once more with the context the server reports, when it is shorter than the config
+        planned for (a server started by someone else): the server's rule, so no prompt kept is rejected."""
+        limit, args = self.session.max_model_len, self.args
+        if limit is None or limit >= args.server_max_len:
+            return rows, 0
+        most = min(args.prompt_limit, room_for_prompt(limit, args.max_tokens))
+        fix = f"start the server with a larger --max-model-len (it has {limit}), or lower max_tokens"
+        return filter_prompts(rows, tokenizer, most, self.env, fix=fix, context=(limit, args.max_tokens))
+
     def submit_ahead(self, global_step: int) -> None:
+        if self.orchestrator is None:  # stopped: the server was lost after this step
+            return
         for b in range(global_step, global_step + self.args.max_async_level + 1):
             self.orchestrator.submit(b)
 
@@ -130,23 +175,37 @@ class InferenceRuntime:
         try:
             yield
         except GenerationError as e:
-            self.check_server()
-            if e.timed_out:
+            self.check_server()  # a dead or stopped server is the cause, whatever the stage
+            if e.timed_out and e.stage in (None, "generation"):
                 raise self.server_failure(str(e)) from None
             raise
 
     def next_batch(self, global_step: int) -> RolloutBatch:
-        with self._waiting_on_rollouts():
-            batch = self.orchestrator.get(global_step)
-        if any(r.error_kind == "errored" for r in batch.rollouts):
-            self.check_server()  # a dead server fails every request: say so now, not after max_empty_steps
+        """The batch of this step, generated again on a replaced server when the server died under it."""
+        while True:
+            batch = self._recovering(lambda: self._get(global_step))
+            cause = self.recovery.lost(batch)  # a dead server fails every request: replace it now
+            if cause is None:
+                break
+            self._replace(cause)
+        self.recovery.served()
         self.last_rollouts = batch.rollouts[: max(self.args.num_completions_to_log, 1)]
         return batch
 
-    def rollout_state(self, timeout: float | None = None) -> dict:
-        """The orchestrator's state for a checkpoint (it waits for batches in flight)."""
+    def _get(self, index: int) -> RolloutBatch:
         with self._waiting_on_rollouts():
-            return self.orchestrator.state_dict(timeout=timeout)
+            return self.orchestrator.get(index)
+
+    def rollout_state(self, timeout: float | None = None) -> dict:
+        """The orchestrator's state for a checkpoint (it waits for batches in flight). Batches that lost requests
+        to a dead server are left out: the step that needs them generates them again, as a resume would."""
+        with self._waiting_on_rollouts():
+            state = self.orchestrator.state_dict(timeout=timeout)
+        ready = state["ready"]
+        if any(r.error_kind == "errored" for b in ready.values() for r in b.rollouts) and self.recovery.lost():
+            clean = {i: b for i, b in ready.items() if not any(r.error_kind == "errored" for r in b.rollouts)}
+            state = {**state, "ready": clean}
+        return state
 
     def stop_rollouts(self) -> None:
         if self.orchestrator is not None:
@@ -171,6 +230,7 @@ class InferenceRuntime:
         self.sync(export, version)  # a no-op after the caller's sync
         rows = self.env.get_eval_dataset(n=args.num_eval_examples or -1)
         rows, _ = filter_prompts(rows, tokenizer, args.prompt_limit, self.env)
+        rows, _ = self.fitting_rows(rows, tokenizer)
         orch = self.orchestrator or self._orchestrator(
             rows, rollouts_per_example=args.eval_rollouts_per_example, prompts_per_batch=1
         )

@@ -39,6 +39,7 @@ class PreparedBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)  # why rollouts and samples were left out
     problem: str | None = None  # when no sample is left: the cause and the fix, in one line
+    config_error: str | None = None  # every rollout failed with this one configuration error (diagnose.py)
 
 
 def effective_rewards(rollouts: list[Rollout], zero_truncated: bool) -> list[float]:

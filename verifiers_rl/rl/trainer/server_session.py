@@ -163,7 +163,7 @@ class ServerSession:
 
     def _served_path(self, model, tokenizer, version: int, from_files: bool) -> tuple[str, int | None]:
         """Where the server loads its weights from, and the trainer version those weights are (None: not one)."""
-        from verifiers_rl.models import resolve_model_path
+        from verifiers_rl.model_source import resolve_model_path
 
         if self.model_path:
             try:
@@ -187,7 +187,7 @@ class ServerSession:
         if self.max_model_len < args.server_max_len:
             logger.warning(
                 "the server's context is %d tokens, shorter than the %d the config plans for (max_seq_len / "
-                "server_max_model_len): requests longer than that will be rejected",
+                "server_max_model_len): prompts that do not fit it are filtered out",
                 self.max_model_len,
                 args.server_max_len,
             )
@@ -248,6 +248,71 @@ class ServerSession:
         alive = self.client is not None and self.client.health(timeout=5)
         state = "it answers /health" if alive else "it does not answer /health"
         return ServerError(f"{what}; server {url} ({state})")
+
+    def down(self, settle: float = 0.0) -> str | None:
+        """Why the server cannot serve and must be replaced: its process died, or (a server we only connected to)
+        it does not answer /health. None when it serves. A stopped process raises: it is frozen, not gone, and a
+        second server beside it would not help. `settle`: seconds to let a process that is dying finish (its
+        sockets close before it exits, so a request can fail a moment before the process is gone)."""
+        process = self.process or self.watched
+        if process is not None:
+            if settle and process.status() is None:
+                process.wait_exit(settle)
+            status = process.status()
+            if status and "is stopped" in status:
+                raise self.failure(status)
+            return status
+        if self.client is not None and not self.client.health(timeout=5):
+            return f"the inference server at {self.client.base_url} does not answer /health"
+        return None
+
+    def location(self) -> tuple[str, str]:
+        """(where the server is and its log, the log's last lines) for a message about it."""
+        process = self.process or self.watched
+        if process is not None:
+            return process.location(), process.tail()
+        port = self.args.vllm_server_port or DEFAULT_PORT
+        return f"server http://{self.args.vllm_server_host}:{port}", ""
+
+    @property
+    def restartable(self) -> bool:
+        """The server's process is ours to start again (spawned here, or by vf-rl in this process)."""
+        return (self.process or self.watched) is not None
+
+    def replace(self, grace: float) -> InferenceClient:
+        """A server again where the lost one was, with a new client and weight-transfer group: ours restarted
+        (same port and token), one we only connected to awaited for `grace` seconds. The new server holds what
+        the old one was started from (`started_from` stays)."""
+        old, self.client = self.client, None
+        if old is not None:
+            old.close(polite=False)
+        process, args = self.process or self.watched, self.args
+        if self.process is not None:
+            client = self.process.restart()
+        else:
+            port = args.vllm_server_port or DEFAULT_PORT
+            if process is not None:
+                process.restart()
+            else:
+                probe = InferenceClient(args.vllm_server_host, port)
+                try:
+                    probe.wait_for_health(grace)
+                finally:
+                    probe.close(polite=False)
+            # read once it is up: a server someone restarts by hand writes a new token for its port when it starts
+            token = args.server_control_token or os.environ.get(TOKEN_ENV) or read_token_file(port)
+            client = InferenceClient(
+                args.vllm_server_host, port, control_token=token, api_key=args.server_api_key, **self.client_timeouts()
+            )
+        self._read_models(client.models())
+        client.init_weight_transfer(
+            self.plan.sync_backend,
+            host=store_host_for(args.vllm_server_host),
+            bucket_bytes=args.sync_bucket_mb << 20,
+            server_pauses=self.plan.server_pauses,
+        )
+        self.client = client
+        return client
 
     def check(self) -> None:
         """Raise at once when a spawned server died or is stopped, instead of failing rollout by rollout."""

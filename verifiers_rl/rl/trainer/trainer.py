@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import time
 
 import torch
@@ -22,24 +21,27 @@ from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from verifiers_rl.errors import TrainingError
+from verifiers_rl.rl.inference.errors import ServerLost
 from verifiers_rl.rl.trainer import final
 from verifiers_rl.rl.trainer.callbacks import MetricsFileCallback, RichProgressCallback, adapt_integrations
 from verifiers_rl.rl.trainer.checkpoints import (
     MANIFEST,
     ORCHESTRATOR_STATE,
     STAGING,
-    drop_metrics_after,
     publish,
+    recover_staged,
     resume_point,
+    resuming,
+    save_failed,
     write_manifest,
 )
 from verifiers_rl.rl.trainer.config import RLConfig
-from verifiers_rl.rl.trainer.diagnose import explain_empty_step, first_error
+from verifiers_rl.rl.trainer.diagnose import EmptySteps, report_failures
 from verifiers_rl.rl.trainer.hooks import StartInference, SubmitRollouts, SyncWeights
 from verifiers_rl.rl.trainer.policy_step import run_microbatches
 from verifiers_rl.rl.trainer.preemption import PreemptionGuard, StepAbandoned, StopOnSignal
 from verifiers_rl.rl.trainer.prompts import filter_prompts
-from verifiers_rl.rl.trainer.reward_checks import check_dataset, check_reward_inputs, guard_rewards
+from verifiers_rl.rl.trainer.reward_checks import check_dataset, check_reward_inputs, guard_rewards, training_dataset
 from verifiers_rl.rl.trainer.runtime import InferenceRuntime
 from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch
 from verifiers_rl.rl.trainer.sharded_checkpoints import FSDP2Checkpoints
@@ -101,22 +103,26 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         model = self._wrap_lora(model, args)
         self.env = env
         self.model_path = model_path
-        dataset = env.get_dataset()
+        dataset = training_dataset(env)
         check_dataset(env, dataset)
         check_reward_inputs(env, dataset)
         guard_rewards(env)
-        self.train_rows, self.prompts_filtered = filter_prompts(dataset, processing_class, args.prompt_limit, env)
+        self.train_rows, self.prompts_filtered = filter_prompts(
+            dataset, processing_class, args.prompt_limit, env, context=(args.server_max_len, args.max_tokens)
+        )
         self.runtime = InferenceRuntime(args, model_path, env)
         self.resume_from: str | None = None
         self.run_config: dict | None = None  # the config the run was started from (vf-rl: its TOML), for the card
         self.step_metrics: dict[str, float] = {}
-        self._empty_steps = 0
+        self.empty_steps = EmptySteps(args.max_empty_steps)
         self._seen_failures: set[str | None] = set()
         # a server started from the model path holds the trainer's weights until the first step
         self.runtime.from_files = model_path is not None and isinstance(model_arg, str)
+        self.runtime.current = lambda: (self.weight_export(), self.state.global_step)  # for a replaced server
         self.trained_last_step = True
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self._guard: PreemptionGuard | None = None
+        self.server_lost: ServerLost | None = None  # the sync after a step found the server gone for good
         hooks = [StartInference(self), SyncWeights(self), SubmitRollouts(self), StopOnSignal(lambda: self._guard)]
         callbacks = [*hooks, MetricsFileCallback(), *(callbacks or [])]
         # Trainer refuses to checkpoint the optimizer of a model sharded at load time unless it saves weights only;
@@ -155,18 +161,30 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
 
     def train(self, resume_from_checkpoint=None, *args, save_final: bool = True, **kwargs):
         """`Trainer.train`, plus: a checkpoint is checked before it is resumed from (the newest usable one with
-        `True`), SIGTERM / Ctrl-C checkpoint the last completed step before the run ends (preemption.py), and a run
-        that finishes writes <output_dir>/final (`final_model`; `save_final=False` leaves that to the caller)."""
+        `True`); SIGTERM / Ctrl-C checkpoint the last completed step before the run ends (preemption.py), and so
+        does a server that is lost for good (server_recovery.py); a run that trained nothing raises; a run that
+        finishes writes <output_dir>/final (`final_model`; `save_final=False` leaves that to the caller)."""
         resume = self._resume_point(resume_from_checkpoint)
         self.resume_from = resume
         guard = self._guard = PreemptionGuard(on_second_signal=self.runtime.kill_server)
         try:
             with guard:
                 try:
+                    self.empty_steps, self.server_lost = EmptySteps(self.args.max_empty_steps), None
                     result = super().train(resume, *args, **kwargs)
+                    if self.server_lost is not None:  # after a sync: that step was logged and checkpointed
+                        raise self.server_lost
+                    if guard.signum is None:
+                        self.empty_steps.check_trained()
                 except StepAbandoned:
                     result = None
                     self._save_after_signal()
+                except ServerLost:
+                    # the server is gone for good while a step waited for rollouts: that step is dropped (the
+                    # resume the error asks for generates it again); the last completed one is kept
+                    self.runtime.stop_rollouts()
+                    self._save_after_signal()
+                    raise
             if guard.signum is not None:
                 logger.warning("stopped by signal %d after step %d", guard.signum, self.state.global_step)
                 self.close()
@@ -183,6 +201,10 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
     def _resume_point(self, requested):
         if not requested:
             return None
+        if self.is_world_process_zero():  # what a save killed at its very end left whole is kept
+            for note in recover_staged(self.args.output_dir):
+                logger.warning(note)
+        self.accelerator.wait_for_everyone()
         try:
             resume, notes = resume_point(
                 self.args.output_dir, requested, use_lora=self.args.use_lora, save_only_model=self.args.save_only_model
@@ -192,8 +214,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         for note in notes:
             logger.warning(note)
         if self.is_world_process_zero():
-            drop_metrics_after(self.args.output_dir, int(resume.rsplit("-", 1)[1]))
-            shutil.rmtree(os.path.join(self.args.output_dir, STAGING), ignore_errors=True)  # a save that was killed
+            resuming(self.args.output_dir, resume, self.args.max_steps)
         return resume
 
     def _save_after_signal(self) -> None:
@@ -266,7 +287,10 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
             prepared.metrics["timing/generation_s"] = batch.generation_seconds
             prepared.metrics["policy_version"] = float(batch.policy_version)  # the weights the batch was sampled with
             prepared.metrics["timing/wait_s"] = time.perf_counter() - t0
-            self._report_failures(batch.rollouts, prepared)
+            prepared.metrics["server_restarts"] = float(self.runtime.recovery.total)
+            step = self.state.global_step + 1  # as metrics.jsonl numbers it
+            report_failures(batch.rollouts, prepared, step, self._seen_failures, self.args, self.processing_class,
+                            self.env, self.runtime.max_model_len)  # fmt: skip
             payload = [prepared]
         if self.accelerator.num_processes > 1:
             with self._guard.waiting_for_rollouts() if self._guard else contextlib.nullcontext():
@@ -283,38 +307,19 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         metrics["timing/train_s"] = time.perf_counter() - t_train
         metrics["timing/step_s"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(metrics["timing/step_s"], 1e-9)
-        metrics["prompts_filtered"] = float(self.prompts_filtered)
+        metrics["prompts_filtered"] = float(self.prompts_filtered + self.runtime.prompts_filtered)
         self.step_metrics = metrics
         # each rank holds a partial sum of a globally normalised loss; Trainer logs the mean over ranks
         return loss.detach() * self.accelerator.num_processes
 
-    def _report_failures(self, rollouts, prepared: PreparedBatch) -> None:
-        """Rank 0: say once per distinct cause that rollouts were rejected or errored; explain an empty step."""
-        for kind in ("rejected", "errored"):
-            n = int(prepared.counts.get(f"rollouts_{kind}", 0))
-            text = first_error(rollouts, kind)
-            if n and text not in self._seen_failures:
-                self._seen_failures.add(text)
-                step = self.state.global_step
-                logger.warning("step %d: %d of %d rollouts %s (first: %s)", step, n, len(rollouts), kind, text)
-        if prepared.num_sequences == 0:
-            prepared.problem = explain_empty_step(
-                rollouts, prepared.counts, self.args, self.processing_class, self.env, self.runtime.max_model_len
-            )
-
     def _stop_when_nothing_trains(self, prepared: PreparedBatch) -> None:
-        """Every rank: count consecutive steps without a trainable sample; stop with the cause after
-        max_empty_steps of them (a run that trains nothing must not end as a success)."""
-        if prepared.num_sequences:
-            self._empty_steps = 0
-            return
-        self._empty_steps += 1
-        limit = self.args.max_empty_steps
-        if self._empty_steps >= limit:
-            raise TrainingError(f"{self._empty_steps} consecutive steps had nothing to train: {prepared.problem}")
-        if self.is_world_process_zero():
-            step, problem = self.state.global_step, prepared.problem
-            logger.warning("step %d has nothing to train (%d of %d): %s", step, self._empty_steps, limit, problem)
+        """Every rank: count steps without a trainable sample; stop with the cause after max_empty_steps of them in
+        a row, or at once when every rollout failed with one configuration error (a run that trains nothing must
+        not end as a success; `train()` checks the whole run at its end)."""
+        step = self.state.global_step + 1  # the step being trained, as metrics.jsonl numbers it
+        warning = self.empty_steps.record(step, prepared, prepared.config_error)
+        if warning and self.is_world_process_zero():
+            logger.warning(warning)
 
     def floating_point_ops(self, inputs) -> int:
         return 0  # inputs are step markers; FLOPs are not tracked
@@ -334,18 +339,23 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         staging_root = os.path.join(final_root, STAGING)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         self._get_output_dir = lambda trial=None: staging_root  # where Trainer writes this one checkpoint
+        staged = os.path.join(staging_root, name)
         try:
             super()._save_checkpoint(model, trial)
+            if self.is_world_process_zero():
+                if self.runtime.orchestrator is not None:
+                    timeout = self.args.save_on_signal_timeout if self._guard and self._guard.signum else None
+                    state = self.runtime.rollout_state(timeout=timeout)
+                    torch.save(state, os.path.join(staged, ORCHESTRATOR_STATE))
+                final.write_run_info(self, staged)  # what `vf-rl export` needs to describe this checkpoint
+                write_manifest(staged, self.state.global_step)
+        except OSError as e:
+            full = save_failed(e, staged, final_root)  # a full disk: one line, the staged half removed
+            if full is None:
+                raise
+            raise full from None
         finally:
             del self._get_output_dir
-        staged = os.path.join(staging_root, name)
-        if self.is_world_process_zero():
-            if self.runtime.orchestrator is not None:
-                timeout = self.args.save_on_signal_timeout if self._guard and self._guard.signum else None
-                state = self.runtime.rollout_state(timeout=timeout)
-                torch.save(state, os.path.join(staged, ORCHESTRATOR_STATE))
-            final.write_run_info(self, staged)  # what `vf-rl export` needs to describe this checkpoint
-            write_manifest(staged, self.state.global_step)
         self.accelerator.wait_for_everyone()
         if self.is_world_process_zero():
             publish(staged, os.path.join(final_root, name))

@@ -5,6 +5,7 @@ in-flight request down with it)."""
 from __future__ import annotations
 
 from verifiers_rl.rl.inference.cpu.sampling import SamplingParams
+from verifiers_rl.rl.inference.limits import request_fits
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int) -> int:
@@ -15,11 +16,10 @@ def check_prompt(prompt_ids: list[int], params: SamplingParams, *, vocab_size: i
     lo, hi = min(prompt_ids), max(prompt_ids)
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"Token id {lo if lo < 0 else hi} is out of vocabulary (vocab size {vocab_size})")
-    room = max_model_len - len(prompt_ids)
-    if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
+    if not request_fits(len(prompt_ids), params.max_tokens, max_model_len):
         raise ValueError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{len(prompt_ids) + (params.max_tokens or 1)} tokens ({len(prompt_ids)} in the messages, "
             f"{params.max_tokens or 1} in the completion). Please reduce the length of the messages or completion."
         )
-    return params.max_tokens or room
+    return params.max_tokens or max_model_len - len(prompt_ids)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import secrets
 import socket
 import threading
@@ -35,7 +36,6 @@ from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
 from verifiers_rl.rl.inference.transfer.stream import as_stream, bucket_tensors
 
 _PREFIX = "verifiers_rl_weights"
-_LISTEN_SOCKETS: dict[int, socket.socket] = {}
 
 
 @dataclass
@@ -107,29 +107,23 @@ def open_store(host: str, port: int = 0, world_size: int = 2, timeout_s: float =
     """The trainer's rendezvous store, listening on `host` only (port 0: a free one, read back from `store.port`).
 
     TCPStore on its own listens on every interface; it is handed a socket bound to `host` instead, so a store
-    for a loopback server is not reachable from the network at all."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        host,
-        sock.getsockname()[1],
-        world_size,
-        is_master=True,
-        timeout=timeout,
-        wait_for_workers=False,
-        master_listen_fd=sock.fileno(),
-    )
-    _LISTEN_SOCKETS[id(store)] = sock  # the store serves on this socket's fd: it must outlive the store
-    return store
-
-
-def close_store(store) -> None:
-    sock = _LISTEN_SOCKETS.pop(id(store), None)
-    if sock is not None:
-        sock.close()
+    for a loopback server is not reachable from the network at all. The store owns (and closes when it is
+    destroyed) the descriptor it is given: it gets a duplicate, so no descriptor is closed twice — a second close
+    would hit whatever reused the number, e.g. the next store's socket after a server restart."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        return dist.TCPStore(
+            host,
+            sock.getsockname()[1],
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=os.dup(sock.fileno()),
+        )
 
 
 def join_group(store, rank: int, world_size: int, timeout_s: float = 300.0, group_key: str = "") -> WeightGroup:
@@ -296,8 +290,8 @@ class GlooSender:
 
     def close(self, polite: bool = True) -> None:
         if self.group is not None:
-            group, self.group = self.group, None
-            close_store(group.store)
+            # dropping the group drops the store (it stops listening when destroyed, closing its descriptor)
+            self.group = None
             if not polite:
                 return
             try:  # a goodbye, not a need: a short deadline, so a stuck server cannot hold up the exit

@@ -1,0 +1,104 @@
+"""Running `vf-rl` as a user does, for the fault suites: a config, the process, its steps and its one error line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+from procs import BIN
+
+RUN = """
+model = "{model}"
+output_dir = "{out}"
+[env]
+id = "reverse-text"
+[env.args]
+num_train_examples = 32
+num_eval_examples = 4
+[inference]
+engine = "cpu"
+[trainer.args]
+max_steps = {steps}
+rollouts_per_example = 4
+batch_size = 8
+micro_batch_size = 4
+max_tokens = 8
+max_seq_len = 512
+save_steps = {save_steps}
+log_completions = false
+max_async_level = 1
+"""
+
+
+def write_cfg(
+    tmp_path: Path, model: str, steps: int = 3, save_steps: int = 100, extra: str = "", replace: dict | None = None
+) -> Path:
+    """The tiny reverse-text run; `extra` lines go to [trainer.args]; `replace` edits the text (old -> new)."""
+    text = textwrap.dedent(RUN.format(model=model, out=tmp_path / "out", steps=steps, save_steps=save_steps)) + extra
+    for old, new in (replace or {}).items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / "cfg.toml"
+    path.write_text(text)
+    return path
+
+
+def start(cfg: Path, *extra, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(BIN / "vf-rl"), "@", str(cfg), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def steps(out: Path) -> list[int]:
+    """Steps of metrics.jsonl's training rows, in file order."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if "reward" in row:
+            rows.append(row["step"])
+    return rows
+
+
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if steps(out) and max(steps(out)) >= step:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"vf-rl ended early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def error_line(stderr: str, prog: str = "vf-rl") -> str:
+    lines = [x for x in stderr.splitlines() if x.startswith(f"{prog}: error:")]
+    assert len(lines) == 1, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+def server_pids(parent: int) -> list[int]:
+    """Processes started for `parent` (the launcher's VF_PARENT_PID marker), never found by name."""
+    marker = f"VF_PARENT_PID={parent}".encode()
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
