@@ -99,6 +99,8 @@ def _batch_rules(cfg, check) -> None:
     check(cfg.max_concurrent >= 1, "max_concurrent", "must be >= 1")
     check(cfg.max_empty_steps >= 1, "max_empty_steps", "must be >= 1")
     check(cfg.sync_bucket_mb >= 1, "sync_bucket_mb", "must be >= 1")
+    check(cfg.mismatch_kl_guard >= 0, "mismatch_kl_guard", "must be >= 0 (0 turns the check off)")
+    check(cfg.mismatch_kl_floor >= 0, "mismatch_kl_floor", "must be >= 0")
     check(cfg.generation_timeout > 0, "generation_timeout", "must be > 0")
     check(cfg.eval_rollouts_per_example >= 1, "eval_rollouts_per_example", "must be >= 1")
     port = cfg.vllm_server_port

@@ -43,6 +43,7 @@ from verifiers_rl.rl.trainer.runtime import InferenceRuntime
 from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch
 from verifiers_rl.rl.trainer.sharded_checkpoints import FSDP2Checkpoints
 from verifiers_rl.rl.trainer.sharding import fsdp2_requested, load_sharded, sharded_model_error, take_over_fsdp
+from verifiers_rl.rl.trainer.sync_guard import MismatchGuard
 from verifiers_rl.rl.trainer.weight_export import WeightExport, weight_export
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         self.step_metrics: dict[str, float] = {}
         self._empty_steps = 0
         self._seen_failures: set[str | None] = set()
+        self.sync_guard = MismatchGuard(args.mismatch_kl_guard, args.mismatch_kl_floor)
         # a server started from the model path holds the trainer's weights until the first step
         self.runtime.from_files = model_path is not None and isinstance(model_arg, str)
         self.trained_last_step = True
@@ -258,6 +260,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
             self.accelerator, model, prepared, self.args, self.processing_class.pad_token_id
         )
         metrics.update(prepared.metrics)
+        self._check_sync(prepared, metrics)
         metrics["timing/train_s"] = time.perf_counter() - t_train
         metrics["timing/step_s"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(metrics["timing/step_s"], 1e-9)
@@ -279,6 +282,18 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
             prepared.problem = explain_empty_step(
                 rollouts, prepared.counts, self.args, self.processing_class, self.env, self.runtime.max_model_len
             )
+
+    def _check_sync(self, prepared: PreparedBatch, metrics: dict[str, float]) -> None:
+        """Every rank (the metrics are reduced over ranks, so all decide alike): at max_async_level = 0, stop when
+        the batch sampled after the last sync disagrees with the trainer far beyond this run's noise (sync_guard.py)."""
+        if self.args.max_async_level != 0:
+            return
+        version, step = self.state.global_step, self.state.global_step + 1
+        served = version - int(prepared.metrics.get("async_lag", 0))  # the version the server tagged rollouts with
+        trained = metrics.get("trained_tokens", 0.0) > 0
+        problem = self.sync_guard.check(step, metrics.get("mismatch_kl"), version, trained, served)
+        if problem:
+            raise TrainingError(problem)
 
     def _stop_when_nothing_trains(self, prepared: PreparedBatch) -> None:
         """Every rank: count consecutive steps without a trainable sample; stop with the cause after
