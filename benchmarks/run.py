@@ -24,7 +24,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import RESULTS_DIR, _fmt, machine, wait_for_quiet  # noqa: E402
 
-BENCHMARKS = ("bench_engine", "bench_client", "bench_sync", "bench_train", "bench_async", "bench_e2e", "bench_scaling")
+BENCHMARKS = (
+    "bench_engine",
+    "bench_client",
+    "bench_sync",
+    "bench_sharded",
+    "bench_train",
+    "bench_async",
+    "bench_e2e",
+    "bench_scaling",
+)
 HEADERS = ["benchmark", "metric", "unit", "baseline", "ours", "ratio", "goal", "pass"]
 
 
@@ -104,7 +113,7 @@ def _merge_previous(results: list[dict], quick: bool) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="every benchmark's quick mode (CI smoke test, < 3 min)")
+    p.add_argument("--quick", action="store_true", help="every benchmark's quick mode (CI smoke test, < 6 min)")
     p.add_argument("--only", default=None, help="comma-separated subset of: " + ", ".join(BENCHMARKS))
     p.add_argument(
         "--wait-quiet",

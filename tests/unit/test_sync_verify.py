@@ -25,6 +25,17 @@ def test_same_bytes_same_checksum_wherever_they_sit():
     assert tensor_checksum(w) == tensor_checksum(w.view(torch.int32))  # bytes, not values: the dtype is no matter
 
 
+def test_cpu_and_gpu_arithmetic_agree():
+    """A vLLM worker on a GPU checksums with torch, the trainer on CPU with numpy: the same sums modulo 2**64, also
+    where the int64 sums wrap around."""
+    from verifiers_rl.rl.inference.transfer.verify import _cpu_sums, _torch_sums
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (0, 7, 1024, 5000, 1024 * 300 + 11):
+        words = torch.randint(-(2**62), 2**62, (n,), dtype=torch.int64, generator=gen) * 3  # wraps
+        assert _cpu_sums(words) == _torch_sums(words)
+
+
 def test_any_change_to_the_bytes_shows():
     w = torch.randn(4096)
     ref = tensor_checksum(w)
