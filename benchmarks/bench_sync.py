@@ -3,7 +3,8 @@ raw gloo bandwidth between two local processes, and adapter vs merged sync of a 
 
     [VF_VLLM_PYTHON=<vLLM venv python>] .venv/bin/python benchmarks/bench_sync.py [--quick]
 
-Every sync goes trainer -> a running CPU-engine server (`InferenceServer(engine="cpu")`) over loopback gloo;
+Every sync goes trainer -> a running CPU-engine server (`InferenceServer(engine="cpu")`) over loopback gloo, and
+is verified (every rank's checksums of what it loaded; an info row times the same sync without);
 adapter vs merged (`_adapter_sync.py`) also runs against real vLLM when VF_VLLM_PYTHON is set, for the tiny
 model and a random model of Qwen3-0.6B's shape (2.4 GB; peak ~10 GB with the server). Times are medians of N
 repeats after one warm-up sync. `--quick` drops the ~100M and 0.6B models and uses fewer repeats.
@@ -48,6 +49,29 @@ def _next_version(client) -> int:
 def bucketed_sync(client, model) -> tuple[float, int]:
     stats = client.update_weights(model.named_parameters(), version=_next_version(client))
     return stats.seconds, stats.bytes
+
+
+def unverified_sync(client, model) -> tuple[float, int]:
+    """`bucketed_sync` without its verification (transfer/verify.py): no report id, so the server reads nothing
+    back and reports nothing, and no checksums on the trainer's side; the same requests and buckets otherwise, timed
+    as the sender times itself (inside the pause). What the checksums cost is the difference."""
+    from verifiers_rl.rl.inference.transfer import gloo
+    from verifiers_rl.rl.inference.transfer.buckets import UpdateInfo, plan_buckets
+    from verifiers_rl.rl.inference.transfer.stream import as_stream
+
+    sender, version = client.sender, _next_version(client)
+    with client.paused("keep"):
+        t0 = time.perf_counter()
+        stream = as_stream(model.named_parameters())
+        buckets = plan_buckets(stream.metas, sender.bucket_bytes)
+        info = UpdateInfo.from_metas(stream.metas).to_dict()
+        sender.post("/start_weight_update")
+        pending = gloo.run_in_thread(lambda: sender.post("/update_weights", {"update_info": info}))
+        sent = gloo.send_buckets(sender.group, buckets, stream)
+        pending.join()
+        sender.post("/finish_weight_update", {"weight_version": str(version)})
+        client.reset_prefix_cache(timeout=sender.timeout_s)
+        return time.perf_counter() - t0, sent
 
 
 def per_tensor_sync(client, model, pool: ThreadPoolExecutor) -> tuple[float, int]:
@@ -190,11 +214,15 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             with server as client:
                 client.init_weight_transfer()  # the default bucket size (DEFAULT_BUCKET_BYTES)
                 info["bucket_bytes"] = client.bucket_bytes
-                ours, base = measure_interleaved(
-                    [lambda m=model: bucketed_sync(client, m), lambda m=model: per_tensor_sync(client, m, pool)],
+                ours, base, unverified = measure_interleaved(
+                    [
+                        lambda m=model: bucketed_sync(client, m),
+                        lambda m=model: per_tensor_sync(client, m, pool),
+                        lambda m=model: unverified_sync(client, m),
+                    ],
                     repeats,
                 )
-                info["bucketed"], info["per_tensor"] = ours, base
+                info["bucketed"], info["per_tensor"], info["unverified"] = ours, base, unverified
                 if is_last and sweep:
                     info["bucket_sweep"] = {}
                     for bb in sweep:
@@ -208,6 +236,17 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
                 per_tensor_gb_per_s=base["bytes"] / base["seconds"] / 1e9,
             )
             results["models"][label] = info
+            info_rows.append(
+                row(
+                    f"bucketed {label}: without vs with checksums (what verifying a sync costs)",
+                    unverified["seconds"],
+                    ours["seconds"],
+                    ours["seconds"] / unverified["seconds"],
+                    "(info)",
+                    None,
+                    unit="s",
+                )
+            )
             many = n_tensors >= 100  # the goal is about many-tensor models; ~1M (47 tensors) only reports
             rows.append(
                 row(

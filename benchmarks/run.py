@@ -28,6 +28,7 @@ BENCHMARKS = (
     "bench_engine",
     "bench_client",
     "bench_sync",
+    "bench_sharded",
     "bench_train",
     "bench_async",
     "bench_e2e",
@@ -114,7 +115,7 @@ def _merge_previous(results: list[dict], quick: bool) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="every benchmark's quick mode (CI smoke test, < 3 min)")
+    p.add_argument("--quick", action="store_true", help="every benchmark's quick mode (CI smoke test, < 6 min)")
     p.add_argument("--only", default=None, help="comma-separated subset of: " + ", ".join(BENCHMARKS))
     p.add_argument(
         "--wait-quiet",

@@ -4,7 +4,8 @@
 
 Three steps must match one process with the same seed (same rollouts, losses and weights to float rounding); the
 server's weights must be the trainer's after every sync (`mismatch_kl`, the sampler/trainer disagreement of the
-next batch, stays at float noise); and a sharded checkpoint must resume exactly.
+next batch, stays at float noise; every sync's checksums agree); a sharded checkpoint must resume exactly; and a
+wrongly gathered shard stops the run at the sync that sent it.
 """
 
 from __future__ import annotations
@@ -63,14 +64,18 @@ CONFIGS = {
 EXPORTS = {"zero3": "ZeRO3Export", "fsdp2": "FSDP2Export", None: "ReplicatedExport"}
 
 
-def _run(tmp_root: Path, model_dir: str, policy: str, layout: str | None, out: Path, *extra, precision="'no'"):
+def _launch(tmp_root: Path, model_dir: str, policy: str, layout: str | None, out: Path, *extra, precision="'no'"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     cmd = [sys.executable, str(SCRIPT), model_dir, str(out), policy, *extra]
     if layout is not None:
         config = tmp_root / f"{layout}-{precision.strip(chr(39))}.yaml"
         config.write_text(textwrap.dedent(CONFIGS[layout]).format(precision=precision))
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *cmd[1:]]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+
+def _run(tmp_root: Path, model_dir: str, policy: str, layout: str | None, out: Path, *extra, precision="'no'"):
+    r = _launch(tmp_root, model_dir, policy, layout, out, *extra, precision=precision)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert json.loads((out / "layout.json").read_text())["export"] == EXPORTS[layout]
     return out
@@ -145,6 +150,21 @@ def test_sharded_checkpoint_resumes_exactly(tiny_model_dir, sharded, layout, pol
     assert [r["step"] for r in b] == [1, 2, 3] and a[2]["loss"] == b[2]["loss"]
     wa, wb = torch.load(straight / "weights.pt"), torch.load(resumed / "weights.pt")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("layout", ["zero3", "fsdp2"])
+def test_a_wrongly_gathered_shard_stops_the_run_right_after_its_sync(tiny_model_dir, tmp_path, layout):
+    """The export sends rank 0's shard where rank 1's belongs (`--wrong-shard`): the server checksums the same wrong
+    bytes the trainer sent, so the sync verifies; the batch sampled after it disagrees with the trainer, and the
+    mismatch_kl guard stops the run on every rank, naming that sync."""
+    out = tmp_path / layout
+    r = _launch(tmp_path, tiny_model_dir, "lora", layout, out, "--wrong-shard")
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "step 2: mismatch_kl " in r.stderr and "right after the sync to version 1 is above" in r.stderr, r.stderr[
+        -4000:
+    ]
+    assert "weight sync to version" not in r.stderr  # the checksums agreed: both sides saw the same wrong bytes
+    assert [row["step"] for row in _rows(out)] == [1] and _rows(out)[0]["mismatch_kl"] < 1e-9
 
 
 def test_two_node_ddp_matches_one_process(single, tiny_model_dir, tmp_path):

@@ -284,6 +284,33 @@ class TestTwoEngines:
             client.close()
 
 
+def test_checksums_of_every_engine_are_compared(tiny_model_dir, tmp_path):
+    """Data-parallel engine 1 (gloo rank 2) drops one bucket on purpose ($VF_TEST_SYNC_FAULT, honoured by our gloo
+    receive path): vLLM's HTTP answer comes from engine 0, which loaded everything, yet the sync fails naming rank
+    2 and the tensors it never handed to load_weights; engine 0's own report, read from the store, was clean."""
+    from verifiers_rl.rl.inference.client import InferenceClient
+    from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, plan_buckets
+    from verifiers_rl.rl.inference.transfer.verify import FAULT_ENV, SyncMismatch
+    from verifiers_rl.tiny import build_tiny_model
+
+    model = build_tiny_model(seed=1)[0]
+    lost = plan_buckets([TensorMeta(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()], BUCKET_BYTES)[1]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": _omp_bind(2), FAULT_ENV: "skip-bucket:1@2"}
+    with _vllm_server(tiny_model_dir, tmp_path / "vllm.log", ["--data-parallel-size", "2"], env) as srv:
+        client = InferenceClient(base_url=str(srv["client"].base_url), sync_timeout=120)
+        try:
+            client.init_weight_transfer("gloo", bucket_bytes=BUCKET_BYTES)
+            with pytest.raises(SyncMismatch) as err:
+                client.update_weights(model.named_parameters(), version=3)
+            print(err.value)
+            line = str(err.value)
+            n = len(lost.metas)
+            assert f"did not land on inference rank 2: {n} tensor{'s were' if n > 1 else ' was'} never loaded (" in line
+            assert f"{lost.metas[0].name}" in line and f"; {sum(m.nbytes for m in lost.metas)} of the sync's " in line
+        finally:
+            client.close()
+
+
 def _check_chat_fields(server):
     from verifiers_rl.tiny import build_tokenizer
 

@@ -1,9 +1,13 @@
 """Run by tests/e2e/test_sharded.py: a few RL steps of the tiny model, alone or under a launcher (DDP, DeepSpeed
 ZeRO-3, FSDP2), then the weights the server would load, as rank 0 sees them after a sync (the merged stream).
 
-    python sharded_train.py MODEL_DIR OUT_DIR {lora,full} [--resume]
+    python sharded_train.py MODEL_DIR OUT_DIR {lora,full} [--resume] [--wrong-shard]
+
+`--wrong-shard` breaks the sharded export on purpose: every gathered tensor's second half is a copy of its first,
+as if each rank had received rank 0's shard. The training model stays right; only what a sync sends is wrong.
 """
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -13,10 +17,30 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl_envs import reverse_env  # noqa: E402
 
-from verifiers_rl.rl.trainer import RLConfig, RLTrainer  # noqa: E402
+from verifiers_rl.rl.trainer import RLConfig, RLTrainer, weight_export  # noqa: E402
 
 model_dir, out, policy = sys.argv[1], sys.argv[2], sys.argv[3]
 resume = "--resume" in sys.argv
+
+
+def gathered_wrong(gathered):
+    @contextlib.contextmanager
+    def wrong(self, names):
+        with gathered(self, names) as full:
+            out = {}
+            for name, t in full.items():
+                t = t.detach().clone()  # ZeRO-3 yields the live parameters: never write into them
+                flat, half = t.view(-1), t.numel() // 2
+                flat[t.numel() - half :] = flat[:half]
+                out[name] = t
+            yield out
+
+    return wrong
+
+
+if "--wrong-shard" in sys.argv:
+    for cls in (weight_export.ZeRO3Export, weight_export.FSDP2Export):
+        cls.gathered = gathered_wrong(cls.gathered)
 lora = policy == "lora"
 args = RLConfig(
     output_dir=out,

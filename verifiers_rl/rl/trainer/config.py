@@ -253,6 +253,18 @@ class RLConfig(TrainingArguments):
             "server shares the trainer's GPU, merged otherwise."
         ),
     )
+    mismatch_kl_guard: float = field(
+        default=10.0,
+        metadata=_help(
+            "At max_async_level = 0: stop when a step's mismatch_kl (the batch sampled right after a sync) exceeds "
+            "this many times the median of the run's earlier steps and mismatch_kl_floor: a sync that did not land "
+            "or landed wrong (docs/training.md); 0 turns the check off."
+        ),
+    )
+    mismatch_kl_floor: float = field(
+        default=1e-3,
+        metadata=_help("mismatch_kl below this never stops a run (the noise floor of the mismatch_kl_guard check)."),
+    )
 
     max_empty_steps: int = field(
         default=3,

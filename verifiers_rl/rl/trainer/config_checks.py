@@ -101,6 +101,8 @@ def _batch_rules(cfg, check) -> None:
     check(cfg.max_concurrent >= 1, "max_concurrent", "must be >= 1")
     check(cfg.max_empty_steps >= 1, "max_empty_steps", "must be >= 1")
     check(cfg.sync_bucket_mb >= 1, "sync_bucket_mb", "must be >= 1")
+    check(cfg.mismatch_kl_guard >= 0, "mismatch_kl_guard", "must be >= 0 (0 turns the check off)")
+    check(cfg.mismatch_kl_floor >= 0, "mismatch_kl_floor", "must be >= 0")
     check(cfg.generation_timeout > 0, "generation_timeout", "must be > 0")
     check(cfg.scoring_timeout > 0, "scoring_timeout", "must be > 0")
     check(cfg.server_restarts >= 0, "server_restarts", "must be >= 0")

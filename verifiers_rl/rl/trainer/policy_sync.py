@@ -6,7 +6,8 @@ After each optimizer step (and before evaluating) the trainer asks `sync(version
 - the server was started from exactly the trainer's weights of `version` (`started_from`), or the last step
   trained nothing (`changed=False`): no transfer, the server's version is advanced to `version`;
 - otherwise the weights move: the export's stream (merged or adapter, as the serving plan says) through the
-  client's weight sender.
+  client's weight sender, which checks that every receiving rank loaded what was sent (transfer/verify.py); a
+  sync that did not land stops the run.
 
 The served version lives in `PolicyVersion` (the orchestrator reads it); this class is its only writer.
 """
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from verifiers_rl.errors import TrainingError
 from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES
+from verifiers_rl.rl.inference.transfer.verify import SyncMismatch
 from verifiers_rl.rl.trainer.policy_version import PolicyVersion
 from verifiers_rl.rl.trainer.weight_export import WeightExport
 
@@ -58,6 +61,8 @@ class PolicySync:
         stream = export.stream(self.weights, self.bucket_bytes)
         try:
             stats = self.client.update_weights(stream, version=version)
+        except SyncMismatch as e:  # the server's checksums differ from the trainer's: one line, no log tail
+            raise TrainingError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - httpx, gloo and server errors all end here, as one line
             if export.collective:
                 stream.drain()  # the other ranks are inside the stream's gathers: let them finish

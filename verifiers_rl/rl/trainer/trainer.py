@@ -46,6 +46,7 @@ from verifiers_rl.rl.trainer.runtime import InferenceRuntime
 from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch
 from verifiers_rl.rl.trainer.sharded_checkpoints import FSDP2Checkpoints
 from verifiers_rl.rl.trainer.sharding import fsdp2_requested, load_sharded, sharded_model_error, take_over_fsdp
+from verifiers_rl.rl.trainer.sync_guard import MismatchGuard
 from verifiers_rl.rl.trainer.weight_export import WeightExport, weight_export
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         self.step_metrics: dict[str, float] = {}
         self.empty_steps = EmptySteps(args.max_empty_steps)
         self._seen_failures: set[str | None] = set()
+        self.sync_guard = MismatchGuard(args.mismatch_kl_guard, args.mismatch_kl_floor)
         # a server started from the model path holds the trainer's weights until the first step
         self.runtime.from_files = model_path is not None and isinstance(model_arg, str)
         self.runtime.current = lambda: (self.weight_export(), self.state.global_step)  # for a replaced server
@@ -304,6 +306,11 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
             self.accelerator, model, prepared, self.args, self.processing_class.pad_token_id
         )
         metrics.update(prepared.metrics)
+        lag = prepared.metrics.get("async_lag", 0)
+        if self.args.max_async_level == 0 and (
+            problem := self.sync_guard.check_batch(self.state.global_step, lag, metrics)
+        ):
+            raise TrainingError(problem)  # a sync that did not land (sync_guard.py)
         metrics["timing/train_s"] = time.perf_counter() - t_train
         metrics["timing/step_s"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(metrics["timing/step_s"], 1e-9)

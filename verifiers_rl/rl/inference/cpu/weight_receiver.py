@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from verifiers_rl.rl.inference.transfer import adapter, gloo
 from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES, UpdateInfo, plan_buckets
 from verifiers_rl.rl.inference.transfer.policy_weights import unsupported_adapter_features
+from verifiers_rl.rl.inference.transfer.verify import tensor_checksum
 
 if TYPE_CHECKING:
     from verifiers_rl.rl.inference.cpu.engine_api import Engine
@@ -33,7 +34,8 @@ class WeightReceiver:
             self.paused_by_update = True
 
     def update(self, info: dict[str, Any]) -> int:
-        metas = UpdateInfo.parse(info).metas()  # a malformed body is refused before anything else
+        update = UpdateInfo.parse(info)  # a malformed body is refused before anything else
+        metas = update.metas()
         if self.pg is None:
             raise ValueError("call /init_weight_transfer_engine before /update_weights")
         if not self.engine.is_paused:  # vLLM allows updates without /start_weight_update; stay consistent
@@ -53,6 +55,8 @@ class WeightReceiver:
         gloo.receive_buckets(self.pg, plan_buckets(metas, self.bucket_bytes), on_bucket)
         if error is not None:
             raise ValueError(f"weight update failed: {error}") from error
+        if update.report:  # what the engine now holds, read back: a tensor received but not written shows
+            gloo.publish_report(self.pg, update.report, {"checksums": self.engine.weight_checksums(metas)})
         return loaded
 
     def lora_update(self, update_json: str) -> dict[str, Any]:
@@ -101,7 +105,10 @@ class WeightReceiver:
         finally:
             if paused_here:
                 self.engine.resume()
-        return {"tensors": len(metas), "modules": modules}
+        # W = W0 + B @ A cannot be read back as A and B: the checksums are of the tensors the engine applied
+        installed = {f"base_model.model.{m}.{kind}.weight": t for m, ab in pairs.items() for kind, t in ab.items()}
+        sums = [tensor_checksum(installed[m.name]) if m.name in installed else None for m in metas]
+        return {"tensors": len(metas), "modules": modules, "checksums": sums}
 
     def abandon(self) -> None:
         """A one-call sync that failed: serve on with the weights it has (already partly replaced on error)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from verifiers_rl.rl.inference.transfer.verify import tensor_checksum
+
 
 class ServedWeights:
     """Mixin for an engine that holds `self.model` and serves policy `self.version`."""
@@ -66,6 +68,12 @@ class ServedWeights:
         base = self._pristine.setdefault(name, w.detach().clone())
         delta = (ab["lora_B"].float() @ ab["lora_A"].float()) * scaling
         w.copy_((base.float() + delta).to(w.dtype))
+
+    def weight_checksums(self, metas) -> list[int]:
+        """`verify.tensor_checksum` of each named parameter as the engine holds it now, in the sync's dtype (exact:
+        the engine holds float32, which represents every 16- and 32-bit float the trainer sends)."""
+        with torch.no_grad():
+            return [tensor_checksum(self._params[m.name].to(m.dtype)) for m in metas]
 
     def finish_update(self, version: int | None = None) -> int:
         """A sync is complete: serve it as `version` (the trainer's; None keeps the version, as vLLM does) from a

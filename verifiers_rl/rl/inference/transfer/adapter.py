@@ -34,16 +34,21 @@ from pathlib import Path
 from verifiers_rl.rl.inference.errors import ServerError
 from verifiers_rl.rl.inference.layout import WORKER_EXTENSION
 from verifiers_rl.rl.inference.transfer.buckets import UpdateInfo, plan_buckets
-from verifiers_rl.rl.inference.transfer.gloo import GlooSender, collect_reports, run_in_thread, send_buckets
+from verifiers_rl.rl.inference.transfer.gloo import (
+    REPORT_WAIT_S,
+    GlooSender,
+    collect_reports,
+    run_in_thread,
+    send_buckets,
+)
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
 from verifiers_rl.rl.inference.transfer.stream import as_stream
+from verifiers_rl.rl.inference.transfer.verify import verify
 
 UPDATE_RPC = "vf_lora_update"
 INFO_RPC = "vf_lora_info"
 # vLLM numbers adapters from 1 in registration order; ours is the only `--lora-modules` entry.
 LORA_INT_ID = 1
-# The receivers' reports are in the store by the time the RPC answers (vLLM gathers every engine first).
-REPORT_WAIT_S = 30.0
 
 
 @dataclass
@@ -145,7 +150,8 @@ class AdapterSender(GlooSender):
         update = AdapterUpdate(UpdateInfo.from_metas(metas), config, report=f"{version}-{secrets.token_hex(6)}")
         body = {"method": UPDATE_RPC, "args": [update.to_json()]}
         pending = run_in_thread(lambda: self.post("/collective_rpc", body))
-        sent = send_buckets(self.group, buckets, tensors)
+        sums: list[int] = []
+        sent = send_buckets(self.group, buckets, tensors, sums)
         pending.join()
         # A refusal is a result {"error": ...} (the data was drained first, so the group stays usable).
         reports = collect_reports(self.group, update.report, min(REPORT_WAIT_S, self.timeout_s))
@@ -154,6 +160,7 @@ class AdapterSender(GlooSender):
             rank, reason = next(iter(refused.items()))
             where = f"inference rank {rank}" + (f" and {len(refused) - 1} more" if len(refused) > 1 else "")
             raise ServerError(f"{UPDATE_RPC} refused by the server ({where}): {reason}")
+        verify(version, [m.name for m in metas], [m.nbytes for m in metas], sums, reports)
         # The prefix cache is keyed by adapter name and path, which stay the same: blocks computed with the old
         # adapter would be served again.
         self.client.reset_prefix_cache(timeout=self.timeout_s)

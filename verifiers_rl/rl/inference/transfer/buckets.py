@@ -96,6 +96,8 @@ class UpdateInfo:
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    # Ours (gloo): the id under which each receiving rank leaves its checksums in the trainer's store (verify.py).
+    report: str = ""
 
     def __post_init__(self):
         n = len(self.names)
@@ -116,14 +118,15 @@ class UpdateInfo:
         if not isinstance(info, dict):
             raise ValueError(f"update_info must be an object, got {type(info).__name__}")
         fields = {"names", "dtype_names", "shapes"}
-        unknown = set(info) - fields
+        unknown = set(info) - fields - {"report"}
         missing = fields - set(info)
         if unknown or missing:
             raise ValueError(f"update_info: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
         return cls(**info)
 
     def to_dict(self) -> dict:
-        return {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
+        out = {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
+        return {**out, "report": self.report} if self.report else out
 
     def metas(self) -> list[TensorMeta]:
         try:

@@ -34,8 +34,12 @@ from verifiers_rl.rl.inference.transfer.buckets import (
 )
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
 from verifiers_rl.rl.inference.transfer.stream import as_stream, bucket_tensors
+from verifiers_rl.rl.inference.transfer.verify import dropped_buckets, tensor_checksum, verify
 
 _PREFIX = "verifiers_rl_weights"
+# The receivers' reports are in the store by the time the sync's request answers (vLLM answers once every engine
+# has loaded); this only bounds the wait for a rank that died before writing its own.
+REPORT_WAIT_S = 30.0
 
 
 @dataclass
@@ -165,10 +169,13 @@ def broadcast_async(group: WeightGroup, tensor: torch.Tensor, root: int = 0):
     return group.pg.broadcast([tensor], opts)
 
 
-def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+def send_buckets(
+    group: WeightGroup, buckets: list[Bucket], tensors: Iterable[tuple[str, torch.Tensor]], checksums=None
+) -> int:
     """Trainer side: pack bucket i+1 while bucket i is on the wire (gloo runs collectives on its own threads),
     pulling each bucket's tensors from `tensors` (a stream in bucket order) only when it is packed; a bucket
-    holding one contiguous tensor is sent straight from that tensor, no copy."""
+    holding one contiguous tensor is sent straight from that tensor, no copy. `checksums` (a list) receives each
+    tensor's `verify.tensor_checksum` as the stream produced it."""
     if not buckets:
         return 0
     bufs = group.staging(max(b.nbytes for b in buckets))
@@ -176,6 +183,8 @@ def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors: Iterable[tu
     sent = 0
     for i, (bucket, ts) in enumerate(bucket_tensors(buckets, tensors)):
         slot = i % 2
+        if checksums is not None:  # while the previous bucket is on the wire
+            checksums.extend(tensor_checksum(t) for t in ts)
         if in_flight[slot] is not None:
             in_flight[slot][0].wait()  # this staging buffer is free again
         if len(ts) == 1 and ts[0].is_contiguous() and ts[0].dtype == bucket.metas[0].dtype:
@@ -200,12 +209,14 @@ def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket) -> Non
     def post(i: int):
         return broadcast_async(group, bufs[i % 2][: buckets[i].nbytes])
 
+    dropped = dropped_buckets(len(buckets), group.rank)  # empty unless a test breaks this receiver on purpose
     pending = post(0)
     for i, bucket in enumerate(buckets):
         pending.wait()
         if i + 1 < len(buckets):
             pending = post(i + 1)
-        on_bucket(unpack(bucket, bufs[i % 2][: bucket.nbytes]))
+        if i not in dropped:
+            on_bucket(unpack(bucket, bufs[i % 2][: bucket.nbytes]))
 
 
 def _report_key(group: WeightGroup, sync_id: str, rank: int) -> str:
@@ -263,8 +274,15 @@ class GlooSender:
         self.group = join_group(store, 0, world, self.timeout_s, key)
         joined.join()
 
-    def update_info(self, metas: list[TensorMeta]) -> UpdateInfo:
-        return UpdateInfo.from_metas(metas)
+    def update_info(self, metas: list[TensorMeta], report: str = "") -> UpdateInfo:
+        info = UpdateInfo.from_metas(metas)
+        info.report = report
+        return info
+
+    def verify(self, report: str, metas: list[TensorMeta], sent: list[int], version: int) -> None:
+        """Every receiving rank's checksums of what it loaded against the trainer's (verify.py)."""
+        reports = collect_reports(self.group, report, min(REPORT_WAIT_S, self.timeout_s))
+        verify(version, [m.name for m in metas], [m.nbytes for m in metas], sent, reports)
 
     def send(self, named_tensors: NamedTensors, version: int) -> SyncStats:
         if self.group is None:
@@ -273,17 +291,20 @@ class GlooSender:
         tensors = as_stream(named_tensors)
         metas = tensors.metas
         buckets = plan_buckets(metas, self.bucket_bytes)
-        info = self.update_info(metas).to_dict()
+        report, sums = f"{version}-{secrets.token_hex(6)}", []
+        info = self.update_info(metas, report).to_dict()
         if self.pauses_itself:  # our CPU engine: the whole sync is one request (vLLM keeps its own routes)
             body = {"update_info": info, "weight_version": str(version)}
             pending = run_in_thread(lambda: self.post("/update_weights", body))
-            sent = send_buckets(self.group, buckets, tensors)
+            sent = send_buckets(self.group, buckets, tensors, sums)
             pending.join()
+            self.verify(report, metas, sums, version)
             return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)
         self.post("/start_weight_update")
         pending = run_in_thread(lambda: self.post("/update_weights", {"update_info": info}))
-        sent = send_buckets(self.group, buckets, tensors)
+        sent = send_buckets(self.group, buckets, tensors, sums)
         pending.join()
+        self.verify(report, metas, sums, version)  # before finish: a sync that did not land never gets its version
         self.post("/finish_weight_update", {"weight_version": str(version)})
         self.client.reset_prefix_cache(timeout=self.timeout_s)
         return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)

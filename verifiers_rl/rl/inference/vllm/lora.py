@@ -50,6 +50,7 @@ class LoraSyncExtension:
 
     def vf_lora_update(self, update_json: str) -> dict:
         from verifiers_rl.rl.inference.transfer.adapter import AdapterUpdate
+        from verifiers_rl.rl.inference.transfer.verify import tensor_checksum
 
         t0 = time.perf_counter()
         update = AdapterUpdate.parse(update_json)
@@ -72,6 +73,10 @@ class LoraSyncExtension:
         try:
             self._vf_install(update.lora_int_id, tensors, update.peft_config)
             result = {"tensors": len(tensors), "receive_s": received, "install_s": time.perf_counter() - t0 - received}
+            # the tensors handed to vLLM's LoRA model, in the update's order (transfer/verify.py)
+            result["checksums"] = [
+                tensor_checksum(tensors[n]) if n in tensors else None for n in update.update_info.names
+            ]
         except Exception as e:  # noqa: BLE001 - reported to the trainer, which raises it
             # An answer, not an exception: vLLM's /collective_rpc turns a worker exception into a 500 and then
             # drops the connection, so the trainer's next request (its /resume) would fail too.

@@ -22,6 +22,7 @@ from typing import Any
 
 from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES, UpdateInfo
 from verifiers_rl.rl.inference.transfer.gloo import GlooInitInfo
+from verifiers_rl.rl.inference.transfer.verify import tensor_checksum
 
 BACKEND_NAME = "gloo"
 
@@ -75,17 +76,32 @@ def _mtp_check_disabled():
 
 class _DrainingLoader:
     """A bucket callback that loads until one load fails, then keeps taking (and dropping) the rest: the trainer
-    is mid-broadcast and would otherwise wait out the group timeout before it learns anything."""
+    is mid-broadcast and would otherwise wait out the group timeout before it learns anything.
 
-    def __init__(self, load):
-        self.load, self.error = load, None
+    Each tensor is copied out of the receive buffer first: layerwise reload keeps the loaded tensors until every
+    weight of a layer has arrived, a layer (q/k/v, gate/up) can straddle buckets, and the next bucket overwrites
+    the buffer. The copies are checksummed (`verify.tensor_checksum`) as they are handed to `load_weights`: vLLM's
+    own parameters are fused and sharded, so what this worker checks is what it loaded from."""
+
+    def __init__(self, load_weights, device):
+        self.load_weights, self.device = load_weights, device
+        self.error: Exception | None = None
+        self.sums: dict[str, int] = {}
 
     def __call__(self, items) -> None:
         if self.error is None:
             try:
-                self.load(items)
+                copies = [(n, t.to(self.device, copy=True)) for n, t in items]
+                self.sums.update((n, tensor_checksum(t)) for n, t in copies)
+                self.load_weights(copies)
             except Exception as e:  # noqa: BLE001 - raised by `check`, once every bucket has arrived
                 self.error = e
+
+    def report(self, names: list[str]) -> dict:
+        """This worker's answer for the trainer's store: its checksums in the sync's order, or its error."""
+        if self.error is not None:
+            return {"error": f"{type(self.error).__name__}: {self.error}"}
+        return {"checksums": [self.sums.get(n) for n in names]}
 
     def check(self) -> None:
         if self.error is not None:
@@ -147,15 +163,12 @@ def engine_class():
             publish_report(self.joined(), sync_id, result)
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
-            # Layerwise reload keeps the loaded tensors until every weight of a layer has arrived, and a layer
-            # (q/k/v, gate/up) can straddle buckets: the views point into a receive buffer that the next bucket
-            # overwrites, so each tensor is copied out first.
-            load = _DrainingLoader(
-                lambda items: self.model.load_weights([(n, t.to(self.device, copy=True)) for n, t in items])
-            )
+            loader = _DrainingLoader(self.model.load_weights, self.device)
             with _mtp_check_disabled():
-                self.receive(update_info.metas(), load)
-            load.check()
+                self.receive(update_info.metas(), loader)
+            if update_info.report:
+                self.report(update_info.report, loader.report(update_info.names))
+            loader.check()
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
