@@ -4,9 +4,7 @@ fields must satisfy live in `config_checks.py`; names from older trainers are tr
 
 from __future__ import annotations
 
-import functools
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +12,7 @@ from transformers import TrainingArguments
 
 from verifiers_rl.rl.inference.limits import room_for_prompt
 from verifiers_rl.rl.trainer.config_checks import check_config, effective_sampling_args
-from verifiers_rl.rl.trainer.legacy import translate_legacy_kwargs
+from verifiers_rl.rl.trainer.legacy import accept_legacy_names
 from verifiers_rl.rl.trainer.lora import DEFAULT_LORA_TARGETS, LORA_ALPHA, LORA_DROPOUT, LORA_RANK
 from verifiers_rl.rl.trainer.sharding import follow_launcher_precision
 
@@ -381,24 +379,4 @@ class RLConfig(TrainingArguments):
         return d
 
 
-def _accept_legacy_names(init):
-    """RLConfig(**kwargs) with names from older trainers: renamed ones translated, removed ones refused, and the
-    HF batch fields that RLConfig replaces flagged instead of silently overwritten."""
-
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        owner = type(self).__name__
-        kwargs = translate_legacy_kwargs(kwargs, owner)
-        for name, instead in (
-            ("per_device_train_batch_size", "micro_batch_size (samples per forward/backward pass)"),
-            ("gradient_accumulation_steps", "batch_size (rollouts per optimizer step)"),
-        ):
-            if kwargs.pop(name, 1) != 1:
-                warnings.warn(f"{owner}({name}=...) is ignored: set {instead}", UserWarning, stacklevel=2)
-        init(self, *args, **kwargs)
-        self.__dict__["given_fields"] = tuple(kwargs)  # what the user set (the model card lists those); not a field
-
-    return __init__
-
-
-RLConfig.__init__ = _accept_legacy_names(RLConfig.__init__)
+RLConfig.__init__ = accept_legacy_names(RLConfig.__init__)

@@ -10,6 +10,7 @@ without a warning: the user has nothing to fix until transformers drops it.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 # old name -> new RLConfig field (same meaning)
@@ -73,3 +74,23 @@ def translate_legacy_kwargs(kwargs: dict, owner: str = "RLConfig") -> dict:
         warnings.warn("scale_rewards=True/False is deprecated; use 'group' or 'none'", DeprecationWarning, stacklevel=4)
         out["scale_rewards"] = "group" if out["scale_rewards"] else "none"
     return out
+
+
+def accept_legacy_names(init):
+    """RLConfig(**kwargs) with names from older trainers: renamed ones translated, removed ones refused, and the
+    HF batch fields that RLConfig replaces flagged instead of silently overwritten."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        owner = type(self).__name__
+        kwargs = translate_legacy_kwargs(kwargs, owner)
+        for name, instead in (
+            ("per_device_train_batch_size", "micro_batch_size (samples per forward/backward pass)"),
+            ("gradient_accumulation_steps", "batch_size (rollouts per optimizer step)"),
+        ):
+            if kwargs.pop(name, 1) != 1:
+                warnings.warn(f"{owner}({name}=...) is ignored: set {instead}", UserWarning, stacklevel=2)
+        init(self, *args, **kwargs)
+        self.__dict__["given_fields"] = tuple(kwargs)  # what the user set (the model card lists those); not a field
+
+    return __init__
