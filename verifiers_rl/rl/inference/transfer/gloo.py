@@ -196,22 +196,34 @@ def send_buckets(group: WeightGroup, buckets: list[Bucket], tensors: Iterable[tu
     return sent
 
 
-def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket) -> None:
+def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket, place=None) -> None:
     """Receiver side: bucket i+1 arrives into one staging buffer while `on_bucket` copies bucket i out of the
-    other. `on_bucket` gets [(name, view into the staging buffer)] and must copy what it keeps."""
+    other. `on_bucket` gets [(name, view into the staging buffer)] and must copy what it keeps.
+
+    `place(bucket)` may return where a bucket's bytes belong (a uint8 view of the destination itself, e.g. the
+    engine's parameters laid out in the bucket's order): such a bucket is received there, with no copy, and
+    `on_bucket` is not called for it."""
     if not buckets:
         return
-    bufs = group.staging(max(b.nbytes for b in buckets))
+    bufs: list[torch.Tensor] = []
 
     def post(i: int):
-        return broadcast_async(group, bufs[i % 2][: buckets[i].nbytes])
+        dest = place(buckets[i]) if place is not None else None
+        if dest is None:
+            if not bufs:
+                bufs.extend(group.staging(max(b.nbytes for b in buckets)))
+            dest = bufs[i % 2][: buckets[i].nbytes]
+            return broadcast_async(group, dest), dest
+        return broadcast_async(group, dest), None
 
     pending = post(0)
     for i, bucket in enumerate(buckets):
-        pending.wait()
+        work, staged = pending
+        work.wait()
         if i + 1 < len(buckets):
             pending = post(i + 1)
-        on_bucket(unpack(bucket, bufs[i % 2][: bucket.nbytes]))
+        if staged is not None:
+            on_bucket(unpack(bucket, staged))
 
 
 def _report_key(group: WeightGroup, sync_id: str, rank: int) -> str:
