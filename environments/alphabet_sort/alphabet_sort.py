@@ -68,6 +68,12 @@ def expected_answers(turns: Sequence[Sequence[str]], sort_by: str) -> list[str]:
     return ["\n".join(expected_lines(turns, t, sort_by)) for t in range(len(turns))]
 
 
+def reference_replies(info: dict) -> list[str]:
+    """Every turn's expected reply of an episode, from its ``info`` (what ``vf-sft``'s ``[dataset] replies`` calls
+    to build warm-start transcripts)."""
+    return expected_answers(info["turns"], info["sort_by"])
+
+
 def reply_lines(text: str) -> list[str]:
     """Non-blank lines of a reply, stripped, with runs of whitespace collapsed to one space."""
     return [" ".join(line.split()) for line in (text or "").splitlines() if line.strip()]
@@ -188,7 +194,7 @@ class AlphabetSortEnv(vf.MultiTurnEnv):
 
     async def env_response(self, messages, state, **kwargs):
         info, turn = state["info"], len(state["trajectory"])
-        return [{"role": "user", "content": turn_message(turn, info["turns"][turn], info["sort_by"])}]
+        return [vf.UserMessage(content=turn_message(turn, info["turns"][turn], info["sort_by"]))]
 
     @vf.stop
     async def all_turns_answered(self, state) -> bool:

@@ -322,6 +322,40 @@ def test_adapter_sync_writes_through_the_packed_views():
         eng.close()
 
 
+def test_buckets_in_sync_order_arrive_in_the_served_parameters():
+    """The engine's parameters live in one buffer in named_parameters() order, so a bucket of the trainer's sync is
+    a span of it (received there with no copy); the forward reads that memory, q/k/v and gate/up included. A bucket
+    out of order, or over a parameter whose storage was replaced since, is staged and copied instead."""
+    from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, pack, plan_buckets
+
+    model, tok = build_tiny_model(hidden=64, layers=2)
+    new, _ = build_tiny_model(hidden=64, layers=2, seed=1)
+    eng = se.SlotEngine(model, tok, max_model_len=128, max_num_seqs=2)
+    try:
+        named = list(new.named_parameters())
+        metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in named]
+        eng.pause()
+        for bucket in plan_buckets(metas, 1 << 16):
+            target = eng.placement(bucket)
+            assert target is not None and target.numel() == bucket.nbytes
+            target.copy_(pack(bucket, [dict(named)[m.name] for m in bucket.metas]))  # what gloo would deliver
+        eng.finish_update(1)
+        eng.resume()
+        assert all(torch.equal(p, dict(named)[n]) for n, p in model.named_parameters())
+        p = _prompt(tok, "in place")
+        c = _run(eng, [(p, SamplingParams(max_tokens=8, seed=0, ignore_eos=True))])[0][0]
+        ref, _ = _teacher_forced(new, p, c.token_ids)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+        swapped = plan_buckets([metas[1], metas[0]], 1 << 20)[0]
+        assert eng.placement(swapped) is None
+        attn = model.model.layers[0].self_attn
+        attn.q_proj.weight.data = attn.q_proj.weight.detach().clone()
+        q = plan_buckets([m for m in metas if m.name == "model.layers.0.self_attn.q_proj.weight"], 1 << 20)[0]
+        assert eng.placement(q) is None
+    finally:
+        eng.close()
+
+
 def test_slots_are_reused_and_queued_requests_wait(tiny):
     model, tok = build_tiny_model(hidden=64, layers=2)
     eng = se.SlotEngine(model, tok, max_model_len=128, max_num_seqs=3)

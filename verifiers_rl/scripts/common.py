@@ -74,21 +74,55 @@ def load_env(cfg: dict[str, Any]):
     return load_environment(cfg["env"]["id"], cfg["env"].get("args", {}))
 
 
-def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, serving=None) -> int:
+def apply_eval_settings(args, ev: dict[str, Any]) -> None:
+    """[eval] num_examples / rollouts_per_example / temperature onto the RLConfig."""
+    if ev.get("num_examples"):
+        args.num_eval_examples = ev["num_examples"]
+    if ev.get("rollouts_per_example"):
+        args.eval_rollouts_per_example = ev["rollouts_per_example"]
+    if ev.get("temperature") is not None:
+        args.eval_temperature = float(ev["temperature"])
+
+
+def evaluations(trainer, ev: dict[str, Any], when: str) -> dict[str, dict]:
+    """evaluate() at the eval temperature as `when`, and with [eval] greedy = true also at temperature 0 as
+    `<when>_greedy`: a policy can gain at its sampling temperature only by sharpening, which greedy decoding shows."""
+    out = {when: trainer.evaluate(metric_key_prefix=f"eval_{when}")}
+    if ev.get("greedy"):
+        saved, trainer.args.eval_temperature = trainer.args.eval_temperature, 0.0
+        try:
+            out[f"{when}_greedy"] = trainer.evaluate(metric_key_prefix=f"eval_{when}_greedy")
+        finally:
+            trainer.args.eval_temperature = saved
+    return out
+
+
+def evaluate_base(model: str, env, args, ev: dict[str, Any]) -> dict[str, dict]:
+    """[eval] base = true: the model the [sft] warm-start starts from, evaluated as the RL policy is, on a server
+    of its own (started and stopped here, before the run's server), so the warm-start's share shows."""
+    from verifiers_rl.rl.trainer import RLTrainer
+
+    apply_eval_settings(args, ev)
+    print(f"vf-rl: evaluating the model before the warm-start ({model})", flush=True)
+    trainer = RLTrainer(model=model, env=env, args=args)
+    try:
+        return evaluations(trainer, ev, "base")
+    finally:
+        trainer.close()
+
+
+def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, serving=None, base=None) -> int:
     """RLTrainer with the config's [eval] before/after (every process runs it: evaluate() talks to the server on
     the main process only and hands the metrics to the others), resuming from the last checkpoint of output_dir
     unless trainer.args.resume_from_checkpoint = false; the main process writes the report, then <output_dir>/final
-    (whose model card shows both evaluations). `server` and `serving`: the server vf-rl started and the plan it
-    started it by."""
+    (whose model card shows the evaluations). `server` and `serving`: the server vf-rl started and the plan it
+    started it by; `base`: evaluate_base()'s metrics, for the report."""
     from verifiers_rl.rl.trainer import RLTrainer
     from verifiers_rl.rl.trainer.checkpoints import has_checkpoint
     from verifiers_rl.scripts.report import write_report
 
     ev = cfg.get("eval", {})
-    if ev.get("num_examples"):
-        args.num_eval_examples = ev["num_examples"]
-    if ev.get("rollouts_per_example"):
-        args.eval_rollouts_per_example = ev["rollouts_per_example"]
+    apply_eval_settings(args, ev)
     resume = None
     if cfg.get("trainer", {}).get("args", {}).get("resume_from_checkpoint") is not False:
         if has_checkpoint(args.output_dir):
@@ -98,14 +132,17 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
     trainer.runtime.session.watched = server  # the server vf-rl started: a dead or stuck one is named at once
     if serving is not None:
         trainer.runtime.session.plan = serving  # vf-rl planned that server: the trainer syncs by the same plan
+    evals: dict[str, dict | None] = dict(base or {})
     try:
-        before = trainer.evaluate(metric_key_prefix="eval_before") if ev.get("before", False) else None
+        if ev.get("before", False):
+            evals.update(evaluations(trainer, ev, "before"))
         trainer.train(resume_from_checkpoint=resume, save_final=False)
-        after = trainer.evaluate(metric_key_prefix="eval_after") if ev.get("after", False) else None
+        if ev.get("after", False):
+            evals.update(evaluations(trainer, ev, "after"))
     finally:
         trainer.close()
     if trainer.is_world_process_zero():
-        write_report(args.output_dir, before, after)
+        write_report(args.output_dir, evals)
     final = trainer.save_final()
     if final and trainer.is_world_process_zero():
         print(f"final model: {final} (serve it: vf-vllm --model {final})", flush=True)

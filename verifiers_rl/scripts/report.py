@@ -28,13 +28,35 @@ def _reward(metrics: dict | None) -> float | None:
     return next((v for k, v in metrics.items() if k.endswith("/reward")), None)
 
 
-def write_report(output_dir: str | Path, before: dict | None, after: dict | None) -> dict:
-    b, a = _reward(before), _reward(after)
+def summarize(evals: dict[str, dict | None]) -> dict:
+    """summary.json's numbers from the run's evaluations: `evals` maps "before" / "after" (around RL), "base" (the
+    model before the SFT warm-start) and the same names + "_greedy" (temperature 0) to evaluate()'s metrics."""
+    summary: dict = {}
+    for kind, suffix in (("eval_reward", ""), ("eval_greedy_reward", "_greedy")):
+        base, b, a = (_reward(evals.get(when + suffix)) for when in ("base", "before", "after"))
+        if base is not None:
+            summary[f"{kind}_base"] = base
+        if b is not None or a is not None or not suffix:
+            summary[f"{kind}_before"], summary[f"{kind}_after"] = b, a
+        if b is not None and a is not None:
+            summary[f"{kind}_delta"] = a - b  # RL's share
+        if base is not None and b is not None:
+            summary[f"{kind}_sft_delta"] = b - base  # the warm-start's share
+    return summary
+
+
+def write_report(output_dir: str | Path, evals: dict[str, dict | None]) -> dict:
+    summary = summarize(evals)
+    b, a = summary["eval_reward_before"], summary["eval_reward_after"]
     png = plot_reward_curve(output_dir, b, a)
-    summary = {"eval_reward_before": b, "eval_reward_after": a, "reward_curve": str(png) if png else None}
-    if b is not None and a is not None:
-        summary["eval_reward_delta"] = a - b
-        print(f"eval reward: before RL {b:.4f} -> after RL {a:.4f} ({a - b:+.4f})", flush=True)
+    summary["reward_curve"] = str(png) if png else None
+    for kind, name in (("eval_reward", "eval reward"), ("eval_greedy_reward", "greedy eval reward")):
+        if f"{kind}_base" in summary and summary.get(f"{kind}_before") is not None:
+            base, b = summary[f"{kind}_base"], summary[f"{kind}_before"]
+            print(f"{name}: base {base:.4f} -> after SFT {b:.4f} ({b - base:+.4f})", flush=True)
+        if f"{kind}_delta" in summary:
+            b, a = summary[f"{kind}_before"], summary[f"{kind}_after"]
+            print(f"{name}: before RL {b:.4f} -> after RL {a:.4f} ({a - b:+.4f})", flush=True)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     (Path(output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     if png:

@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import NoReturn
 
 from verifiers_rl.errors import ConfigError
-from verifiers_rl.scripts.common import load_env, run_cli, split_argv, train_and_evaluate
+from verifiers_rl.scripts.common import (
+    evaluate_base,
+    load_env,
+    resolve_model,
+    run_cli,
+    split_argv,
+    train_and_evaluate,
+)
 from verifiers_rl.scripts.rl_plan import Plan, build_plan, print_plan, trainer_env
 from verifiers_rl.scripts.toml_config import (
     apply_overrides,
@@ -31,11 +38,18 @@ from verifiers_rl.scripts.toml_config import (
 
 def run(plan: Plan) -> int:
     cfg = plan.cfg
+    env = load_env(cfg)
+    base = None
+    if plan.sft and cfg.get("eval", {}).get("base") and plan.trainer_cmd:
+        print("vf-rl: [eval] base is evaluated only when the trainer runs in this process (CPU runs)", flush=True)
+    elif plan.sft and cfg.get("eval", {}).get("base"):
+        model = resolve_model(plan.sft["cfg"], plan.sft["config_path"])
+        args = rl_config(cfg, server_mode="spawn", output_dir=str(Path(plan.output_dir) / "base-eval"))
+        base = evaluate_base(model, env, args, cfg["eval"])
     if plan.sft and not plan.sft["done"]:
         from verifiers_rl.scripts.sft import run_sft
 
         run_sft(plan.sft["cfg"], plan.sft["config_path"])
-    env = load_env(cfg)
     server = plan.server
     pinned = plan.trainer_overrides
     if server.spec.adapter is not None:
@@ -54,7 +68,7 @@ def run(plan: Plan) -> int:
             server_control_token=server.token,
             **pinned,
         )
-        return train_and_evaluate(plan.model, env, args, cfg, server, plan.serving)
+        return train_and_evaluate(plan.model, env, args, cfg, server, plan.serving, base)
 
 
 def _run_trainer_processes(plan: Plan, server) -> int:

@@ -5,6 +5,8 @@ config can use as `model` (or reference through its `[sft] config`).
     [dataset]
     env = "reverse-text"                       # prompt -> answer pairs from an environment's dataset ([env.args])
     completion_template = "<reversed_text>\n{answer}\n</reversed_text>"   # formats each row's answer
+    # multi-turn: replies = "alphabet_sort:reference_replies" (info -> every turn's reference reply); the
+    # environment runs its own turns around them and each assistant turn becomes one sample (sft_transcripts.py)
     # or: path = "data.jsonl" (prompt/completion or messages rows), or name = "<hub dataset>" + split
     [trainer.args]                             # SFTConfig fields, plus use_lora / lora_rank / lora_alpha
     learning_rate = 2e-4
@@ -92,6 +94,8 @@ def sft_dataset(cfg: dict[str, Any], config_path: str):
 
         env = load_env({"env": {"id": ds_cfg["env"], "args": cfg.get("env", {}).get("args", {})}})
         rows = env.get_dataset()
+        if "replies" in ds_cfg:  # multi-turn: transcripts from the environment's own turns
+            return _transcripts(env, rows, ds_cfg)
         template = ds_cfg.get("completion_template", "{answer}")
         field = ds_cfg.get("completion_field", "answer")
 
@@ -115,6 +119,22 @@ def sft_dataset(cfg: dict[str, Any], config_path: str):
         raise ConfigError("[dataset] needs one of: env, path, name")
     n = ds_cfg.get("num_examples")
     return ds.select(range(min(n, len(ds)))) if n else ds
+
+
+def _transcripts(env, rows, ds_cfg: dict[str, Any]):
+    from datasets import Dataset
+
+    from verifiers_rl.scripts.sft_transcripts import load_replies, transcript_samples
+
+    n = ds_cfg.get("num_examples")
+    rows = rows.select(range(min(n, len(rows)))) if n else rows
+    samples, reward = transcript_samples(env, rows, load_replies(ds_cfg["replies"]))
+    print(
+        f"vf-sft: {len(samples)} turns from {len(rows)} reference transcripts of {ds_cfg['env']} "
+        f"(their mean reward: {reward:.3f})",
+        flush=True,
+    )
+    return Dataset.from_list(samples)
 
 
 def run_sft(cfg: dict[str, Any], config_path: str) -> str:

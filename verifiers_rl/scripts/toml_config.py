@@ -6,7 +6,7 @@
     [trainer]   gpus = 1                 # + [trainer.args] (RLConfig fields), accelerate_config (ZeRO-3, FSDP2)
     [sft]       config = "configs/vf-sft/x.toml"   # ours: warm-start first (skipped when already done)
     [tiny]      hidden = 64, layers = 2, seed = 0  # ours: the offline tiny model
-    [eval]      before = true, after = true        # ours: held-out eval around RL
+    [eval]      before = true, after = true        # ours: held-out eval around RL (+ base, greedy, temperature)
 
 Errors name the key and say what is allowed; `ConfigError` carries one line for the CLI to print.
 """
@@ -29,7 +29,15 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "trainer": {"gpus": int, "args": dict, "accelerate_config": str},
     "sft": {"config": str},
     "tiny": {"hidden": int, "layers": int, "seed": int, "head_dim": int},
-    "eval": {"before": bool, "after": bool, "num_examples": int, "rollouts_per_example": int},
+    "eval": {
+        "before": bool,
+        "after": bool,
+        "base": bool,
+        "greedy": bool,
+        "temperature": (int, float),
+        "num_examples": int,
+        "rollouts_per_example": int,
+    },
     "dataset": {
         "env": str,
         "path": str,
@@ -37,6 +45,7 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
         "split": str,
         "completion_field": str,
         "completion_template": str,
+        "replies": str,
         "num_examples": int,
     },  # vf-sft
 }

@@ -294,6 +294,13 @@ class RLConfig(TrainingArguments):
         default=None, metadata=_help("Eval examples used by evaluate() (None: the whole eval split).")
     )
     eval_rollouts_per_example: int = field(default=1, metadata=_help("Rollouts per eval example."))
+    eval_temperature: float | None = field(
+        default=None,
+        metadata=_help(
+            "Sampling temperature of evaluate() (None: the training temperature; 0: greedy decoding). The other "
+            "request fields are the training ones."
+        ),
+    )
     log_completions: bool = field(
         default=True, metadata=_help("Show a sample prompt/completion/reward every logging_steps (and a wandb table).")
     )

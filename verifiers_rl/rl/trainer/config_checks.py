@@ -93,6 +93,7 @@ def _batch_rules(cfg, check) -> None:
     )
     check(cfg.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
     check(cfg.temperature > 0, "temperature", "must be > 0 (the trainer divides logits by it)")
+    check(cfg.eval_temperature is None or cfg.eval_temperature >= 0, "eval_temperature", "must be >= 0 (0: greedy)")
     check(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     check(cfg.top_k is None or cfg.top_k == -1 or cfg.top_k > 0, "top_k", "must be None, -1 or > 0")
     check(cfg.min_p is None or 0 <= cfg.min_p <= 1, "min_p", "must be in [0, 1]")

@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 
 
 def _is_eval_reward(key: str) -> bool:
-    return key.startswith("eval") and key.endswith("/reward")
+    return key.startswith("eval") and key.endswith("/reward") and "greedy" not in key  # greedy evals are reported, not plotted
 
 
 def _smooth(values: list[float], window: int) -> list[float]:

@@ -234,8 +234,11 @@ class InferenceRuntime:
         orch = self.orchestrator or self._orchestrator(
             rows, rollouts_per_example=args.eval_rollouts_per_example, prompts_per_batch=1
         )
+        sampling = dict(args.sampling_args)
+        if args.eval_temperature is not None:
+            sampling["temperature"] = args.eval_temperature
         try:
-            rollouts = orch.evaluate(rows, args.eval_rollouts_per_example, args.sampling_args)
+            rollouts = orch.evaluate(rows, args.eval_rollouts_per_example, sampling)
         finally:
             if orch is not self.orchestrator:
                 orch.close()

@@ -104,9 +104,28 @@ def cache_rows(slots: torch.Tensor, positions: torch.Tensor, kv_heads: int, leng
 # ------------------------------------------------------------------------------------------ weights
 
 
+def _adjacent(tensors: list[torch.Tensor]) -> bool:
+    """Whether the tensors are contiguous and laid out back to back in one storage, in this order."""
+    if not all(t.is_contiguous() for t in tensors):
+        return False
+    storage = tensors[0].untyped_storage().data_ptr()
+    end = tensors[0].data_ptr()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != storage or t.data_ptr() != end:
+            return False
+        end += t.numel() * t.element_size()
+    return True
+
+
 def _pack(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the modules' weights (and biases) into one buffer and point each parameter at its slice."""
-    weight = torch.cat([m.weight.detach() for m in modules], dim=0)
+    """Concatenate the modules' weights (and biases) into one buffer and point each parameter at its slice. Weights
+    already back to back in memory (the engine's flat parameter buffer) are packed as a view of that span."""
+    weights = [m.weight.detach() for m in modules]
+    if _adjacent(weights) and all(m.bias is None for m in modules):
+        first = weights[0]
+        rows = sum(w.shape[0] for w in weights)
+        return first.as_strided((rows, first.shape[1]), first.stride()), None
+    weight = torch.cat(weights, dim=0)
     biases = [m.bias for m in modules]
     if any(b is not None for b in biases) and any(b is None for b in biases):
         raise ValueError("projections with mixed biases")

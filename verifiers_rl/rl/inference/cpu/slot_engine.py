@@ -84,8 +84,9 @@ class SlotEngine(ServedWeights):
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
-        self.decoder = LeanDecoder(model, max_model_len)  # packs projections: parameters become views
-        self._init_weights()  # after packing: the parameters it looks up are the packed views
+        self._init_weights()
+        self.flatten_parameters()  # one buffer in sync order: buckets arrive in place (weights.py)
+        self.decoder = LeanDecoder(model, max_model_len)  # packs projections: adjacent spans of that buffer
         self.eos_token_ids = eos_ids(model, tokenizer)
         d = self.decoder
         self.cache = SlotKVCache(
@@ -179,6 +180,12 @@ class SlotEngine(ServedWeights):
             n = super().load_weights(named_tensors, lora_scaling=lora_scaling)
             self._shared.clear()
             return n
+
+    def placement(self, bucket):
+        # called while the engine is paused for the sync (WeightReceiver.start): no step reads these weights
+        with self._step_lock:
+            self._shared.clear()
+            return super().placement(bucket)
 
     def reset_prefix_cache(self) -> None:
         with self._step_lock:  # cached prompts hold keys/values computed with the old weights

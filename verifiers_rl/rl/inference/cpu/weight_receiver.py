@@ -52,7 +52,17 @@ class WeightReceiver:
                 except (KeyError, ValueError, RuntimeError) as e:
                     error = e
 
-        gloo.receive_buckets(self.pg, plan_buckets(metas, self.bucket_bytes), on_bucket)
+        buckets = plan_buckets(metas, self.bucket_bytes)
+        placed = []
+
+        def place(bucket):  # a bucket that is a span of the engine's own parameters arrives there directly
+            target = self.engine.placement(bucket) if error is None else None
+            if target is not None:
+                placed.append(len(bucket.metas))
+            return target
+
+        gloo.receive_buckets(self.pg, buckets, on_bucket, place if hasattr(self.engine, "placement") else None)
+        loaded += sum(placed)
         if error is not None:
             raise ValueError(f"weight update failed: {error}") from error
         if update.report:  # what the engine now holds, read back: a tensor received but not written shows

@@ -30,6 +30,46 @@ class ServedWeights:
         self._overwritten: set[str] = set()  # weights replaced by full tensors before any pristine copy
         self._params = dict(self.model.named_parameters())  # looked up per received tensor on every sync
 
+    def flatten_parameters(self) -> None:
+        """Lay every parameter out in one flat buffer, in `named_parameters()` order, each parameter a view of it.
+
+        The trainer sends merged weights in that same order, bucket by bucket, so a bucket is one contiguous span
+        of this buffer and arrives there directly (`placement`), with no staging copy. The forward reads the same
+        memory (the lean decoder packs q/k/v and gate/up as views of adjacent spans). Skipped for mixed dtypes."""
+        params = list(self.model.named_parameters())
+        dtypes = {p.dtype for _, p in params}
+        if len(dtypes) != 1:
+            return
+        with torch.no_grad():
+            arena = torch.cat([p.detach().reshape(-1) for _, p in params])
+            spans, offset = {}, 0
+            for name, p in params:
+                n = p.numel()
+                p.data = arena[offset : offset + n].view(p.shape)
+                spans[name] = (offset * arena.element_size(), n * arena.element_size(), p.dtype, tuple(p.shape))
+                offset += n
+        self._arena, self._spans = arena.view(torch.uint8), spans
+
+    def placement(self, bucket) -> torch.Tensor | None:
+        """Where a bucket of full tensors belongs when its tensors are consecutive spans of the flat buffer (their
+        dtype and shape as served); None otherwise (the bucket is then staged and copied by `load_weights`)."""
+        spans = getattr(self, "_spans", None)
+        if not spans or bucket.metas[0].name not in spans:
+            return None
+        start = end = spans[bucket.metas[0].name][0]
+        base = self._arena.data_ptr()
+        for meta in bucket.metas:
+            span = spans.get(meta.name)
+            if span is None or span[0] != end or span[2] != meta.dtype or span[3] != tuple(meta.shape):
+                return None
+            if self._params[meta.name].data_ptr() != base + span[0]:  # replaced since (param.data = ...): stale span
+                return None
+            end += span[1]
+        for meta in bucket.metas:  # as load_weights records a full-tensor copy
+            if meta.name not in self._pristine:
+                self._overwritten.add(meta.name)
+        return self._arena[start:end]
+
     def load_weights(self, named_tensors, *, lora_scaling: float | None = None) -> int:
         """Copy tensors into the model (HF names). With `lora_scaling`, `X.lora_A`/`X.lora_B` pairs become
         X.weight = X0 + scaling * B @ A against pristine base weights; other names are copied as they are."""

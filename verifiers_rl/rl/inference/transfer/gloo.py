@@ -199,24 +199,36 @@ def send_buckets(
     return sent
 
 
-def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket) -> None:
+def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket, place=None) -> None:
     """Receiver side: bucket i+1 arrives into one staging buffer while `on_bucket` copies bucket i out of the
-    other. `on_bucket` gets [(name, view into the staging buffer)] and must copy what it keeps."""
+    other. `on_bucket` gets [(name, view into the staging buffer)] and must copy what it keeps.
+
+    `place(bucket)` may return where a bucket's bytes belong (a uint8 view of the destination itself, e.g. the
+    engine's parameters laid out in the bucket's order): such a bucket is received there, with no copy, and
+    `on_bucket` is not called for it."""
     if not buckets:
         return
-    bufs = group.staging(max(b.nbytes for b in buckets))
-
-    def post(i: int):
-        return broadcast_async(group, bufs[i % 2][: buckets[i].nbytes])
+    bufs: list[torch.Tensor] = []
 
     dropped = dropped_buckets(len(buckets), group.rank)  # empty unless a test breaks this receiver on purpose
+
+    def post(i: int):
+        dest = place(buckets[i]) if place is not None and i not in dropped else None
+        if dest is None:
+            if not bufs:
+                bufs.extend(group.staging(max(b.nbytes for b in buckets)))
+            dest = bufs[i % 2][: buckets[i].nbytes]
+            return broadcast_async(group, dest), dest
+        return broadcast_async(group, dest), None
+
     pending = post(0)
     for i, bucket in enumerate(buckets):
-        pending.wait()
+        work, staged = pending
+        work.wait()
         if i + 1 < len(buckets):
             pending = post(i + 1)
-        if i not in dropped:
-            on_bucket(unpack(bucket, bufs[i % 2][: bucket.nbytes]))
+        if staged is not None and i not in dropped:
+            on_bucket(unpack(bucket, staged))
 
 
 def _report_key(group: WeightGroup, sync_id: str, rank: int) -> str:
