@@ -14,7 +14,8 @@ from transformers import TrainerCallback
 
 
 def _is_eval_reward(key: str) -> bool:
-    return key.startswith("eval") and key.endswith("/reward") and "greedy" not in key  # greedy evals are reported, not plotted
+    # greedy evals are reported in summary.json, not plotted: one eval series per curve
+    return key.startswith("eval") and key.endswith("/reward") and "greedy" not in key
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
