@@ -202,16 +202,13 @@ def test_every_receiving_rank_reports_through_the_store():
 
     from verifiers_rl.rl.inference.transfer import gloo
 
-    store = gloo.open_store("127.0.0.1", 0, world_size=3, timeout_s=10)
-    try:
-        peer = dist.TCPStore("127.0.0.1", store.port, 3, is_master=False, timeout=datetime.timedelta(seconds=10))
-        trainer = gloo.WeightGroup(None, store, rank=0, world_size=3, key="run")
-        gloo.publish_report(gloo.WeightGroup(None, peer, rank=1, world_size=3, key="run"), "7-a", {"tensors": 4})
-        with pytest.raises(RuntimeError, match=r"inference ranks \[2\] left no answer"):
-            gloo.collect_reports(trainer, "7-a", timeout_s=0.5)
-        gloo.publish_report(gloo.WeightGroup(None, peer, rank=2, world_size=3, key="run"), "7-a", {"error": "no"})
-        assert gloo.collect_reports(trainer, "7-a", timeout_s=5) == {1: {"tensors": 4}, 2: {"error": "no"}}
-        with pytest.raises(RuntimeError, match=r"ranks \[1, 2\]"):  # read once: the next sync starts clean
-            gloo.collect_reports(trainer, "7-a", timeout_s=0.2)
-    finally:
-        gloo.close_store(store)
+    store = gloo.open_store("127.0.0.1", 0, world_size=3, timeout_s=10)  # closes its own listening descriptor
+    peer = dist.TCPStore("127.0.0.1", store.port, 3, is_master=False, timeout=datetime.timedelta(seconds=10))
+    trainer = gloo.WeightGroup(None, store, rank=0, world_size=3, key="run")
+    gloo.publish_report(gloo.WeightGroup(None, peer, rank=1, world_size=3, key="run"), "7-a", {"tensors": 4})
+    with pytest.raises(RuntimeError, match=r"inference ranks \[2\] left no answer"):
+        gloo.collect_reports(trainer, "7-a", timeout_s=0.5)
+    gloo.publish_report(gloo.WeightGroup(None, peer, rank=2, world_size=3, key="run"), "7-a", {"error": "no"})
+    assert gloo.collect_reports(trainer, "7-a", timeout_s=5) == {1: {"tensors": 4}, 2: {"error": "no"}}
+    with pytest.raises(RuntimeError, match=r"ranks \[1, 2\]"):  # read once: the next sync starts clean
+        gloo.collect_reports(trainer, "7-a", timeout_s=0.2)
