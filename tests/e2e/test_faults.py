@@ -106,7 +106,8 @@ def _wait_survivors_gone(pid: int, timeout: float = 20) -> list[str]:
 # ---------------------------------------------------------------------------------------------- preemption
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+# SIGTERM's save, exit 143 and resume run in the fast suite as test_reliability's requeue test (twice over)
+@pytest.mark.parametrize("sig, code", [pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow), (signal.SIGINT, 130)])
 def test_signal_saves_the_last_step_and_resume_continues(tmp_path, tiny_model_dir, sig, code):
     from verifiers_rl.rl.trainer.checkpoints import checkpoints, problem
 
