@@ -16,6 +16,11 @@ from pathlib import Path
 
 import pytest
 from procs import BIN, run_command, survivors
+from runs import error_line as _error_line
+from runs import server_pids as _server_pids
+from runs import start as _start
+from runs import steps as _steps
+from runs import wait_for_step as _wait_for_step
 
 pytestmark = pytest.mark.faults
 
@@ -48,52 +53,6 @@ def _cfg(tmp_path, model, steps=40, save_steps=2, gen_timeout=600, extra="", nam
     text = RUN.format(model=model, out=tmp_path / "out", steps=steps, save_steps=save_steps, gen_timeout=gen_timeout)
     p.write_text(textwrap.dedent(text) + extra)
     return p
-
-
-def _start(cfg: Path, *extra) -> subprocess.Popen:
-    return subprocess.Popen(
-        [str(BIN / "vf-rl"), "@", str(cfg), *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _steps(out: Path) -> list[int]:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x)["step"] for x in path.read_text().splitlines() if '"reward"' in x]
-
-
-def _wait_for_step(proc, out: Path, step: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _steps(out) and max(_steps(out)) >= step:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"vf-rl ended early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
-        time.sleep(0.2)
-    raise AssertionError(f"no step {step} within {timeout}s")
-
-
-def _error_line(stderr: str, prog: str = "vf-rl") -> str:
-    lines = [x for x in stderr.splitlines() if x.startswith(f"{prog}: error:")]
-    assert len(lines) == 1, stderr[-3000:]
-    assert "Traceback" not in stderr, stderr[-3000:]
-    return lines[0]
-
-
-def _server_pids(parent: int) -> list[int]:
-    marker = f"VF_PARENT_PID={parent}".encode()
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                pids.append(int(pid))
-        except OSError:
-            continue
-    return pids
 
 
 def _wait_survivors_gone(pid: int, timeout: float = 20) -> list[str]:

@@ -82,14 +82,7 @@ class ServerSession:
             self.plan = self._plan("connect", engine_of_models(models), model, client)
         self._check_placement()
         self._read_models(models)
-        client.init_weight_transfer(
-            self.plan.sync_backend,
-            host=store_host_for(args.vllm_server_host),
-            bucket_bytes=args.sync_bucket_mb << 20,
-            server_pauses=self.plan.server_pauses,
-        )
-        self.client = client
-        return client
+        return self._set_up_sync(client)
 
     def _check_placement(self) -> None:
         if not torch.cuda.is_available():
@@ -305,6 +298,11 @@ class ServerSession:
                 args.vllm_server_host, port, control_token=token, api_key=args.server_api_key, **self.client_timeouts()
             )
         self._read_models(client.models())
+        return self._set_up_sync(client)
+
+    def _set_up_sync(self, client: InferenceClient) -> InferenceClient:
+        """The weight-transfer group with the server, by the plan; the session keeps the client."""
+        args = self.args
         client.init_weight_transfer(
             self.plan.sync_backend,
             host=store_host_for(args.vllm_server_host),
