@@ -152,7 +152,8 @@ def test_sharded_checkpoint_resumes_exactly(tiny_model_dir, sharded, layout, pol
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.mark.parametrize("layout", ["zero3", "fsdp2"])
+# one sharded layout in the fast suite (CI time); the one-process case is in test_sync_verify.py
+@pytest.mark.parametrize("layout", [pytest.param("zero3", marks=pytest.mark.slow), "fsdp2"])
 def test_a_wrongly_gathered_shard_stops_the_run_right_after_its_sync(tiny_model_dir, tmp_path, layout):
     """The export sends rank 0's shard where rank 1's belongs (`--wrong-shard`): the server checksums the same wrong
     bytes the trainer sent, so the sync verifies; the batch sampled after it disagrees with the trainer, and the
