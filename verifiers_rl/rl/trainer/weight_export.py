@@ -24,6 +24,7 @@ no rank ever holds more than about one bucket beyond its shard.
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -109,7 +110,7 @@ class ReplicatedExport:
         )
 
 
-class ShardedExport:
+class ShardedExport(ABC):
     """Parameters live in shards across ranks; `gathered(names)` makes a group of them whole on every rank."""
 
     collective = True
@@ -121,8 +122,9 @@ class ShardedExport:
         self.inner = inner if hasattr(getattr(model, "base_model", None), "peft_config") else model
         self.params = dict(self.inner.named_parameters())
 
+    @abstractmethod
     def gathered(self, names: list[str]) -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
-        raise NotImplementedError
+        """The named parameters whole, on every rank, for the duration of the context (ZeRO3Export, FSDP2Export)."""
 
     def stream(self, kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightStream:
         items, config, rank = _items(self.model, kind)

@@ -7,12 +7,14 @@ layers of a forward pass.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from verifiers_rl.rl.inference.transfer.verify import tensor_checksum
 
 
-class ServedWeights:
+class ServedWeights(ABC):
     """Mixin for an engine that holds `self.model` and serves policy `self.version`."""
 
     model: torch.nn.Module
@@ -123,5 +125,6 @@ class ServedWeights:
         self.reset_prefix_cache()
         return self.version
 
-    def reset_prefix_cache(self) -> None:  # pragma: no cover - every engine has its own cache
-        raise NotImplementedError
+    @abstractmethod
+    def reset_prefix_cache(self) -> None:
+        """Drop cached keys and values (each engine has its own cache: CPUEngine's prefix cache, SlotEngine's)."""
