@@ -275,3 +275,22 @@ def test_dry_run_refuses_a_trainer_rank_that_cannot_fit():
     assert training_layout({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}) == "fsdp2"
     with pytest.raises(ConfigError, match="FSDP version 1 is not supported"):
         training_layout({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 1}})
+
+
+def test_fsdp2_is_requested_by_the_launcher_or_by_trainingarguments(monkeypatch):
+    """Both routes docs/scaling.md names: accelerate's exported FSDP settings, and `fsdp` + `fsdp_config` version 2."""
+    from types import SimpleNamespace
+
+    from verifiers_rl.rl.trainer.sharding import fsdp2_requested
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    monkeypatch.delenv("FSDP_VERSION", raising=False)
+    args = SimpleNamespace(fsdp=[], fsdp_config={})
+    assert not fsdp2_requested(args)
+    assert fsdp2_requested(SimpleNamespace(fsdp=["full_shard"], fsdp_config={"version": 2}))
+    assert not fsdp2_requested(SimpleNamespace(fsdp=["full_shard"], fsdp_config={"version": 1}))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert fsdp2_requested(args)
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    assert not fsdp2_requested(args)
