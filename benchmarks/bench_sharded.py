@@ -28,9 +28,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,42 +42,9 @@ MODELS = {"full": ("~100M", 704, 22), "quick": ("~10M", 256, 16)}  # (label, hid
 LAYOUTS = ("ddp", "zero3", "fsdp2")
 SYNC_GOAL = 1.3
 MEMORY_GOAL = 0.6
-CONFIGS = {  # accelerate configs as tests/e2e/test_sharded.py uses them (configs/accelerate, on 2 CPU processes)
-    "zero3": """
-        compute_environment: LOCAL_MACHINE
-        deepspeed_config:
-          deepspeed_multinode_launcher: standard
-          offload_optimizer_device: none
-          offload_param_device: none
-          zero3_init_flag: true
-          zero3_save_16bit_model: true
-          zero_stage: 3
-        distributed_type: DEEPSPEED
-        downcast_bf16: 'no'
-        machine_rank: 0
-        main_training_function: main
-        mixed_precision: 'no'
-        num_machines: 1
-        num_processes: 2
-        rdzv_backend: static
-        same_network: true
-        use_cpu: true
-    """,
-    "fsdp2": """
-        compute_environment: LOCAL_MACHINE
-        distributed_type: FSDP
-        fsdp_config:
-          fsdp_version: 2
-          fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-          fsdp_reshard_after_forward: true
-          fsdp_state_dict_type: FULL_STATE_DICT
-        machine_rank: 0
-        mixed_precision: 'no'
-        num_machines: 1
-        num_processes: 2
-        use_cpu: true
-    """,
-}
+ACCELERATE = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
+# the shipped configs/accelerate/<layout>.yaml on 2 CPU processes, as tests/e2e/test_sharded.py runs them
+ON_CPU = {"use_cpu": True, "num_processes": 2, "mixed_precision": "no"}
 # DDP on CPU: accelerate's multi-process launcher (its `--cpu` would start one process), as tests/e2e/test_ddp.py
 DDP_ARGS = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
 
@@ -151,7 +119,7 @@ def launch(layout: str, model_dir: str, out: Path, steps: int, log) -> dict:
         launcher += DDP_ARGS
     else:
         config = out.parent / f"{layout}.yaml"
-        config.write_text(textwrap.dedent(CONFIGS[layout]))
+        config.write_text(yaml.safe_dump({**yaml.safe_load((ACCELERATE / f"{layout}.yaml").read_text()), **ON_CPU}))
         launcher += ["--config_file", str(config)]
     cmd = [*launcher, os.path.abspath(__file__), "--worker", model_dir, str(out), str(steps)]
     t0 = time.perf_counter()

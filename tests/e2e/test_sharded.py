@@ -15,67 +15,33 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sharded_train.py"
-CONFIGS = {
-    # upstream's configs/zero3.yaml, adapted only where a CPU needs it (use_cpu, 2 processes); its mixed precision
-    # (bf16) is kept: the run follows the launcher's precision
-    "zero3": """
-        compute_environment: LOCAL_MACHINE
-        deepspeed_config:
-          deepspeed_multinode_launcher: standard
-          offload_optimizer_device: none
-          offload_param_device: none
-          zero3_init_flag: true
-          zero3_save_16bit_model: true
-          zero_stage: 3
-        distributed_type: DEEPSPEED
-        downcast_bf16: 'no'
-        machine_rank: 0
-        main_training_function: main
-        mixed_precision: {precision}
-        num_machines: 1
-        num_processes: 2
-        rdzv_backend: static
-        same_network: true
-        use_cpu: true
-    """,
-    "fsdp2": """
-        compute_environment: LOCAL_MACHINE
-        distributed_type: FSDP
-        fsdp_config:
-          fsdp_version: 2
-          fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-          fsdp_reshard_after_forward: true
-          fsdp_state_dict_type: FULL_STATE_DICT
-        machine_rank: 0
-        mixed_precision: {precision}
-        num_machines: 1
-        num_processes: 2
-        use_cpu: true
-    """,
-}
+ACCELERATE = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
+# the shipped configs/accelerate/<layout>.yaml, changed only where 2 CPU processes need it (the launcher's bf16
+# being followed is tested in tests/unit/test_layouts.py)
+ON_CPU = {"use_cpu": True, "num_processes": 2, "mixed_precision": "no"}
 EXPORTS = {"zero3": "ZeRO3Export", "fsdp2": "FSDP2Export", None: "ReplicatedExport"}
 
 
-def _launch(tmp_root: Path, model_dir: str, policy: str, layout: str | None, out: Path, *extra, precision="'no'"):
+def _launch(tmp_root: Path, model_dir: str, policy: str, layout: str | None, out: Path, *extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     cmd = [sys.executable, str(SCRIPT), model_dir, str(out), policy, *extra]
     if layout is not None:
-        config = tmp_root / f"{layout}-{precision.strip(chr(39))}.yaml"
-        config.write_text(textwrap.dedent(CONFIGS[layout]).format(precision=precision))
+        config = tmp_root / f"{layout}.yaml"
+        config.write_text(yaml.safe_dump({**yaml.safe_load((ACCELERATE / f"{layout}.yaml").read_text()), **ON_CPU}))
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *cmd[1:]]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
 
-def _run(tmp_root: Path, model_dir: str, policy: str, layout: str | None, out: Path, *extra, precision="'no'"):
-    r = _launch(tmp_root, model_dir, policy, layout, out, *extra, precision=precision)
+def _run(tmp_root: Path, model_dir: str, policy: str, layout: str | None, out: Path, *extra):
+    r = _launch(tmp_root, model_dir, policy, layout, out, *extra)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert json.loads((out / "layout.json").read_text())["export"] == EXPORTS[layout]
     return out
