@@ -37,9 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
 
+from verifiers_rl.rl.plan.ranks import LAYOUTS  # noqa: E402
+
 NAME = "bench_sharded"
 MODELS = {"full": ("~100M", 704, 22), "quick": ("~10M", 256, 16)}  # (label, hidden, layers) as bench_sync.py
-LAYOUTS = ("ddp", "zero3", "fsdp2")
 SYNC_GOAL = 1.3
 MEMORY_GOAL = 0.6
 ACCELERATE = Path(__file__).resolve().parents[1] / "configs" / "accelerate"

@@ -126,7 +126,7 @@ def build_plan(
     plan.trainer_overrides, plan.elsewhere = pinned, cuda > real_cuda
     plan.accelerate_config = _accelerate_config(cfg, config_path)
     if gpus.trainer:  # every GPU layout: the trainer in processes of its own, on its own GPUs (see trainer_command)
-        plan.ranks = _rank_memory(cfg, args, model, sft, plan, gpu_bytes)
+        plan.ranks = _rank_memory(plan, args, gpu_bytes)
         launch = launcher_args(len(gpus.trainer), plan.accelerate_config)
         plan.trainer_cmd = trainer_command(config_path, overrides, pinned, launch, inf.get("host"))
     return plan
@@ -137,14 +137,14 @@ def _accelerate_config(cfg: dict[str, Any], config_path: str) -> str | None:
     return str(Path(resolve_path(path, config_path)).resolve()) if path else None
 
 
-def _rank_memory(cfg, args, model: str, sft, plan: Plan, gpu_bytes: int):
+def _rank_memory(plan: Plan, args, gpu_bytes: int):
     """One trainer rank's memory for the accelerate config's layout; a plan that cannot fit is refused (a GPU it
     shares with the server is planned by the shared-GPU planner instead)."""
     from verifiers_rl.rl.plan.memory import shape_of
     from verifiers_rl.rl.plan.ranks import check_fits, rank_memory, read_accelerate_config, training_layout
 
     config = read_accelerate_config(plan.accelerate_config) if plan.accelerate_config else None
-    shape = shape_of(model) or (shape_of(sft["cfg"]["model"]) if sft else None)
+    shape = shape_of(plan.model) or (shape_of(plan.sft["cfg"]["model"]) if plan.sft else None)
     if shape is None:
         return None
     memory = rank_memory(

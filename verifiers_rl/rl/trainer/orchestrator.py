@@ -140,11 +140,7 @@ class Orchestrator:
             self._loop = asyncio.new_event_loop()
             self._loop.set_exception_handler(_quiet_unretrieved)
             asyncio.set_event_loop(self._loop)
-            self._client = RolloutClient(
-                AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=self.timeout),
-                self.seed,
-                stages=self.stages,
-            )
+            self._client = self._new_client()
             started.set()
             self._loop.run_forever()
 
@@ -173,17 +169,23 @@ class Orchestrator:
         self._loop.call_soon_threadsafe(answered.set)
         return answered.wait(timeout)
 
-    def discard_unfinished(self) -> list[int]:
+    def _new_client(self) -> RolloutClient:
+        """A client with an HTTP session of its own (made on the orchestrator's loop)."""
+        return RolloutClient(
+            AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=self.timeout),
+            self.seed,
+            stages=self.stages,
+        )
+
+    def discard_unfinished(self) -> None:
         """The server they ran against is gone: cancel batches in flight and drop finished ones that hold an
-        errored rollout (they may have lost requests), so that they are generated again. Returns their indices."""
-        dropped = sorted(self._futures)
+        errored rollout (they may have lost requests), so that they are generated again."""
         for fut in self._futures.values():
             fut.cancel()
         self._futures.clear()
         for index, batch in list(self._ready.items()):
             if any(r.error_kind == "errored" for r in batch.rollouts):
-                dropped.append(self._ready.pop(index).index)
-        return sorted(dropped)
+                del self._ready[index]
 
     def reconnect(self, base_url: str, model_name: str | None = None) -> None:
         """Talk to a new server (or the same address again): a fresh HTTP session, none of the dead one's
@@ -195,11 +197,7 @@ class Orchestrator:
         old = self._client
 
         async def swap():
-            self._client = RolloutClient(
-                AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=self.timeout),
-                self.seed,
-                stages=self.stages,
-            )
+            self._client = self._new_client()
             if old is not None:
                 with contextlib.suppress(Exception):
                     await old.close()

@@ -222,12 +222,10 @@ class InferenceRuntime:
 
     # ------------------------------------------------------------------ eval
 
-    def evaluate(self, model, tokenizer, export: WeightExport, prefix: str = "eval", version: int = 0) -> dict:
-        """Rollouts on the eval split with the policy the server serves (the caller synced it: see
-        `RLTrainer.evaluate`, where every rank takes part in a sharded sync)."""
+    def evaluate(self, tokenizer, prefix: str = "eval") -> dict:
+        """Rollouts on the eval split with the policy the server serves (the caller started the server and synced
+        it: see `RLTrainer.evaluate`, where every rank takes part in a sharded sync)."""
         args = self.args
-        self.ensure_server(model, tokenizer, version)
-        self.sync(export, version)  # a no-op after the caller's sync
         rows = self.env.get_eval_dataset(n=args.num_eval_examples or -1)
         rows, _ = filter_prompts(rows, tokenizer, args.prompt_limit, self.env)
         rows, _ = self.fitting_rows(rows, tokenizer)

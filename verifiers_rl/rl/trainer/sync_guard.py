@@ -56,9 +56,9 @@ class MismatchGuard:
             self.history = (self.history + [mismatch_kl])[-self.window :]
         return None
 
-    def check_batch(self, global_step: int, async_lag: float, metrics: dict[str, float]) -> str | None:
-        """`check` for the batch trained at step `global_step + 1` at max_async_level = 0. Every rank calls it with
-        the metrics reduced over ranks, so all decide alike."""
-        served = global_step - int(async_lag)  # the version the server tagged the rollouts with
+    def check_batch(self, global_step: int, metrics: dict[str, float]) -> str | None:
+        """`check` for the batch trained at step `global_step + 1`. Every rank calls it with the metrics reduced over
+        ranks, so all decide alike."""
+        served = global_step - int(metrics.get("async_lag", 0))  # the version the server tagged the rollouts with
         trained = metrics.get("trained_tokens", 0.0) > 0
         return self.check(global_step + 1, metrics.get("mismatch_kl"), global_step, trained, served)

@@ -117,7 +117,8 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         self.step_metrics: dict[str, float] = {}
         self.empty_steps = EmptySteps(args.max_empty_steps)
         self._seen_failures: set[str | None] = set()
-        self.sync_guard = MismatchGuard(args.mismatch_kl_guard, args.mismatch_kl_floor)
+        # only on-policy: with k >= 1 the sampler is legitimately up to k versions older (ratio 0: off)
+        self.sync_guard = MismatchGuard(args.mismatch_kl_guard * (args.max_async_level == 0), args.mismatch_kl_floor)
         # a server started from the model path holds the trainer's weights until the first step
         self.runtime.from_files = model_path is not None and isinstance(model_arg, str)
         self.runtime.current = lambda: (self.weight_export(), self.state.global_step)  # for a replaced server
@@ -306,10 +307,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
             self.accelerator, model, prepared, self.args, self.processing_class.pad_token_id
         )
         metrics.update(prepared.metrics)
-        lag = prepared.metrics.get("async_lag", 0)
-        if self.args.max_async_level == 0 and (
-            problem := self.sync_guard.check_batch(self.state.global_step, lag, metrics)
-        ):
+        if problem := self.sync_guard.check_batch(self.state.global_step, metrics):
             raise TrainingError(problem)  # a sync that did not land (sync_guard.py)
         metrics["timing/train_s"] = time.perf_counter() - t_train
         metrics["timing/step_s"] = time.perf_counter() - t0
@@ -382,10 +380,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
             self.runtime.ensure_server(model, self.processing_class, self.state.global_step)
         self.sync_weights()  # every rank: a sharded model's sync gathers on all of them
         if self.is_world_process_zero():
-            metrics = self.runtime.evaluate(
-                model, self.processing_class, self.weight_export(), metric_key_prefix, self.state.global_step
-            )
-            payload = [metrics]
+            payload = [self.runtime.evaluate(self.processing_class, metric_key_prefix)]
         if self.accelerator.num_processes > 1:
             broadcast_object_list(payload, from_process=0)
         metrics = payload[0]

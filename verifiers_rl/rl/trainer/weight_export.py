@@ -38,6 +38,7 @@ from verifiers_rl.rl.inference.transfer.policy_weights import (
     merged_items,
     replicated_stream,
     unit_scaling_config,
+    unwrap_peft,
 )
 from verifiers_rl.rl.inference.transfer.stream import WeightStream
 from verifiers_rl.rl.trainer.logprobs import chunked_logprobs
@@ -118,8 +119,7 @@ class ShardedExport(ABC):
 
     def __init__(self, model):
         self.model = model
-        inner = getattr(getattr(model, "base_model", None), "model", None)
-        self.inner = inner if hasattr(getattr(model, "base_model", None), "peft_config") else model
+        self.inner, _ = unwrap_peft(model)
         self.params = dict(self.inner.named_parameters())
 
     @abstractmethod

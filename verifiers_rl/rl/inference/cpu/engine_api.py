@@ -53,6 +53,10 @@ class Engine(Protocol):
 
     def finish_update(self, version: int | None = None) -> int: ...
 
+    def placement(self, bucket) -> torch.Tensor | None: ...  # where a sync's bucket can be received in place
+
+    def weight_checksums(self, metas) -> list[int]: ...  # what the engine holds, for a sync's report
+
     def reset_prefix_cache(self) -> None: ...
 
     def close(self) -> None: ...

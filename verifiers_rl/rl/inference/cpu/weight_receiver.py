@@ -61,7 +61,7 @@ class WeightReceiver:
                 placed.append(len(bucket.metas))
             return target
 
-        gloo.receive_buckets(self.pg, buckets, on_bucket, place if hasattr(self.engine, "placement") else None)
+        gloo.receive_buckets(self.pg, buckets, on_bucket, place)
         loaded += sum(placed)
         if error is not None:
             raise ValueError(f"weight update failed: {error}") from error

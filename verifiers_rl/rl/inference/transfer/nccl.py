@@ -59,7 +59,7 @@ def _stream_source(sender: NCCLSender):
         def __iter__(self):
             device = sender.device
             for name, t in sender.current():
-                yield name, (t if t.device == device else t.to(device))
+                yield name, t.to(device)  # `t` itself when it is there already
 
     return StreamSource()
 

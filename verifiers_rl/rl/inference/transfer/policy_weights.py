@@ -19,7 +19,7 @@ from verifiers_rl.rl.inference.transfer.buckets import TensorMeta
 from verifiers_rl.rl.inference.transfer.stream import WeightStream
 
 
-def _unwrap(model):
+def unwrap_peft(model):
     # PeftModel -> LoraModel -> the transformers model whose parameter names the engine knows.
     base = getattr(model, "base_model", None)
     if base is not None and hasattr(base, "peft_config"):
@@ -71,7 +71,7 @@ def _linear_lora(layer, adapter: str) -> bool:
 
 def merged_items(model, dtype: torch.dtype | None = None) -> list[ExportItem]:
     """Every base weight under its engine name; a LoRA'd linear weight is merged with its delta (out of place)."""
-    inner, peft_base = _unwrap(model)
+    inner, peft_base = unwrap_peft(model)
     lora = _lora_layers(inner) if peft_base is not None else {}
     adapter = _active_adapter(peft_base) if peft_base is not None else "default"
     items = []
@@ -97,7 +97,7 @@ def materialize(item: ExportItem, full: dict[str, torch.Tensor]) -> torch.Tensor
     """The tensor of `item` from whole source tensors (`full`: name -> tensor). Merges and scales in float32, then
     casts to the transfer dtype, so every layout (replicated, ZeRO-3, FSDP2) rounds the same way."""
     with torch.no_grad():
-        if item.role == "copy":
+        if item.role in ("copy", "lora_A"):
             return full[item.sources[0]].detach().to(item.meta.dtype).contiguous()
         if item.role == "merge":
             base, a, b = (full[s].detach() for s in item.sources)
@@ -105,8 +105,6 @@ def materialize(item: ExportItem, full: dict[str, torch.Tensor]) -> torch.Tensor
             if item.fan_in_fan_out:
                 delta = delta.T
             return (base.float() + delta * item.scaling).to(item.meta.dtype).contiguous()
-        if item.role == "lora_A":
-            return full[item.sources[0]].detach().to(item.meta.dtype).contiguous()
         if item.role == "lora_B":
             return (full[item.sources[0]].detach().float() * item.scaling).to(item.meta.dtype).contiguous()
     raise ValueError(f"unknown export role {item.role!r}")
@@ -114,7 +112,7 @@ def materialize(item: ExportItem, full: dict[str, torch.Tensor]) -> torch.Tensor
 
 def replicated_stream(model, items: list[ExportItem], peft_config: dict | None = None, rank: int = 0):
     """A stream over a model whose every parameter is whole on this rank: each tensor computed when reached."""
-    inner, _ = _unwrap(model)
+    inner, _ = unwrap_peft(model)
     params = dict(inner.named_parameters())
 
     def produce():
@@ -124,11 +122,6 @@ def replicated_stream(model, items: list[ExportItem], peft_config: dict | None =
             yield item.name, materialize(item, {s: params[s] for s in item.sources})
 
     return WeightStream([i.meta for i in items], produce, peft_config, rank)
-
-
-def merged_metas(model, dtype: torch.dtype | None = None) -> list[TensorMeta]:
-    """What `merged_weights` yields, described without computing a merge: names, dtypes and shapes, in order."""
-    return [i.meta for i in merged_items(model, dtype)]
 
 
 def merged_stream(model, dtype: torch.dtype | None = None) -> WeightStream:
@@ -160,10 +153,6 @@ class AdapterWeights:
     def rank(self) -> int:
         return max(self.ranks.values(), default=0)
 
-    def stream(self) -> WeightStream:
-        metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors]
-        return WeightStream(metas, lambda: iter(self.tensors), self.peft_config, self.rank)
-
 
 def unsupported_adapter_features(config: dict) -> list[str]:
     """What adapter-only sync (and vLLM's LoRA support) cannot carry; an empty list when the config is fine."""
@@ -179,7 +168,7 @@ def unsupported_adapter_features(config: dict) -> list[str]:
 
 def adapter_items(model, dtype: torch.dtype | None = None) -> tuple[list[ExportItem], dict[str, int]]:
     """The active LoRA adapter in the adapter-sync format (see `AdapterWeights`): its items and each module's rank."""
-    inner, peft_base = _unwrap(model)
+    inner, peft_base = unwrap_peft(model)
     if peft_base is None:
         raise ValueError("adapter-only sync needs a peft LoRA model; use merged sync for full fine-tuning")
     adapter = _active_adapter(peft_base)
