@@ -254,6 +254,10 @@ def test_multi_node_plan_prints_every_machine(tmp_path):
     assert "--num_machines 1" in trainer and "--machine_rank 0" in trainer and "--num_processes 8" in trainer
     assert "--inference.host $NODE0" in trainer and "--trainer.args.server_mode connect" in trainer
     assert "--config_file configs/accelerate/zero3.yaml" in trainer and "VF_CONTROL_TOKEN" in trainer
+    cfg["inference"]["args"] = {"enforce_eager": True, "enable_prefix_caching": False, "gpu_memory_utilization": 0.8}
+    (_, server), _ = node_commands(cfg, str(tmp_path / "c.toml"), [], 2, 8)
+    assert "--enforce-eager" in server and "--gpu-memory-utilization 0.8" in server
+    assert "prefix-caching" not in server  # false drops the flag, as the one-machine launch does (not "=False")
     three = node_commands(cfg, str(tmp_path / "c.toml"), [], 3, 8)
     assert [line.split("--machine_rank ")[1].split()[0] for _, line in three[1:]] == ["0", "1"]
 

@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 
 from verifiers_rl.errors import ConfigError
-from verifiers_rl.scripts.common import resolve_model
+from verifiers_rl.scripts.common import flags_from_args, resolve_model
 from verifiers_rl.scripts.toml_config import resolve_path, rl_config
 
 PORT = 8000
@@ -37,8 +37,7 @@ def node_commands(cfg: dict, config_path: str, overrides: list[str], nodes: int,
     model, args = _model(cfg, config_path), rl_config(cfg, cuda=False, quiet=True)
     server = ["vf-vllm", "--model", model, "--host", "0.0.0.0", "--port", str(PORT), "--allow-remote-control"]
     server += ["--max-model-len", str(args.server_max_len), "--data-parallel-size", str(n_inf // tp)]
-    server += [f"--{k.replace('_', '-')}={v}" for k, v in inf.get("args", {}).items() if v is not True]
-    server += [f"--{k.replace('_', '-')}" for k, v in inf.get("args", {}).items() if v is True]
+    server += flags_from_args(inf.get("args", {}))  # as the one-machine launch writes them (false drops a flag)
     devices = ",".join(map(str, range(n_inf)))
     out = [("node 0 (inference)", f"CUDA_VISIBLE_DEVICES={devices} {shlex.join(server)}")]
     machines, per_node = nodes - 1, gpus
