@@ -150,6 +150,26 @@ def test_32_concurrent_requests_complete(server, tiny_model_dir):
     assert all(r.choices[0].finish_reason in ("stop", "length") for r in rs)
 
 
+def test_an_idle_connection_outlives_the_clients_keep_alive(server):
+    """The OpenAI client (httpx) drops an idle connection after 5 s; the server must not close it sooner, or a
+    connection reused across a training step races the server's close ("Server disconnected")."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.base_url)
+    request = f"GET /v1/models HTTP/1.1\r\nHost: {url.hostname}\r\n\r\n".encode()
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        stream = sock.makefile("rb")
+        for _ in range(2):
+            sock.sendall(request)
+            status = stream.readline()  # empty when the server closed the connection
+            assert status.startswith(b"HTTP/1.1 200"), status
+            headers = dict(line.decode().strip().lower().split(": ", 1) for line in iter(stream.readline, b"\r\n"))
+            stream.read(int(headers["content-length"]))
+            time.sleep(6)  # longer than uvicorn's and vLLM's 5 s default keep-alive
+
+
 def test_control_routes_need_the_token(server):
     r = httpx.post(server.base_url + "/pause")
     assert r.status_code == 401

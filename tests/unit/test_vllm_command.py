@@ -31,8 +31,15 @@ def test_default_command_has_each_flag_once_and_dev_mode():
     assert _values(argv, "--logprobs-mode") == ["processed_logprobs"]
     (config,) = _values(argv, "--weight-transfer-config")
     assert json.loads(config) == {"backend": "nccl"}
-    assert env == {"VLLM_SERVER_DEV_MODE": "1"}
+    # keep-alive longer than the OpenAI client's 5 s expiry, or idle connections race the server's close
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75"}
     assert all(isinstance(a, str) for a in argv)
+
+
+def test_a_keep_alive_the_user_exported_wins(monkeypatch):
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "30")
+    _, env = build_vllm_command("m", "127.0.0.1", 9000)
+    assert "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" not in env  # the child inherits the user's 30
 
 
 def test_backend_is_valid_json_and_extra_args_pass_through_in_order():

@@ -12,6 +12,11 @@ import socket
 
 # where vf-vllm listens by default, where a trainer connects, and where server_mode="auto" looks first
 DEFAULT_PORT = 8000
+# How long a server keeps an idle connection. uvicorn's and vLLM's default (5 s) equals the OpenAI client's own
+# keep-alive expiry (httpx: 5 s), so a connection left idle across a training step can be closed by the server
+# just as the client reuses it: the request fails with "Server disconnected" (seen on the first steps of a
+# multi-turn run, 4 of 64 rollouts). Longer on the server side, the client always drops an idle connection first.
+SERVER_KEEP_ALIVE_S = 75
 
 
 def free_port(host: str = "127.0.0.1") -> int:

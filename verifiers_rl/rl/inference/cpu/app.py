@@ -24,6 +24,7 @@ from verifiers_rl.rl.inference.cpu.engines import load_engine
 from verifiers_rl.rl.inference.cpu.openai_routes import openai_router
 from verifiers_rl.rl.inference.cpu.slot_engine import SlotEngine
 from verifiers_rl.rl.inference.cpu.weight_receiver import WeightReceiver
+from verifiers_rl.rl.inference.net import SERVER_KEEP_ALIVE_S
 
 
 class ApiKeyGuard:
@@ -105,7 +106,10 @@ def serve(
         api_key=api_key,
         allow_remote_control=allow_remote_control,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+    )  # fmt: skip
 
 
 def _set_engine_threads() -> None:

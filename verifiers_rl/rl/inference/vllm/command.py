@@ -9,11 +9,13 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from verifiers_rl.rl.inference.layout import WORKER_EXTENSION, flag_name
+from verifiers_rl.rl.inference.net import SERVER_KEEP_ALIVE_S
 
 MIN_VLLM_VERSION = "0.32"
 # The official wheel and the community CPU build publish the same `vllm` package under different names.
@@ -55,8 +57,11 @@ def build_vllm_command(
         if key not in user_flags:
             argv += [f"--{key}", value]
     argv += extra
-    # Dev mode is what mounts the weight-sync and /reset_prefix_cache routes on the HTTP server.
+    # Dev mode is what mounts the weight-sync and /reset_prefix_cache routes on the HTTP server. The keep-alive
+    # outlives the client's (net.SERVER_KEEP_ALIVE_S says why); a value the user exported wins.
     env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" not in os.environ:
+        env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(SERVER_KEEP_ALIVE_S)
     return argv, env
 
 
