@@ -14,10 +14,13 @@ number of names (uniform in [min_names_per_turn, max_names_per_turn]); the plan 
 the next turn's names, and a stop condition ends the episode after the last planned turn.
 
 Scoring (reward in [0, 1]). For each planned turn, the similarity between the assistant's reply and the
-expected reply is the LCS ratio over lines, ``2 * LCS / (len(reply_lines) + len(expected_lines))``; lines
-are compared after stripping and collapsing whitespace, blank lines are dropped, and a missing reply (an
-episode cut short) scores 0. With ``power_per_turn`` the reward is ``mean(sim_t ** similarity_power)``,
-otherwise ``mean(sim_t) ** similarity_power``. A weight-0 metric ``mean_similarity`` is ``mean(sim_t)``.
+expected reply is the character-level LCS ratio of the two lists, ``2 * LCS / (len(reply) + len(expected))``,
+each list written one name per line after stripping and collapsing whitespace and dropping blank lines; a
+missing reply (an episode cut short) scores 0. Characters, as upstream's alphabet-sort scores them (difflib's
+ratio of the joined lines; the exact LCS here, as reverse-text, has none of difflib's junk heuristics): a name
+with one wrong letter still earns most of its line, which is what lets a small model's reward move at all. With
+``power_per_turn`` the reward is ``mean(sim_t ** similarity_power)``, otherwise ``mean(sim_t) ** similarity_power``.
+A weight-0 metric ``mean_similarity`` is ``mean(sim_t)``.
 
 Data. Generated offline and deterministically from ``seed`` out of the built-in name lists (no hub).
 Within an episode first names are distinct and last names are distinct, so either order is unambiguous;
@@ -90,8 +93,9 @@ def lcs_length(a: Sequence, b: Sequence) -> int:
 
 
 def turn_similarity(reply: str, expected: str) -> float:
-    """LCS ratio over lines between a reply and the expected reply (1.0 = identical lists)."""
-    a, b = reply_lines(reply), reply_lines(expected)
+    """Character-level LCS ratio between a reply and the expected reply, both normalised to one name per line
+    (1.0 = identical lists)."""
+    a, b = "\n".join(reply_lines(reply)), "\n".join(reply_lines(expected))
     if not a and not b:
         return 1.0
     return 2.0 * lcs_length(a, b) / (len(a) + len(b))

@@ -137,8 +137,10 @@ def test_alphabet_sort_expected_answers_by_hand():
 
 def test_alphabet_sort_similarity_and_aggregation_by_hand():
     assert asort.turn_similarity("  Zane   Abbott \n\nAda Zubiri\n", "Zane Abbott\nAda Zubiri") == 1.0
-    assert asort.turn_similarity("Zane Abbott\nAda Zubiri", "Zane Abbott\nMaya Moreau\nAda Zubiri") == 0.8
-    assert asort.turn_similarity("Ada Zubiri\nZane Abbott", "Zane Abbott\nAda Zubiri") == 0.5  # 2*1/4
+    # characters of the lists as lines: a missing line costs its characters (2*22/(22+34)), a misspelt name little
+    assert asort.turn_similarity("Zane Abbott\nAda Zubiri", "Zane Abbott\nMaya Moreau\nAda Zubiri") == 44 / 56
+    assert asort.turn_similarity("Zane Abbot\nAda Zubiri", "Zane Abbott\nAda Zubiri") == 42 / 43
+    assert asort.turn_similarity("Ada Zubiri\nZane Abbott", "Zane Abbott\nAda Zubiri") == 0.5  # LCS: Zane Abbott
     assert asort.turn_similarity("", "Zane Abbott") == 0.0
     assert asort.aggregate([1.0, 0.8, 0.0], 2.0, True) == pytest.approx((1 + 0.64 + 0) / 3)
     assert asort.aggregate([1.0, 0.8, 0.0], 2.0, False) == pytest.approx(0.6**2)
@@ -190,8 +192,8 @@ def test_alphabet_sort_env_response_and_stop():
     assert asyncio.run(env.all_turns_answered(state))
 
 
-@pytest.mark.parametrize("power_per_turn, wrong_reward", [(True, (1 + 0.64 + 0) / 3), (False, 0.6**2)])
-def test_alphabet_sort_rubric_scores_conversations(power_per_turn, wrong_reward):
+@pytest.mark.parametrize("power_per_turn", [True, False])
+def test_alphabet_sort_rubric_scores_conversations(power_per_turn):
     env = asort.load_environment(
         num_train_examples=2, num_eval_examples=1, similarity_power=2.0, power_per_turn=power_per_turn
     )
@@ -202,11 +204,13 @@ def test_alphabet_sort_rubric_scores_conversations(power_per_turn, wrong_reward)
     state = _score(env, row, perfect)
     assert state["reward"] == 1.0 and state["metrics"]["mean_similarity"] == 1.0
     assert state["metrics"]["num_turns"] == 3
-    # turn 1 right, turn 2 misses Maya (lines 2 of 3 -> 0.8), turn 3 empty (0.0)
+    # turn 1 right, turn 2 misses Maya's line (22 of the expected 47 characters: 2*22/69), turn 3 empty (0.0)
     wrong = [_assistant(answers[0]), _user("t2"), _assistant("Zane Abbott\nAda Zubiri"), _user("t3"), _assistant("")]
+    assert len(answers[1]) == 47
+    s2 = 2 * 22 / 69
     state = _score(env, row, wrong)
-    assert state["reward"] == pytest.approx(wrong_reward)
-    assert state["metrics"]["mean_similarity"] == pytest.approx(0.6)
+    assert state["reward"] == pytest.approx((1 + s2**2) / 3 if power_per_turn else ((1 + s2) / 3) ** 2)
+    assert state["metrics"]["mean_similarity"] == pytest.approx((1 + s2) / 3)
     cut_short = _score(env, row, perfect[:3])  # an episode that ended after two turns: turn 3 scores 0
     assert cut_short["reward"] == pytest.approx(2 / 3 if power_per_turn else (2 / 3) ** 2)
 

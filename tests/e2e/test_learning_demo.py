@@ -20,6 +20,7 @@ DEMO = ROOT / "configs" / "vf-rl" / "tiny-reverse-text.toml"
 DEMO_SFT = ROOT / "configs" / "vf-sft" / "tiny-reverse-text.toml"
 DEMO_FULL = ROOT / "configs" / "vf-rl" / "tiny-reverse-text-full.toml"
 ALPHABET = ROOT / "configs" / "vf-rl" / "tiny-alphabet-sort.toml"
+ALPHABET_SFT = ROOT / "configs" / "vf-sft" / "tiny-alphabet-sort.toml"
 
 
 def _workspace(tmp_path: Path, *configs: Path) -> Path:
@@ -59,7 +60,11 @@ def test_full_finetuning_variant_differs_only_in_the_policy():
 
 
 def test_tiny_alphabet_sort_runs_end_to_end(tmp_path):
+    """The multi-turn pipeline in CI time: the demo's config without its warm-start (the slow test runs it whole)."""
     ws = _workspace(tmp_path, ALPHABET)
+    cfg = ws / "configs" / "vf-rl" / "tiny-alphabet-sort.toml"
+    text = cfg.read_text()
+    cfg.write_text(text[: text.index("[sft]")] + text[text.index("[env]") :])  # RL from the tiny model itself
     r, pid = run_command(
         "vf-rl",
         "@",
@@ -68,6 +73,8 @@ def test_tiny_alphabet_sort_runs_end_to_end(tmp_path):
         "2",
         "--eval.num_examples",
         "4",
+        "--eval.base",
+        "false",
         cwd=ws,
         timeout=600,
     )
@@ -80,6 +87,34 @@ def test_tiny_alphabet_sort_runs_end_to_end(tmp_path):
     assert all(row["samples"] == 2 * (row["rollouts"] - row["rollouts_errored"]) for row in steps)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_reward_before"] is not None and summary["eval_reward_after"] is not None
+    assert not survivors(pid)
+
+
+def test_alphabet_sort_demo_configs_agree():
+    rl, sft = tomllib.loads(ALPHABET.read_text()), tomllib.loads(ALPHABET_SFT.read_text())
+    assert rl["env"]["args"] == sft["env"]["args"] and rl["tiny"] == sft["tiny"]
+    assert (ALPHABET.parent / rl["sft"]["config"]).resolve() == ALPHABET_SFT.resolve()
+    assert rl["eval"]["base"] and rl["eval"]["greedy"]  # the shares the summary reports
+    assert sft["dataset"]["replies"] == "alphabet_sort:reference_replies"
+
+
+@pytest.mark.slow
+def test_multi_turn_demo_learns(tmp_path):
+    """Issue 24's multi-turn target, from nothing: held-out reward rises >= 0.25 over the untrained model (warm-start
+    and RL together), RL adds to the warm-start, and the summary reports both shares, sampled and greedy."""
+    ws = _workspace(tmp_path, ALPHABET, ALPHABET_SFT)
+    t0 = time.perf_counter()
+    r, pid = run_command("vf-rl", "@", "configs/vf-rl/tiny-alphabet-sort.toml", cwd=ws, timeout=1800)
+    elapsed = time.perf_counter() - t0
+    (tmp_path / "vf-rl.log").write_text(f"rc={r.returncode}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}"
+    summary = json.loads((ws / "outputs" / "tiny-alphabet-sort" / "summary.json").read_text())
+    print(f"multi-turn demo: {elapsed:.0f}s, {summary}")
+    lift = summary["eval_reward_after"] - summary["eval_reward_base"]
+    assert lift >= 0.25, summary
+    assert summary["eval_reward_sft_delta"] + summary["eval_reward_delta"] == pytest.approx(lift)
+    assert summary["eval_reward_delta"] > 0, summary  # RL's share: it must add to the warm-start, not erode it
+    assert {"eval_greedy_reward_base", "eval_greedy_reward_delta"} <= summary.keys()
     assert not survivors(pid)
 
 
