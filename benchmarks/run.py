@@ -35,6 +35,7 @@ BENCHMARKS = (
     "bench_scaling",
     "bench_endurance",
     "bench_load",
+    "bench_roofline",
 )
 HEADERS = ["benchmark", "metric", "unit", "baseline", "ours", "ratio", "goal", "pass"]
 
