@@ -75,11 +75,14 @@ def write_run_info(trainer, folder) -> None:
 
 
 def _merged_on_rank0(trainer) -> dict | None:
-    """Every rank walks the merged weight stream (a sharded layout gathers each tensor there); rank 0 keeps them,
-    on the CPU."""
+    """Every rank walks the merged weight stream under a sharded layout (each tensor is a gather every rank joins);
+    rank 0 keeps them, on the CPU. Replicated, the other ranks skip it: merging LoRA there would be wasted work."""
     keep = trainer.is_world_process_zero()
+    export = trainer.weight_export()
+    if not keep and not export.collective:
+        return None
     tensors = {}
-    for name, tensor in trainer.weight_export().stream("merged"):
+    for name, tensor in export.stream("merged"):
         if keep:
             tensors[name] = tensor.detach().cpu()
     return tensors if keep else None
