@@ -77,11 +77,11 @@ def write_run_info(trainer, folder) -> None:
 def _merged_on_rank0(trainer) -> dict | None:
     """Every rank walks the merged weight stream (a sharded layout gathers each tensor there); rank 0 keeps them,
     on the CPU."""
-    keep = trainer.is_world_process_zero()
+    keep, export = trainer.is_world_process_zero(), trainer.weight_export()
     tensors = {}
-    for name, tensor in trainer.weight_export().stream("merged"):
-        if keep:
-            tensors[name] = tensor.detach().cpu()
+    for name, tensor in export.stream("merged"):
+        if keep:  # a sharded export's tensors are views of buffers it reuses a few buckets later: copies
+            tensors[name] = tensor.detach().to("cpu", copy=export.collective)
     return tensors if keep else None
 
 
