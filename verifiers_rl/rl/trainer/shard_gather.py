@@ -11,8 +11,10 @@ and rank 0 receives it in place into a reused buffer, where the whole parameter 
 transfers are posted at once and waited for later, so the next group travels while rank 0 sends this one.
 
 A layout describes a parameter as `Pieces`: the parameter flattened is the concatenation of every rank's
-contiguous piece in rank order, cut to its element count (FSDP2: torch.chunk's rows on dim 0; ZeRO-3: equal
-flat partitions, the last padded).
+contiguous piece in rank order (FSDP2: torch.chunk's rows on dim 0; ZeRO-3: equal flat partitions, of which only
+the part before the end of the parameter is sent). A parameter whole on every rank is one piece, rank 0's. Rank 0
+lays a group's parameters end to end in its buffer, as the sender's bucket lays them (`plan_buckets`), so a
+bucket is broadcast from there with no packing (`gloo.send_buckets`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-ALIGN = 64  # bytes: every view carved from a reused buffer starts aligned for any dtype
 
 
 def chunk_rows(rows: int, world: int) -> list[int]:
@@ -36,27 +36,44 @@ def chunk_rows(rows: int, world: int) -> list[int]:
 class Pieces:
     shape: tuple[int, ...]
     dtype: torch.dtype
-    lengths: list[int]  # elements of each rank's piece, rank order (their sum may exceed numel: padding)
-    local: torch.Tensor  # this rank's piece, contiguous, 1-D
-    group: object  # the process group the pieces are spread over (rank 0 of it is the sender)
+    lengths: list[int]  # elements of each rank's piece, rank order; they add up to the parameter's
+    local: torch.Tensor  # this rank's piece, contiguous, 1-D (empty where lengths[rank] is 0)
+    group: object | None  # the process group the pieces are spread over (rank 0 of it sends); None: whole here
 
-    @property
-    def padded_numel(self) -> int:
-        return sum(self.lengths)
+    @classmethod
+    def whole_here(cls, t: torch.Tensor) -> Pieces:
+        """A parameter whole on every rank: rank 0's copy is the one used, nothing travels."""
+        return cls(tuple(t.shape), t.dtype, [t.numel()], t.detach().reshape(-1), None)
+
+
+def flat_lengths(numel: int, size: int, world: int) -> list[int]:
+    """Elements of each rank's flat partition of `size` elements that lie before the end of `numel` (ZeRO-3 pads
+    the last partitions; the padding is not sent)."""
+    return [max(0, min(size, numel - r * size)) for r in range(world)]
+
+
+def _aligned(off: int, dtype: torch.dtype) -> int:
+    size = torch.empty((), dtype=dtype).element_size()
+    return -(-off // size) * size
 
 
 def carve(buf: torch.Tensor, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
-    """1-D views of `buf` (uint8), one per (elements, dtype), each starting at an ALIGN-byte offset."""
+    """1-D views of `buf` (uint8), one per (elements, dtype), end to end (a gap only where a dtype's alignment
+    needs one): one dtype gives exactly the bucket's layout."""
     out, off = [], 0
     for n, dtype in sizes:
+        off = _aligned(off, dtype)
         nbytes = n * torch.empty((), dtype=dtype).element_size()
         out.append(buf[off : off + nbytes].view(dtype))
-        off += -(-nbytes // ALIGN) * ALIGN
+        off += nbytes
     return out
 
 
 def carved_bytes(sizes: list[tuple[int, torch.dtype]]) -> int:
-    return sum(-(-n * torch.empty((), dtype=d).element_size() // ALIGN) * ALIGN for n, d in sizes)
+    off = 0
+    for n, dtype in sizes:
+        off = _aligned(off, dtype) + n * torch.empty((), dtype=dtype).element_size()
+    return off
 
 
 def place_pieces(dest: torch.Tensor, lengths: list[int], rank: int) -> torch.Tensor:
@@ -65,17 +82,12 @@ def place_pieces(dest: torch.Tensor, lengths: list[int], rank: int) -> torch.Ten
     return dest[start : start + lengths[rank]]
 
 
-def whole(dest: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """The parameter from its pieces laid end to end in `dest` (padding after it dropped)."""
-    return dest[: math.prod(shape)].view(shape)
-
-
 class Ring:
     """Reused receive buffers, one per group in flight; a sync yields views of them. The stream posts group k+1
     when the sender pulls group k, and the sender (transfer/gloo.py `send_buckets`, whose buckets are these
-    groups) may still be broadcasting buckets k-1 and k-2 straight from the yielded tensors (a bucket of one
-    contiguous tensor is sent without a copy, and its double-buffered staging waits for bucket k-2 only after
-    pulling bucket k): four buffers, none reused while the sender can still read it. A group larger than
+    groups) may still be broadcasting buckets k-1 and k-2 straight from this memory (`gloo.in_place`: it sends a
+    group laid out as its bucket without packing, and waits for bucket k-2 only after pulling bucket k): four
+    buffers, none reused while the sender can still read it. A group larger than
     `slot_bytes` (one tensor bigger than a bucket) gets memory of its own instead of growing a buffer for good."""
 
     SLOTS = 4
@@ -96,7 +108,7 @@ class Ring:
 class ToRankZero:
     """One group's pieces on their way to rank 0 of their process group: posted on construction (every rank, same
     order), `wait()` gives {name: whole tensor} on rank 0 (views of `ring`'s buffer for group `index`) and {}
-    elsewhere."""
+    elsewhere. The pieces travel over one process group (those with `group=None` do not travel)."""
 
     def __init__(self, pieces: dict[str, Pieces], ring: Ring, index: int):
         import torch.distributed as dist
@@ -104,31 +116,29 @@ class ToRankZero:
         self.works, self.out = [], {}
         if not pieces:
             return
-        first = next(iter(pieces.values()))
-        group, device = first.group, first.local.device
-        me, world = dist.get_rank(group), dist.get_world_size(group)
+        group = next((pc.group for pc in pieces.values() if pc.group is not None), None)
+        me = dist.get_rank(group) if group is not None else dist.get_rank()
         if me != 0:  # no copy: the piece is sent from the shard itself
             for tag, pc in enumerate(pieces.values()):
-                if pc.lengths[me]:
+                if pc.group is not None and pc.lengths[me]:
                     self.works.append(dist.isend(pc.local, group=group, group_dst=0, tag=tag))
             return
-        sizes = [(pc.padded_numel, pc.dtype) for pc in pieces.values()]
-        nbytes = carved_bytes(sizes)
+        sizes = [(sum(pc.lengths), pc.dtype) for pc in pieces.values()]
+        device, nbytes = next(iter(pieces.values())).local.device, carved_bytes(sizes)
         # the ring on the CPU (fresh memory there costs page faults); an accelerator's caching allocator reuses
         # memory by itself, and fresh tensors are safe whatever a consumer (vLLM's packer) holds on to
         on_cpu = device.type == "cpu"
         buf = ring.slot(index, nbytes) if on_cpu else torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dests = carve(buf, sizes)
-        for tag, ((name, pc), dest) in enumerate(zip(pieces.items(), dests)):
-            for r in range(world):
-                if not pc.lengths[r]:
+        for tag, ((name, pc), dest) in enumerate(zip(pieces.items(), carve(buf, sizes))):
+            for r, n in enumerate(pc.lengths):
+                if not n:
                     continue
                 part = place_pieces(dest, pc.lengths, r)
                 if r == 0:
                     part.copy_(pc.local)
                 else:
                     self.works.append(dist.irecv(part, group=group, group_src=r, tag=tag))
-            self.out[name] = whole(dest, pc.shape)
+            self.out[name] = dest.view(pc.shape)
 
     def wait(self) -> dict[str, torch.Tensor]:
         for w in self.works:

@@ -47,7 +47,7 @@ from verifiers_rl.rl.inference.transfer.policy_weights import (
 )
 from verifiers_rl.rl.inference.transfer.stream import WeightStream
 from verifiers_rl.rl.trainer.logprobs import chunked_logprobs
-from verifiers_rl.rl.trainer.shard_gather import Pieces, Ring, ToRankZero, chunk_rows
+from verifiers_rl.rl.trainer.shard_gather import Pieces, Ring, ToRankZero, chunk_rows, flat_lengths
 
 # the reused receive buffers of each sharded model's syncs (rank 0), kept as long as the model
 _RINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -154,7 +154,7 @@ class ShardedExport(ABC):
         groups = list(_groups(items, bucket_bytes))
         ring = _RINGS.get(self.inner)
         if ring is None or ring.slot_bytes < bucket_bytes:
-            ring = _RINGS[self.inner] = Ring(bucket_bytes + (1 << 20))  # room for alignment and shard padding
+            ring = _RINGS[self.inner] = Ring(bucket_bytes + (1 << 16))  # room for dtype alignment
         source = dist.get_rank() == 0
         pending = self._start(_sources(groups[0]), ring, 0) if groups else None
         for k, group in enumerate(groups):
@@ -172,7 +172,8 @@ class ShardedExport(ABC):
         pieces, others = {}, []
         for n in names:
             pc = self.pieces(self.params[n])
-            if pc is not None and (not pieces or pc.group is next(iter(pieces.values())).group):
+            group = next((q.group for q in pieces.values() if q.group is not None), None)
+            if pc is not None and (pc.group is None or group is None or pc.group is group):
                 pieces[n] = pc  # one process group per transfer (a second one, if any, takes `gathered`)
             else:
                 others.append(n)
@@ -234,13 +235,17 @@ class ZeRO3Export(ShardedExport):
 
     def pieces(self, p) -> Pieces | None:
         """ZeRO-3's partition: the parameter flattened and padded to `world` equal slices, rank r holding slice r
-        (`ds_tensor`). Persistent (small, always whole), in-use, secondary (ZeRO++) and quantized partitions are
-        left to `gathered`."""
+        (`ds_tensor`). Persistent (small, kept whole), in-use, secondary (ZeRO++) and quantized partitions are
+        left to `gathered`: reading a persistent parameter's whole `data` directly instead made the merged LoRA
+        weights of tests/e2e/test_sharded.py differ from one process's by ~2 lr after 3 steps (GatheredParameters
+        releases it on exit, so the next forward fetches it from its partition)."""
         import torch.distributed as dist
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         part = getattr(p, "ds_tensor", None)
-        if part is None or getattr(p, "ds_persist", False) or p.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+        if part is None:
+            return Pieces.whole_here(p.data)  # not ZeRO's: whole on every rank
+        if getattr(p, "ds_persist", False) or p.ds_status != ZeroParamStatus.NOT_AVAILABLE:
             return None
         if getattr(p, "ds_secondary_tensor", None) is not None or hasattr(part, "ds_quant_scale"):
             return None
@@ -248,7 +253,9 @@ class ZeRO3Export(ShardedExport):
         world, size = dist.get_world_size(group), getattr(part, "ds_numel", part.numel())
         if part.numel() != size or size * world < p.ds_numel or dist.get_global_rank(group, 0) != 0:
             return None
-        return Pieces(tuple(p.ds_shape), part.dtype, [size] * world, part.detach().reshape(-1), group)
+        lengths = flat_lengths(p.ds_numel, size, world)
+        local = part.detach().reshape(-1)[: lengths[dist.get_rank(group)]]
+        return Pieces(tuple(p.ds_shape), part.dtype, lengths, local, group)
 
 
 class FSDP2Export(ShardedExport):
@@ -270,7 +277,9 @@ class FSDP2Export(ShardedExport):
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor, Shard
 
-        if not isinstance(p, DTensor) or p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or p.ndim == 0:
+        if not isinstance(p, DTensor):
+            return Pieces.whole_here(p)  # added after sharding (a LoRA adapter): whole on every rank
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or p.ndim == 0:
             return None
         group, world, rank = p.device_mesh.get_group(), p.device_mesh.size(), p.device_mesh.get_local_rank()
         rows, local = chunk_rows(p.shape[0], world), p.to_local().detach()
