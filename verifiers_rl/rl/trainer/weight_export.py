@@ -168,7 +168,7 @@ class ShardedExport(ABC):
     def _start(self, names: list[str], ring: Ring, index: int) -> Callable[[], dict[str, torch.Tensor]]:
         """Post a group's transfers (every rank, in the same order); the callable waits for them and gives
         {name: whole tensor} on rank 0. Parameters without `pieces` go through `gathered` first (a collective
-        on every rank, as the layout does it)."""
+        on every rank, as the layout does it), then travel as parameters whole on every rank."""
         pieces, others = {}, []
         for n in names:
             pc = self.pieces(self.params[n])
@@ -177,16 +177,13 @@ class ShardedExport(ABC):
                 pieces[n] = pc  # one process group per transfer (a second one, if any, takes `gathered`)
             else:
                 others.append(n)
-        full = {}
         if others:
+            # whole on every rank now; rank 0 copies them into the group's buffer with the rest, in order, so the
+            # group still lies as its bucket (the gathered memory is kept alive by these references meanwhile)
             with self.gathered(others) as g:
-                full.update(g)  # kept alive by these references after the context closes
-        transfer = ToRankZero(pieces, ring, index)
-
-        def wait() -> dict[str, torch.Tensor]:
-            return {**full, **transfer.wait()}
-
-        return wait
+                gathered = {n: Pieces.whole_here(g[n]) for n in others}
+            pieces = {n: pieces.get(n) or gathered[n] for n in names}
+        return ToRankZero(pieces, ring, index).wait
 
     def lora_state(self) -> dict[str, torch.Tensor]:
         """As `ReplicatedExport.lora_state`; every rank gathers, each gets the whole adapter (it is small)."""
