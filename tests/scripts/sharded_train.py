@@ -23,17 +23,28 @@ model_dir, out, policy = sys.argv[1], sys.argv[2], sys.argv[3]
 resume = "--resume" in sys.argv
 
 
+def _wrong(t):
+    t = t.detach().clone()  # the export hands out live parameters and reused buffers: never write into them
+    flat, half = t.view(-1), t.numel() // 2
+    flat[t.numel() - half :] = flat[:half]
+    return t
+
+
 def gathered_wrong(gathered):
     @contextlib.contextmanager
     def wrong(self, names):
         with gathered(self, names) as full:
-            out = {}
-            for name, t in full.items():
-                t = t.detach().clone()  # ZeRO-3 yields the live parameters: never write into them
-                flat, half = t.view(-1), t.numel() // 2
-                flat[t.numel() - half :] = flat[:half]
-                out[name] = t
-            yield out
+            yield {name: _wrong(t) for name, t in full.items()}
+
+    return wrong
+
+
+def start_wrong(start):
+    """The sync's path: whole tensors on rank 0 (`ShardedExport._start`)."""
+
+    def wrong(self, names, ring, index):
+        wait = start(self, names, ring, index)
+        return lambda: {name: _wrong(t) for name, t in wait().items()}
 
     return wrong
 
@@ -41,6 +52,7 @@ def gathered_wrong(gathered):
 if "--wrong-shard" in sys.argv:
     for cls in (weight_export.ZeRO3Export, weight_export.FSDP2Export):
         cls.gathered = gathered_wrong(cls.gathered)
+    weight_export.ShardedExport._start = start_wrong(weight_export.ShardedExport._start)
 lora = policy == "lora"
 args = RLConfig(
     output_dir=out,

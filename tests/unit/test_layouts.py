@@ -298,3 +298,30 @@ def test_fsdp2_is_requested_by_the_launcher_or_by_trainingarguments(monkeypatch)
     assert fsdp2_requested(args)
     monkeypatch.setenv("FSDP_VERSION", "1")
     assert not fsdp2_requested(args)
+
+
+def test_zero3_on_cpu_sizes_the_buckets_its_config_leaves_out():
+    """accelerate's config from zero3.yaml names no bucket sizes (DeepSpeed's default reduce bucket, 5e8 elements,
+    holds a small model's whole gradient); on a CPU run they become "auto", which Trainer fills from the model.
+    Sizes the config names, other stages and GPU runs are left alone."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    from verifiers_rl.rl.trainer.sharding import size_zero3_buckets_on_cpu
+
+    def accelerator(zero):
+        ds = HfTrainerDeepSpeedConfig({"zero_optimization": zero})
+        return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(hf_ds_config=ds))), ds
+
+    acc, ds = accelerator({"stage": 3, "reduce_bucket_size": 1000})
+    cpu, gpu = SimpleNamespace(type="cpu"), SimpleNamespace(type="cuda")
+    assert size_zero3_buckets_on_cpu(acc, cpu) == ["stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"]
+    ds.trainer_config_finalize(_args(), SimpleNamespace(config=SimpleNamespace(hidden_size=8)), 10)
+    zero = ds.config["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (1000, int(0.9 * 64))
+    assert zero["stage3_param_persistence_threshold"] == 80
+    for acc_zero, device in (({"stage": 3}, gpu), ({"stage": 2}, cpu)):
+        acc, ds = accelerator(acc_zero)
+        assert size_zero3_buckets_on_cpu(acc, device) == [] and ds.config["zero_optimization"] == acc_zero
+    assert size_zero3_buckets_on_cpu(SimpleNamespace(state=SimpleNamespace()), cpu) == []  # no DeepSpeed

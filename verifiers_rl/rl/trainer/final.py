@@ -75,16 +75,16 @@ def write_run_info(trainer, folder) -> None:
 
 
 def _merged_on_rank0(trainer) -> dict | None:
-    """Every rank walks the merged weight stream under a sharded layout (each tensor is a gather every rank joins);
-    rank 0 keeps them, on the CPU. Replicated, the other ranks skip it: merging LoRA there would be wasted work."""
-    keep = trainer.is_world_process_zero()
-    export = trainer.weight_export()
+    """Every rank walks the merged weight stream under a sharded layout (producing it is a collective every rank
+    joins); rank 0 keeps the tensors, on the CPU. Replicated, the other ranks skip it: merging LoRA there would be
+    wasted work."""
+    keep, export = trainer.is_world_process_zero(), trainer.weight_export()
     if not keep and not export.collective:
         return None
     tensors = {}
     for name, tensor in export.stream("merged"):
-        if keep:
-            tensors[name] = tensor.detach().cpu()
+        if keep:  # a sharded export's tensors are views of buffers it reuses a few buckets later: copies
+            tensors[name] = tensor.detach().to("cpu", copy=export.collective)
     return tensors if keep else None
 
 

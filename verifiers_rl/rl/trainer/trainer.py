@@ -45,7 +45,13 @@ from verifiers_rl.rl.trainer.reward_checks import check_dataset, check_reward_in
 from verifiers_rl.rl.trainer.runtime import InferenceRuntime
 from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch
 from verifiers_rl.rl.trainer.sharded_checkpoints import FSDP2Checkpoints
-from verifiers_rl.rl.trainer.sharding import fsdp2_requested, load_sharded, sharded_model_error, take_over_fsdp
+from verifiers_rl.rl.trainer.sharding import (
+    fsdp2_requested,
+    load_sharded,
+    sharded_model_error,
+    size_zero3_buckets_on_cpu,
+    take_over_fsdp,
+)
 from verifiers_rl.rl.trainer.sync_guard import MismatchGuard
 from verifiers_rl.rl.trainer.weight_export import WeightExport, weight_export
 
@@ -142,6 +148,8 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
             **kwargs,
         )
         args.save_only_model = only
+        if sized := size_zero3_buckets_on_cpu(self.accelerator, args.device):  # see sharding.ZERO3_SIZES
+            logger.info("ZeRO-3 on CPU: %s not in the DeepSpeed config, sized by the model", ", ".join(sized))
         self.remove_callback(ProgressCallback)
         self.add_callback(RichProgressCallback(self))
         adapt_integrations(self.callback_handler.callbacks, self.args.output_dir)

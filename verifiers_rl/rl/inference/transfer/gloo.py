@@ -174,7 +174,8 @@ def send_buckets(
 ) -> int:
     """Trainer side: pack bucket i+1 while bucket i is on the wire (gloo runs collectives on its own threads),
     pulling each bucket's tensors from `tensors` (a stream in bucket order) only when it is packed; a bucket
-    holding one contiguous tensor is sent straight from that tensor, no copy. `checksums` (a list) receives each
+    whose tensors already lie as the bucket lays them (one contiguous tensor; a sharded export's receive buffer)
+    is sent straight from their memory, no copy (`in_place`). `checksums` (a list) receives each
     tensor's `verify.tensor_checksum` as the stream produced it."""
     if not buckets:
         return 0
@@ -187,9 +188,8 @@ def send_buckets(
             checksums.extend(tensor_checksum(t) for t in ts)
         if in_flight[slot] is not None:
             in_flight[slot][0].wait()  # this staging buffer is free again
-        if len(ts) == 1 and ts[0].is_contiguous() and ts[0].dtype == bucket.metas[0].dtype:
-            payload = ts[0].detach().reshape(-1).view(torch.uint8)
-        else:
+        payload = in_place(bucket, ts)
+        if payload is None:
             payload = pack(bucket, ts, out=bufs[slot][: bucket.nbytes])
         in_flight[slot] = (broadcast_async(group, payload), payload)
         sent += bucket.nbytes
@@ -197,6 +197,23 @@ def send_buckets(
         if item is not None:
             item[0].wait()
     return sent
+
+
+def in_place(bucket: Bucket, ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The bucket's bytes where they already are, when its tensors lie end to end in one storage at the bucket's
+    offsets; None otherwise (the bucket is packed)."""
+    first = ts[0]
+    storage = first.untyped_storage()
+    start = first.data_ptr()
+    for t, meta, off in zip(ts, bucket.metas, bucket.offsets):
+        if t.dtype != meta.dtype or not t.is_contiguous() or t.data_ptr() != start + off:
+            return None
+        if t.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+    begin = start - storage.data_ptr()
+    if not bucket.nbytes or begin + bucket.nbytes > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, begin, (bucket.nbytes,))
 
 
 def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket, place=None) -> None:

@@ -1,7 +1,10 @@
 """One sync's tensors as a stream: described up front (`metas`, in order), produced lazily (`iter()` yields the
 tensors in that order). A sender plans its buckets from the description before any tensor exists, then holds
 about one bucket at a time: a merged LoRA model is never materialised whole, and a sharded model is gathered
-bucket by bucket (every rank iterates; rank 0 sends)."""
+bucket by bucket (every rank iterates; rank 0 sends, and only rank 0's stream yields tensors).
+
+A yielded tensor may be a view of memory its producer reuses a few buckets later (a sharded export's receive
+buffers, weight_export.py): a consumer that keeps tensors beyond that copies them."""
 
 from __future__ import annotations
 

@@ -1,0 +1,83 @@
+"""The pure parts of gathering shards to rank 0 (shard_gather.py), with the ranks' pieces simulated."""
+
+import math
+
+import pytest
+import torch
+
+from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, plan_buckets
+from verifiers_rl.rl.inference.transfer.gloo import in_place
+from verifiers_rl.rl.trainer.shard_gather import Ring, carve, carved_bytes, chunk_rows, flat_lengths, place_pieces
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 7, 8, 261])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_chunk_rows_is_torch_chunk(rows, world):
+    got = chunk_rows(rows, world)
+    assert sum(got) == rows and len(got) == world
+    chunks = torch.chunk(torch.arange(rows), world) if rows else ()
+    assert got[: len(chunks)] == [len(c) for c in chunks]  # torch.chunk may give fewer chunks: the rest hold none
+    assert all(n == 0 for n in got[len(chunks) :])
+
+
+def _dim0_pieces(t, world):
+    """FSDP2's layout: rank r holds torch.chunk's r-th piece on dim 0 (or nothing)."""
+    inner = math.prod(t.shape[1:])
+    rows = chunk_rows(t.shape[0], world)
+    chunks = list(torch.chunk(t, world))
+    return [r * inner for r in rows], [(chunks[r] if r < len(chunks) else t[:0]).reshape(-1) for r in range(world)]
+
+
+def _flat_pieces(t, world):
+    """ZeRO-3's layout: the tensor flattened, padded to `world` equal slices; each rank sends what lies before the
+    end of the tensor."""
+    size = math.ceil(t.numel() / world)
+    flat = torch.cat([t.reshape(-1), torch.full((size * world - t.numel(),), float("nan"))])
+    lengths = flat_lengths(t.numel(), size, world)
+    return lengths, [piece[:n] for piece, n in zip(flat.split(size), lengths)]
+
+
+@pytest.mark.parametrize("layout", [_dim0_pieces, _flat_pieces])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_pieces_placed_end_to_end_give_the_whole_tensors(layout, world):
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(s, generator=g) for s in [(5, 3), (1,), (7,), (2, 2, 2), (4, 6), (3, 1)]]
+    tensors.append(torch.arange(6, dtype=torch.bfloat16).view(3, 2))  # mixed dtypes in one buffer
+    tensors.append(torch.randn(3, generator=g))  # after a bfloat16 tensor of 6 elements: aligned again
+    laid = [layout(t, world) for t in tensors]
+    assert all(sum(lengths) == t.numel() for t, (lengths, _) in zip(tensors, laid))
+    sizes = [(t.numel(), t.dtype) for t in tensors]
+    buf = torch.full((carved_bytes(sizes),), 255, dtype=torch.uint8)
+    dests = carve(buf, sizes)
+    for dest, (lengths, pieces) in zip(dests, laid):
+        for r, piece in enumerate(pieces):
+            place_pieces(dest, lengths, r).copy_(piece)  # what rank r's send (or rank 0's own copy) writes
+    for t, dest in zip(tensors, dests):
+        got = dest.view(t.shape)
+        assert got.dtype == t.dtype and got.is_contiguous() and torch.equal(got, t)
+
+
+def test_a_group_carved_as_its_bucket_is_sent_in_place():
+    """One dtype: the carved views lie exactly at the bucket's offsets, so the sender broadcasts the buffer itself;
+    tensors anywhere else are packed."""
+    shapes = [(5, 3), (7,), (4, 6)]
+    metas = [TensorMeta(f"t{i}", torch.float32, s) for i, s in enumerate(shapes)]
+    (bucket,) = plan_buckets(metas, 1 << 20)
+    sizes = [(math.prod(s), torch.float32) for s in shapes]
+    buf = torch.zeros(carved_bytes(sizes) + 16, dtype=torch.uint8)
+    views = [v.view(s) for v, s in zip(carve(buf, sizes), shapes)]
+    payload = in_place(bucket, views)
+    assert payload is not None and payload.data_ptr() == buf.data_ptr() and payload.numel() == bucket.nbytes
+    views[1].fill_(1.5)
+    assert payload[bucket.offsets[1] : bucket.offsets[1] + 4].view(torch.float32).item() == 1.5
+    assert in_place(bucket, [torch.zeros(s) for s in shapes]) is None  # separate tensors: packed
+    assert in_place(bucket, [views[0], views[2], views[1]]) is None  # not at the bucket's offsets
+
+
+def test_ring_reuses_its_buffers_and_gives_oversized_groups_their_own():
+    ring = Ring(slot_bytes=1000)
+    first = [ring.slot(i, 800).data_ptr() for i in range(Ring.SLOTS)]
+    assert len(set(first)) == Ring.SLOTS  # the groups in flight never share memory
+    assert [ring.slot(i + Ring.SLOTS, 1000).data_ptr() for i in range(Ring.SLOTS)] == first  # reused, no growth
+    big = ring.slot(0, 5000)
+    assert big.numel() == 5000 and big.data_ptr() not in first and ring.bufs[0].numel() == 1000

@@ -1,0 +1,147 @@
+"""Whole parameters on rank 0, from their shards, for a sync: only rank 0 sends to the server, so only it needs them.
+
+The layouts' own gathers make every parameter whole on every rank: FSDP2's `DTensor.full_tensor()` (an all-gather
+per parameter), DeepSpeed's `GatheredParameters`. For a sync that moves each shard to every rank, where rank 0 is
+the only reader, and into freshly allocated memory each time. Measured on 2 CPU processes over gloo (noisy, another
+job running): gloo's all-gather of 32 MB per rank 110-190 ms, a send/recv of 32 MB 13-22 ms; 64 MB copied into
+fresh memory 50-80 ms (page faults), into reused memory 12 ms.
+
+So here each rank sends its piece of each parameter straight to rank 0 (point-to-point, no copy on the sender),
+and rank 0 receives it in place into a reused buffer, where the whole parameter is then a view. A group's
+transfers are posted at once and waited for later, so the next group travels while rank 0 sends this one.
+
+A layout describes a parameter as `Pieces`: the parameter flattened is the concatenation of every rank's
+contiguous piece in rank order (FSDP2: torch.chunk's rows on dim 0; ZeRO-3: equal flat partitions, of which only
+the part before the end of the parameter is sent). A parameter whole on every rank is one piece, rank 0's. Rank 0
+lays a group's parameters end to end in its buffer, as the sender's bucket lays them (`plan_buckets`), so a
+bucket is broadcast from there with no packing (`gloo.send_buckets`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def chunk_rows(rows: int, world: int) -> list[int]:
+    """Rows each rank holds of a dim-0 sharded tensor with `rows` rows (torch.chunk's split, as FSDP2 and DTensor's
+    Shard(0) cut it: `ceil(rows / world)` each, the last ranks fewer or none)."""
+    per = math.ceil(rows / world) if rows else 0
+    return [max(0, min(per, rows - r * per)) for r in range(world)]
+
+
+@dataclass
+class Pieces:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    lengths: list[int]  # elements of each rank's piece, rank order; they add up to the parameter's
+    local: torch.Tensor  # this rank's piece, contiguous, 1-D (empty where lengths[rank] is 0)
+    group: object | None  # the process group the pieces are spread over (rank 0 of it sends); None: whole here
+
+    @classmethod
+    def whole_here(cls, t: torch.Tensor) -> Pieces:
+        """A parameter whole on every rank: rank 0's copy is the one used, nothing travels."""
+        return cls(tuple(t.shape), t.dtype, [t.numel()], t.detach().reshape(-1), None)
+
+
+def flat_lengths(numel: int, size: int, world: int) -> list[int]:
+    """Elements of each rank's flat partition of `size` elements that lie before the end of `numel` (ZeRO-3 pads
+    the last partitions; the padding is not sent)."""
+    return [max(0, min(size, numel - r * size)) for r in range(world)]
+
+
+def _aligned(off: int, dtype: torch.dtype) -> int:
+    size = torch.empty((), dtype=dtype).element_size()
+    return -(-off // size) * size
+
+
+def carve(buf: torch.Tensor, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
+    """1-D views of `buf` (uint8), one per (elements, dtype), end to end (a gap only where a dtype's alignment
+    needs one): one dtype gives exactly the bucket's layout."""
+    out, off = [], 0
+    for n, dtype in sizes:
+        off = _aligned(off, dtype)
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        out.append(buf[off : off + nbytes].view(dtype))
+        off += nbytes
+    return out
+
+
+def carved_bytes(sizes: list[tuple[int, torch.dtype]]) -> int:
+    off = 0
+    for n, dtype in sizes:
+        off = _aligned(off, dtype) + n * torch.empty((), dtype=dtype).element_size()
+    return off
+
+
+def place_pieces(dest: torch.Tensor, lengths: list[int], rank: int) -> torch.Tensor:
+    """The slice of `dest` (1-D, `sum(lengths)` elements) where rank `rank`'s piece belongs."""
+    start = sum(lengths[:rank])
+    return dest[start : start + lengths[rank]]
+
+
+class Ring:
+    """Reused receive buffers, one per group in flight; a sync yields views of them. The stream posts group k+1
+    when the sender pulls group k, and the sender (transfer/gloo.py `send_buckets`, whose buckets are these
+    groups) may still be broadcasting buckets k-1 and k-2 straight from this memory (`gloo.in_place`: it sends a
+    group laid out as its bucket without packing, and waits for bucket k-2 only after pulling bucket k): four
+    buffers, none reused while the sender can still read it. A group larger than
+    `slot_bytes` (one tensor bigger than a bucket) gets memory of its own instead of growing a buffer for good."""
+
+    SLOTS = 4
+
+    def __init__(self, slot_bytes: int):
+        self.slot_bytes = slot_bytes
+        self.bufs: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8) for _ in range(self.SLOTS)]
+
+    def slot(self, i: int, nbytes: int) -> torch.Tensor:
+        if nbytes > self.slot_bytes:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        k = i % self.SLOTS
+        if self.bufs[k].numel() < nbytes:
+            self.bufs[k] = torch.empty(self.slot_bytes, dtype=torch.uint8)
+        return self.bufs[k]
+
+
+class ToRankZero:
+    """One group's pieces on their way to rank 0 of their process group: posted on construction (every rank, same
+    order), `wait()` gives {name: whole tensor} on rank 0 (views of `ring`'s buffer for group `index`) and {}
+    elsewhere. The pieces travel over one process group (those with `group=None` do not travel)."""
+
+    def __init__(self, pieces: dict[str, Pieces], ring: Ring, index: int):
+        import torch.distributed as dist
+
+        self.works, self.out = [], {}
+        if not pieces:
+            return
+        group = next((pc.group for pc in pieces.values() if pc.group is not None), None)
+        me = dist.get_rank(group) if group is not None else dist.get_rank()
+        if me != 0:  # no copy: the piece is sent from the shard itself
+            for tag, pc in enumerate(pieces.values()):
+                if pc.group is not None and pc.lengths[me]:
+                    self.works.append(dist.isend(pc.local, group=group, group_dst=0, tag=tag))
+            return
+        sizes = [(sum(pc.lengths), pc.dtype) for pc in pieces.values()]
+        device, nbytes = next(iter(pieces.values())).local.device, carved_bytes(sizes)
+        # the ring on the CPU (fresh memory there costs page faults); an accelerator's caching allocator reuses
+        # memory by itself, and fresh tensors are safe whatever a consumer (vLLM's packer) holds on to
+        on_cpu = device.type == "cpu"
+        buf = ring.slot(index, nbytes) if on_cpu else torch.empty(nbytes, dtype=torch.uint8, device=device)
+        for tag, ((name, pc), dest) in enumerate(zip(pieces.items(), carve(buf, sizes))):
+            for r, n in enumerate(pc.lengths):
+                if not n:
+                    continue
+                part = place_pieces(dest, pc.lengths, r)
+                if r == 0:
+                    part.copy_(pc.local)
+                else:
+                    self.works.append(dist.irecv(part, group=group, group_src=r, tag=tag))
+            self.out[name] = dest.view(pc.shape)
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return self.out
