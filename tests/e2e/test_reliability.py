@@ -209,6 +209,7 @@ def test_a_stuck_stage_is_named_and_the_server_is_not_blamed(tmp_path, tiny_mode
 # ---------------------------------------------------------------------------------------------- 7. requeue
 
 
+@pytest.mark.slow  # 62 s; in `pytest -m reliability`. CI keeps the SIGINT save-and-resume of test_faults
 def test_requeued_runs_resume_and_say_so_with_one_metrics_row_per_step(tmp_path, tiny_model_dir):
     """What SLURM --requeue or a restarted pod does: SIGTERM, the same command again, several times over."""
     out = tmp_path / "out"
