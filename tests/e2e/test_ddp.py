@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -19,6 +20,7 @@ def _rewards_losses(out):
     return [(r["reward"], r["loss"]) for r in rows if "reward" in r]
 
 
+@pytest.mark.slow  # CI time: test_sharded.py's two-node DDP case checks the same agreement and the final model
 def test_two_process_ddp_matches_single_process(tiny_model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     single, ddp = tmp_path / "single", tmp_path / "ddp"

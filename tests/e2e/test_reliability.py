@@ -318,6 +318,7 @@ sys.addaudithook(_full_disk)
 """
 
 
+@pytest.mark.slow  # 40 s; in `pytest -m reliability` (CI time)
 def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_resumes(tmp_path, tiny_model_dir):
     from verifiers_rl.rl.trainer.checkpoints import problem
 

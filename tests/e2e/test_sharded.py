@@ -179,6 +179,12 @@ def test_two_node_ddp_matches_one_process(single, tiny_model_dir, tmp_path):
         assert a["reward"] == b["reward"] and abs(a["loss"] - b["loss"]) < 1e-5
     wa, wb = torch.load(single["lora"] / "weights.pt"), torch.load(out / "weights.pt")
     assert all(torch.allclose(wa[k], wb[k], atol=1e-4) for k in wa)
+    # the final model: rank 0 alone merges and writes it (a replicated export), the other rank waits for it
+    from safetensors.torch import load_file
+
+    final = load_file(str(out / "final" / "model.safetensors"))
+    assert final and all(torch.equal(final[k], wb[k]) for k in final)
+    assert not list(out.glob(".final*"))
 
 
 def test_a_server_on_another_address_is_trained_over_connect(tiny_model_dir, tmp_path):
