@@ -169,12 +169,12 @@ class ShardedExport(ABC):
         """Post a group's transfers (every rank, in the same order); the callable waits for them and gives
         {name: whole tensor} on rank 0. Parameters without `pieces` go through `gathered` first (a collective
         on every rank, as the layout does it), then travel as parameters whole on every rank."""
-        pieces, others = {}, []
+        pieces, others, group = {}, [], None
         for n in names:
             pc = self.pieces(self.params[n])
-            group = next((q.group for q in pieces.values() if q.group is not None), None)
             if pc is not None and (pc.group is None or group is None or pc.group is group):
                 pieces[n] = pc  # one process group per transfer (a second one, if any, takes `gathered`)
+                group = group if pc.group is None else pc.group
             else:
                 others.append(n)
         if others:
