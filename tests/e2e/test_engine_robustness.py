@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from servers import ENGINES, start_server
+from servers import ENGINES
 
 from verifiers_rl.rl.inference.launcher import InferenceServer
 from verifiers_rl.rl.inference.layout import ADAPTER_NAME
@@ -20,14 +20,15 @@ from verifiers_rl.rl.inference.layout import ADAPTER_NAME
 def server(request, tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"robust-{request.param}")
     if request.param == "vllm":
-        srv = start_server("vllm", tiny_model_dir, out)
+        srv = request.getfixturevalue("vllm_server")  # the session's; stopped at its end
     else:
         srv = InferenceServer(tiny_model_dir, engine="cpu", output_dir=out,
                               extra_args=["--max-model-len", "256", "--cpu-engine", request.param])  # fmt: skip
         srv.start()
     srv.kind = request.param
     yield srv
-    srv.stop()
+    if request.param != "vllm":
+        srv.stop()
 
 
 def _error(r) -> dict:

@@ -283,12 +283,20 @@ socket.socket.connect = _guard
 
 
 VF_EVAL_CASES = [
-    ("reverse-text", {"num_train_examples": 8, "num_eval_examples": 4}, 1),
-    ("alphabet-sort", {"num_train_examples": 4, "num_eval_examples": 2, "min_turns": 2, "max_turns": 2}, 2),
+    # single-turn is -m slow for CI time: the multi-turn case runs the same CLI path and the environment's turns
+    pytest.param(
+        "reverse-text", {"num_train_examples": 8, "num_eval_examples": 4}, 1, marks=pytest.mark.slow, id="reverse-text"
+    ),
+    pytest.param(
+        "alphabet-sort",
+        {"num_train_examples": 4, "num_eval_examples": 2, "min_turns": 2, "max_turns": 2},
+        2,
+        id="alphabet-sort",
+    ),
 ]
 
 
-@pytest.mark.parametrize("env_id, env_args, turns", VF_EVAL_CASES, ids=[c[0] for c in VF_EVAL_CASES])
+@pytest.mark.parametrize("env_id, env_args, turns", VF_EVAL_CASES)
 def test_vf_eval_cli(server_url, tiny_model_dir, tmp_path, env_id, env_args, turns):
     """verifiers' own CLI, env server and all, against our server; no process it starts may leave loopback."""
     guard = tmp_path / "guard"

@@ -333,9 +333,38 @@ def _corrupt(folder: Path, how: str) -> str:
     return path.name
 
 
+CORRUPTIONS = [
+    "truncated model",
+    "corrupt trainer_state",
+    "truncated orchestrator",
+    "missing optimizer",
+    "interrupted save",
+]
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_every_corruption_of_a_real_checkpoint_is_named_before_resuming(tmp_path, two_checkpoints, how):
+    """The check a resume runs first, on each corruption of a checkpoint a real run wrote (no run: the fallback
+    itself is the next test's)."""
+    import shutil
+
+    from verifiers_rl.rl.trainer.checkpoints import problem
+
+    folder = tmp_path / "checkpoint-4"
+    shutil.copytree(two_checkpoints / "out" / "checkpoint-4", folder)
+    assert problem(folder, use_lora=True) is None
+    name = _corrupt(folder, how)
+    why = problem(folder, use_lora=True)
+    assert why is not None and name in why, why
+
+
+# CI runs the whole fallback for two kinds (a file the loader reads, the save's completion marker); `-m slow` the rest
 @pytest.mark.parametrize(
     "how",
-    ["truncated model", "corrupt trainer_state", "truncated orchestrator", "missing optimizer", "interrupted save"],
+    [
+        h if h in ("truncated model", "interrupted save") else pytest.param(h, marks=pytest.mark.slow)
+        for h in CORRUPTIONS
+    ],
 )
 def test_broken_newest_checkpoint_falls_back_to_the_previous(tmp_path, two_checkpoints, tiny_model_dir, how):
     import shutil

@@ -21,10 +21,14 @@ MSG = [{"role": "user", "content": "Reverse: hello"}]
 
 @pytest.fixture(scope="module", params=ENGINES)
 def server(request, tiny_model_dir, tmp_path_factory):
-    srv = start_server(request.param, tiny_model_dir, tmp_path_factory.mktemp(f"srv-{request.param}"))
+    if request.param == "vllm":
+        srv = request.getfixturevalue("vllm_server")  # the session's, shared with test_engine_robustness
+    else:
+        srv = start_server(request.param, tiny_model_dir, tmp_path_factory.mktemp(f"srv-{request.param}"))
     srv.engine_name = request.param
     yield srv
-    srv.stop()
+    if request.param != "vllm":
+        srv.stop()
 
 
 @pytest.fixture(scope="module")
