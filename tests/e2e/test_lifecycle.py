@@ -144,3 +144,21 @@ def test_vf_vllm_console_script_is_installed():
     exe = os.path.join(os.path.dirname(sys.executable), "vf-vllm")
     r = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "vf-vllm" in r.stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not os.environ.get("VF_VLLM_PYTHON"), reason="set VF_VLLM_PYTHON to the vLLM CPU venv's python")
+def test_real_vllm_stops_at_once_and_exits_cleanly(tiny_model_dir, tmp_path):
+    """`stop()` (every run's end) takes vf-vllm and vLLM down in seconds, and vLLM exits on its own. vf-vllm used to
+    wait for vLLM inside its SIGTERM handler while the main thread's `Popen.wait()` held the wait lock: the nested
+    wait spun for its 10 s timeout, then SIGKILLed the group, vLLM having exited cleanly in 0.5 s."""
+    from servers import start_server
+
+    srv = start_server("vllm", tiny_model_dir, tmp_path)
+    wrapper = srv.process
+    t0 = time.monotonic()
+    srv.stop()
+    elapsed = time.monotonic() - t0
+    log = (tmp_path / "logs" / "inference.log").read_text()
+    assert wrapper.returncode == 0 and elapsed < 5, (wrapper.returncode, elapsed, log[-2000:])
+    assert "Application shutdown complete" in log  # vLLM's own orderly shutdown ran

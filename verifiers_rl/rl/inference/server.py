@@ -10,6 +10,7 @@ parser does not know are passed to vLLM untouched (the CPU engine warns that it 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -126,7 +127,7 @@ def _watch_parent(expected_ppid: int, stop) -> None:
         if os.getppid() != expected_ppid:
             logger.warning("parent process %d exited; shutting the inference server down", expected_ppid)
             stop()
-            os._exit(1)
+            return
         time.sleep(0.5)
 
 
@@ -163,18 +164,27 @@ def run_vllm(args, passthrough: list[str]) -> int:
     print(f"vf-vllm: vLLM {version}: {' '.join(argv)}", flush=True)
     proc = subprocess.Popen(argv, env=env)
 
+    stopping = threading.Event()
+
     def stop():
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(os.getpgrp(), signal.SIGKILL)
+        # Called from a signal handler or the parent watchdog while the main thread sits in `proc.wait()`: a second
+        # wait cannot take Popen's wait lock and spins to its timeout (every stop took 10 s, then SIGKILLed vLLM,
+        # which had exited cleanly in 0.5 s). So: forward SIGTERM; vLLM's exit ends the main thread's wait, and a
+        # timer takes the group down if vLLM does not exit.
+        if stopping.is_set():
+            return
+        stopping.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        timer = threading.Timer(10.0, os.killpg, (os.getpgrp(), signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
 
     _start_watchdog(stop)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: (stop(), sys.exit(0)))
-    return proc.wait()
+        signal.signal(sig, lambda *_: stop())
+    code = proc.wait()
+    return 0 if stopping.is_set() else code
 
 
 def run_cpu(args, passthrough: list[str]) -> int:
@@ -183,7 +193,7 @@ def run_cpu(args, passthrough: list[str]) -> int:
 
     if passthrough:
         logger.warning("CPU engine ignores vLLM-only flags: %s", " ".join(passthrough))
-    _start_watchdog(lambda: None)
+    _start_watchdog(lambda: os._exit(1))
     try:
         serve(
             args.model,
