@@ -263,10 +263,12 @@ def broken_env_path(tmp_path_factory):
     [
         ("raising", "every rollout failed (8 errored, 0 rejected; first: reward function raising raised ValueError: "
                     "judge unreachable)"),
-        ("none", "reward function returns_none returned None, not a finite number"),
+        # -m slow for CI time: tests/unit/test_reward_checks.py checks these two on real environments, and their
+        # way out is the one "raising" and "no_answer" take
+        pytest.param("none", "reward function returns_none returned None, not a finite number", marks=pytest.mark.slow),
         ("no_answer", "reward function reads_answer reads `answer`, but the training dataset has no 'answer' column"),
         ("empty", "environment 'broken-env' has no training examples with env.args {'kind': 'empty'}"),
-        ("no_prompt", "has no 'prompt' column (columns: text)"),
+        pytest.param("no_prompt", "has no 'prompt' column (columns: text)", marks=pytest.mark.slow),
         ("env_response", "the environment raised RuntimeError: tool server crashed in env_response (broken_env.py:"),
     ],
 )  # fmt: skip
