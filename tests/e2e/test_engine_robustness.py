@@ -18,10 +18,10 @@ from verifiers_rl.rl.inference.layout import ADAPTER_NAME
 
 @pytest.fixture(scope="module", params=["slots", "cb", *ENGINES[1:]])
 def server(request, tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"robust-{request.param}")
     if request.param == "vllm":
         srv = request.getfixturevalue("vllm_server")  # the session's; stopped at its end
     else:
+        out = tmp_path_factory.mktemp(f"robust-{request.param}")
         srv = InferenceServer(tiny_model_dir, engine="cpu", output_dir=out,
                               extra_args=["--max-model-len", "256", "--cpu-engine", request.param])  # fmt: skip
         srv.start()
