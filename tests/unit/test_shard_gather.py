@@ -81,3 +81,76 @@ def test_ring_reuses_its_buffers_and_gives_oversized_groups_their_own():
     assert [ring.slot(i + Ring.SLOTS, 1000).data_ptr() for i in range(Ring.SLOTS)] == first  # reused, no growth
     big = ring.slot(0, 5000)
     assert big.numel() == 5000 and big.data_ptr() not in first and ring.bufs[0].numel() == 1000
+
+
+# ------------------------------------------------------------------ both transports, 2 real processes over gloo
+
+
+def _shapes():
+    """Groups as a sync makes them: dim-0 shards (FSDP2), one with fewer rows than ranks (rank 1 holds none), flat
+    padded partitions (ZeRO-3), whole parameters, bf16 next to fp32, and one group larger than a ring slot."""
+    torch.manual_seed(0)
+    return [
+        {"a": torch.randn(7, 5), "b": torch.randn(3)},
+        {"c": torch.randn(1, 4)},  # one row: rank 1's piece is empty
+        {"d": torch.randn(11, 3).to(torch.bfloat16), "e": torch.randn(9, 2)},
+        {"f": torch.randn(5, 5), "g": torch.randn(2, 2)},  # flat partitions of 13 padded elements
+        {"h": torch.randn(6, 4)},
+        {"i": torch.randn(40, 40)},  # 6.4 KB: over the 4 KB slot, memory of its own
+        {"j": torch.randn(8, 3), "k": torch.randn(3, 3)},  # whole on every rank: nothing travels
+    ]
+
+
+def _gather_worker(rank: int, init: str, world: int, share: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from verifiers_rl.rl.trainer.shard_gather import Pieces, Ring, ToRankZero
+
+    os.environ["VF_RL_SHARD_GATHER_SHM"] = share
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        group = dist.new_group(list(range(world)))  # a mesh's group, as FSDP2's
+        groups, ring = _shapes(), Ring(slot_bytes=4096)
+
+        def pieces(k: int, group_tensors: dict) -> dict:
+            out = {}
+            for name, t in group_tensors.items():
+                if k == 6:
+                    out[name] = Pieces.whole_here(t)
+                elif k == 3:
+                    size = -(-t.numel() // world)
+                    lengths = flat_lengths(t.numel(), size, world)
+                    start = sum(lengths[:rank])
+                    out[name] = Pieces(
+                        tuple(t.shape), t.dtype, lengths, t.reshape(-1)[start : start + lengths[rank]], group
+                    )
+                else:
+                    lengths, local = _dim0_pieces(t, world)
+                    out[name] = Pieces(tuple(t.shape), t.dtype, lengths, local[rank].contiguous(), group)
+            return out
+
+        for sync in range(2):  # a second sync reuses the ring
+            pending = ToRankZero(pieces(0, groups[0]), ring, 0)
+            for k, tensors in enumerate(groups):
+                full = pending.wait()
+                pending = ToRankZero(pieces(k + 1, groups[k + 1]), ring, k + 1) if k + 1 < len(groups) else None
+                if rank == 0:
+                    assert full.keys() == tensors.keys(), (sync, k)
+                    for name, t in tensors.items():
+                        assert torch.equal(full[name], t), (sync, k, name)
+                else:
+                    assert full == {}
+        assert ring.shared.get(group, False) is (share == "1" and world > 1), ring.shared
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("share", ["1", "0"], ids=["shared-memory", "point-to-point"])
+def test_pieces_reach_rank_zero_whole_over_real_gloo(tmp_path, share):
+    """Two real processes: every group arrives whole on rank 0, through /dev/shm or gloo's point-to-point."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gather_worker, args=(f"file://{tmp_path}/store", 2, share), nprocs=2, join=True)
+    assert not [p for p in __import__("os").listdir("/dev/shm") if p.startswith("vfrl-sync-")]  # names unlinked

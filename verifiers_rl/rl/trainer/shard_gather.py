@@ -88,13 +88,19 @@ class Ring:
     groups) may still be broadcasting buckets k-1 and k-2 straight from this memory (`gloo.in_place`: it sends a
     group laid out as its bucket without packing, and waits for bucket k-2 only after pulling bucket k): four
     buffers, none reused while the sender can still read it. A group larger than
-    `slot_bytes` (one tensor bigger than a bucket) gets memory of its own instead of growing a buffer for good."""
+    `slot_bytes` (one tensor bigger than a bucket) gets memory of its own instead of growing a buffer for good.
+
+    On a CPU, when every rank of the process group is on this host, the buffers are shared memory every rank maps
+    (`share`): a rank then copies its pieces straight into rank 0's buffer, instead of sending them through
+    gloo's TCP loopback (a copy into the kernel and one out of it, on the cores the server's receive also needs).
+    Measured in docs/performance.md (sharded sync)."""
 
     SLOTS = 4
 
     def __init__(self, slot_bytes: int):
         self.slot_bytes = slot_bytes
         self.bufs: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8) for _ in range(self.SLOTS)]
+        self.shared: dict[object, bool] = {}  # process group -> its ranks map `bufs` (decided once, by all)
 
     def slot(self, i: int, nbytes: int) -> torch.Tensor:
         if nbytes > self.slot_bytes:
@@ -104,11 +110,84 @@ class Ring:
             self.bufs[k] = torch.empty(self.slot_bytes, dtype=torch.uint8)
         return self.bufs[k]
 
+    def share(self, group) -> bool:
+        """Whether `group`'s ranks copy into shared buffers (a collective over `group` the first time it is asked,
+        the same answer on every rank; later calls are free). Off with VF_RL_SHARD_GATHER_SHM=0, across hosts,
+        for a ring already shared with another group, or where /dev/shm cannot hold the buffers (a container's
+        default 64 MB, for one): then pieces travel point-to-point."""
+        if group not in self.shared:
+            self.shared[group] = not any(self.shared.values()) and _share_slots(self, group)
+        return self.shared[group]
+
+
+SHM_DIR = "/dev/shm"
+
+
+def _share_slots(ring: Ring, group) -> bool:
+    import os
+    import socket
+    import tempfile
+
+    import torch.distributed as dist
+
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = ""
+    wanted = os.environ.get("VF_RL_SHARD_GATHER_SHM", "1").lower() not in ("0", "false", "no")
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, (socket.gethostname(), boot, wanted), group=group)
+    if len(set(hosts)) != 1 or not wanted or not boot:
+        return False
+    paths: list = [None]
+    if me == 0:
+        try:
+            paths = [[_shm_file(ring.slot_bytes, tempfile) for _ in range(Ring.SLOTS)]]
+        except OSError:  # no /dev/shm, or too small to reserve the buffers
+            paths = [None]
+    dist.broadcast_object_list(paths, group=group, group_src=0)
+    if paths[0] is None:
+        return False
+    try:
+        bufs = [torch.from_file(p, shared=True, size=ring.slot_bytes, dtype=torch.uint8) for p in paths[0]]
+    except RuntimeError:
+        bufs = None
+    ok: list = [None] * world
+    dist.all_gather_object(ok, bufs is not None, group=group)
+    if me == 0:  # every rank has mapped them (or given up): the names can go, the memory lives while mapped
+        for p in paths[0]:
+            os.unlink(p)
+    if not all(ok):
+        return False
+    ring.bufs = bufs
+    return True
+
+
+def _shm_file(nbytes: int, tempfile) -> str:
+    import os
+
+    fd, path = tempfile.mkstemp(prefix=f"vfrl-sync-{os.getpid()}-", dir=SHM_DIR)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # reserve now: touching an unreservable page of tmpfs is a SIGBUS later
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return path
+
+
+# tags of the shared-memory handshake: rank 0 says a buffer is free ("go"), a rank says its pieces are in ("done")
+_GO, _DONE = 1 << 20, (1 << 20) + 1
+
 
 class ToRankZero:
     """One group's pieces on their way to rank 0 of their process group: posted on construction (every rank, same
     order), `wait()` gives {name: whole tensor} on rank 0 (views of `ring`'s buffer for group `index`) and {}
-    elsewhere. The pieces travel over one process group (those with `group=None` do not travel)."""
+    elsewhere. The pieces travel over one process group (those with `group=None` do not travel): point-to-point,
+    or, where the ring is shared (`Ring.share`), copied by each rank into rank 0's buffer once rank 0 says it is
+    free. A rank other than 0 returns from construction only when its pieces are sent or copied."""
 
     def __init__(self, pieces: dict[str, Pieces], ring: Ring, index: int):
         import torch.distributed as dist
@@ -118,17 +197,34 @@ class ToRankZero:
             return
         group = next((pc.group for pc in pieces.values() if pc.group is not None), None)
         me = dist.get_rank(group) if group is not None else dist.get_rank()
-        if me != 0:  # no copy: the piece is sent from the shard itself
-            for tag, pc in enumerate(pieces.values()):
-                if pc.group is not None and pc.lengths[me]:
-                    self.works.append(dist.isend(pc.local, group=group, group_dst=0, tag=tag))
-            return
         sizes = [(sum(pc.lengths), pc.dtype) for pc in pieces.values()]
-        device, nbytes = next(iter(pieces.values())).local.device, carved_bytes(sizes)
+        nbytes = carved_bytes(sizes)
+        device = next(iter(pieces.values())).local.device
         # the ring on the CPU (fresh memory there costs page faults); an accelerator's caching allocator reuses
         # memory by itself, and fresh tensors are safe whatever a consumer (vLLM's packer) holds on to
         on_cpu = device.type == "cpu"
+        shared = on_cpu and group is not None and nbytes <= ring.slot_bytes and ring.share(group)
+        senders = [r for r in range(1, max(len(pc.lengths) for pc in pieces.values())) if _has_piece(pieces, r)]
+        if me != 0:
+            if shared and me in senders:  # wait for rank 0's word that the buffer is free, copy in, say so
+                go = torch.zeros(1, dtype=torch.uint8)
+                dist.recv(go, group=group, group_src=0, tag=_GO)
+                for pc, dest in zip(pieces.values(), carve(ring.slot(index, nbytes), sizes)):
+                    if pc.group is not None and pc.lengths[me]:
+                        place_pieces(dest, pc.lengths, me).copy_(pc.local)
+                self.tokens = [go]  # alive until the send completes
+                self.works.append(dist.isend(go, group=group, group_dst=0, tag=_DONE))
+                return
+            for tag, pc in enumerate(pieces.values()):  # no copy: the piece is sent from the shard itself
+                if pc.group is not None and pc.lengths[me]:
+                    self.works.append(dist.isend(pc.local, group=group, group_dst=0, tag=tag))
+            return
         buf = ring.slot(index, nbytes) if on_cpu else torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if shared:
+            self.tokens = [torch.zeros(2, dtype=torch.uint8) for _ in senders]  # [go, done] per rank
+            for r, token in zip(senders, self.tokens):
+                self.works.append(dist.isend(token[:1], group=group, group_dst=r, tag=_GO))
+                self.works.append(dist.irecv(token[1:], group=group, group_src=r, tag=_DONE))
         for tag, ((name, pc), dest) in enumerate(zip(pieces.items(), carve(buf, sizes))):
             for r, n in enumerate(pc.lengths):
                 if not n:
@@ -136,7 +232,7 @@ class ToRankZero:
                 part = place_pieces(dest, pc.lengths, r)
                 if r == 0:
                     part.copy_(pc.local)
-                else:
+                elif not shared:
                     self.works.append(dist.irecv(part, group=group, group_src=r, tag=tag))
             self.out[name] = dest.view(pc.shape)
 
@@ -145,3 +241,7 @@ class ToRankZero:
             w.wait()
         self.works = []
         return self.out
+
+
+def _has_piece(pieces: dict[str, Pieces], rank: int) -> bool:
+    return any(pc.group is not None and len(pc.lengths) > rank and pc.lengths[rank] for pc in pieces.values())
