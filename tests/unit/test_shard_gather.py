@@ -106,9 +106,12 @@ def _gather_worker(rank: int, init: str, world: int, share: str) -> None:
 
     import torch.distributed as dist
 
+    from verifiers_rl.rl.trainer import shard_gather
     from verifiers_rl.rl.trainer.shard_gather import Pieces, Ring, ToRankZero
 
-    os.environ["VF_RL_SHARD_GATHER_SHM"] = share
+    os.environ["VF_RL_SHARD_GATHER_SHM"] = "0" if share == "0" else "1"
+    if share == "no-shm" and rank == 0:  # rank 0 cannot make the buffers: every rank falls back together
+        shard_gather.SHM_DIR = "/nonexistent/shm"
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         group = dist.new_group(list(range(world)))  # a mesh's group, as FSDP2's
@@ -147,9 +150,12 @@ def _gather_worker(rank: int, init: str, world: int, share: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("share", ["1", "0"], ids=["shared-memory", "point-to-point"])
+@pytest.mark.parametrize(
+    "share", ["1", "0", "no-shm"], ids=["shared-memory", "point-to-point", "point-to-point-without-dev-shm"]
+)
 def test_pieces_reach_rank_zero_whole_over_real_gloo(tmp_path, share):
-    """Two real processes: every group arrives whole on rank 0, through /dev/shm or gloo's point-to-point."""
+    """Two real processes: every group arrives whole on rank 0, through /dev/shm or gloo's point-to-point (asked
+    for, or because /dev/shm is not there)."""
     import torch.multiprocessing as mp
 
     mp.spawn(_gather_worker, args=(f"file://{tmp_path}/store", 2, share), nprocs=2, join=True)

@@ -17,9 +17,10 @@ Two consumers read the model's weights, and both go through here:
 - `FSDP2Export`: FSDP2's DTensor parameters (dim-0 shards; `full_tensor()` otherwise).
 
 Under a sharded layout producing a tensor is a collective: every rank iterates the stream in the same order
-(`collective = True`). Only rank 0 sends, so a sync brings the pieces to rank 0 alone, point-to-point
-(shard_gather.py), a group of about `bucket_bytes` at a time, the next group in flight while rank 0 sends this
-one: no rank holds more than about two groups beyond its shard, and rank 0 receives into buffers it reuses.
+(`collective = True`). Only rank 0 sends, so a sync brings the pieces to rank 0 alone (shard_gather.py:
+point-to-point, or through shared memory on one host), a group of about `bucket_bytes` at a time, the next group
+in flight while rank 0 sends this one: no rank holds more than about two groups beyond its shard, and rank 0
+receives into buffers it reuses.
 (`gathered(names)`, every parameter whole on every rank, serves `lora_state` and layouts the sync does not
 know.)
 """
