@@ -19,6 +19,7 @@ fraction.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -74,8 +75,10 @@ def make_clock(trainer_ref: dict):
 
         def _mark(self, step: int) -> dict:
             tr = trainer_ref.get("trainer")
-            server = getattr(getattr(tr, "runtime", None), "server", None) if tr is not None else None
-            pid = server.process.pid if server is not None and server.process is not None else None
+            session = getattr(getattr(tr, "runtime", None), "session", None)
+            server = getattr(session, "process", None)  # the InferenceServer the trainer spawned
+            popen = getattr(server, "process", None)
+            pid = popen.pid if popen is not None else None
             total, idle = _proc_stat()
             return {
                 "step": step,
@@ -295,6 +298,8 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     # every core (k = 0), and the two together cannot burn more than `cores` CPU-seconds per second, counting
     # their CPU-seconds where they are fewest (one thread each, as under overlap: k = 0, 1+1 threads).
     cpu_1t = single["cpu_trainer_s"] + single["cpu_server_s"]
+    if math.isnan(cpu_1t):  # max() would drop a nan silently and leave a bound that ignores the server
+        raise RuntimeError("the server's CPU time was not readable (no pid from the trainer's runtime): no bound")
     bound = max(ideal, cpu_1t / cores)
     results.update(ideal_s=ideal, bound_s=bound, cpu_seconds_one_thread=cpu_1t)
     rows = []

@@ -108,6 +108,9 @@ def test_card_facts_come_from_the_run_history(tmp_path):
     assert (tmp_path / "reward_curve.png").stat().st_size > 1000
     local = ModelCard(step=2, kind="merged", base_model=str(tmp_path)).render()
     assert "base_model:" not in local  # a local path is no hub model id: the hub would reject the card
+    from verifiers_rl.scripts.report import plot_reward_curve
+
+    assert plot_reward_curve(tmp_path).stat().st_size > 1000  # the end-of-run report reads the same torn file
 
 
 def test_secrets_never_reach_a_card():

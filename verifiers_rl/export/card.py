@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from verifiers_rl.rl.trainer.callbacks import read_metrics
 from verifiers_rl.rl.trainer.reward_curve import has_rewards, save_reward_curve
 
 RUN_INFO = "vf_rl_run.json"  # in checkpoints and exports: base model, environment, config
@@ -22,16 +23,7 @@ CURVE = "reward_curve.png"
 def run_history(output_dir: str | os.PathLike, step: int, log_history: list[dict]) -> list[dict]:
     """The run's log lines up to `step`: its metrics.jsonl, which also holds the evaluations made before train()
     started (Trainer starts a fresh log history in train()), else the trainer's log history."""
-    path = Path(output_dir) / "metrics.jsonl"
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:  # a line cut by a kill mid-write
-                continue
-            if row.get("step", 0) <= step:
-                rows.append(row)
+    rows = [r for r in read_metrics(output_dir) if r.get("step", 0) <= step]
     return rows or [r for r in log_history if r.get("step", 0) <= step]
 
 

@@ -5,12 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-def read_metrics(output_dir: str | Path) -> list[dict]:
-    path = Path(output_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from verifiers_rl.rl.trainer.callbacks import read_metrics
 
 
 def plot_reward_curve(output_dir: str | Path, before: float | None = None, after: float | None = None) -> Path | None:

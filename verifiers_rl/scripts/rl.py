@@ -55,7 +55,7 @@ def run(plan: Plan) -> int:
     if server.spec.adapter is not None:
         from verifiers_rl.rl.trainer.lora import write_zero_adapter
 
-        write_zero_adapter(plan.model, rl_config(cfg, **pinned), server.spec.adapter.path)
+        write_zero_adapter(plan.model, plan.args, server.spec.adapter.path)
     print(f"vf-rl: starting the {plan.engine} inference server (log: {server.log_path})", flush=True)
     with server:
         if plan.trainer_cmd:
@@ -75,7 +75,7 @@ def _run_trainer_processes(plan: Plan, server) -> int:
     cmd = [str(server.port) if a == "<server port>" else a for a in plan.trainer_cmd]
     print(f"vf-rl: {shlex.join(cmd)}", flush=True)
     trainer = subprocess.Popen(cmd, env={**os.environ, **trainer_env(plan, server.token)})
-    return supervise(trainer, server, rl_config(plan.cfg, quiet=True).server_restarts)
+    return supervise(trainer, server, plan.args.server_restarts)
 
 
 def supervise(trainer: subprocess.Popen, server, restarts: int, poll_s: float = 1.0) -> int:

@@ -37,6 +37,7 @@ class Plan:
     elsewhere: bool = False  # planned for GPUs this machine does not have (`--gpus N`): indices as they are there
     accelerate_config: str | None = None  # [trainer] accelerate_config, resolved
     ranks: Any = None  # plan.ranks.RankMemory of one trainer rank (None: the model's shape is unknown here)
+    args: Any = None  # the trainer's RLConfig as planned (the pinned values applied), checked once here
 
     def visible(self, indices: list[int]) -> str:
         """CUDA_VISIBLE_DEVICES of a process that gets `indices` of the GPUs vf-rl sees."""
@@ -122,7 +123,7 @@ def build_plan(
             f"= {args.micro_batch_size} * {procs} (trainer.gpus)"
         )
     server = make_server(cfg, args, model, serving)
-    plan = Plan(cfg, config_path, overrides, model, gpus, serving, args.output_dir, server, sft)
+    plan = Plan(cfg, config_path, overrides, model, gpus, serving, args.output_dir, server, sft, args=args)
     plan.trainer_overrides, plan.elsewhere = pinned, cuda > real_cuda
     plan.accelerate_config = _accelerate_config(cfg, config_path)
     if gpus.trainer:  # every GPU layout: the trainer in processes of its own, on its own GPUs (see trainer_command)

@@ -25,6 +25,22 @@ class MetricsFileCallback(TrainerCallback):
             f.write(json.dumps(row) + "\n")
 
 
+def read_metrics(output_dir: str | os.PathLike) -> list[dict]:
+    """The rows MetricsFileCallback wrote to <output_dir>/metrics.jsonl ([] when there is none); a last line cut by a
+    kill mid-write is skipped."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return rows
+
+
 def integration_names(logs: dict) -> dict:
     """Our eval metrics are `<prefix>/<name>` ("eval/reward", "eval_after/reward"). transformers' integrations file a
     key under eval/ only when it starts with "eval_" and put every other key under train/, so "eval/reward" would

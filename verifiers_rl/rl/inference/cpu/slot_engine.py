@@ -67,7 +67,7 @@ class _Seq:
 
 
 class SlotEngine(ServedWeights):
-    """An `engine_api.Engine`, like cb_cb_engine.CPUEngine (the server cannot tell them apart)."""
+    """An `engine_api.Engine`, like cb_engine.CPUEngine (the server cannot tell them apart)."""
 
     def __init__(
         self,
