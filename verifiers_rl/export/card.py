@@ -58,8 +58,11 @@ class ModelCard:
     title: str = "RL-trained model"
 
     @classmethod
-    def from_run(cls, info: dict, **kwargs) -> ModelCard:
-        """From the facts in vf_rl_run.json (missing ones stay empty)."""
+    def from_run(cls, info: dict, *, run_dir: str | os.PathLike | None = None, **kwargs) -> ModelCard:
+        """From the facts in vf_rl_run.json (missing ones stay empty); with `run_dir`, the log history is the run's
+        up to `step` (`run_history`: its metrics.jsonl, else the `log_history` given)."""
+        if run_dir is not None:
+            kwargs["log_history"] = run_history(run_dir, kwargs["step"], kwargs.get("log_history") or [])
         keys = ("base_model", "env_id", "env_args", "config")
         return cls(**{k: info[k] for k in keys if info.get(k) is not None}, **kwargs)
 

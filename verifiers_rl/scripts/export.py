@@ -59,7 +59,7 @@ def export_checkpoint(argv: list[str]) -> int:
     if not checkpoint.is_dir():
         raise ConfigError(f"CHECKPOINT {str(checkpoint)!r} is not a folder")
     _check_out(out, checkpoint, opts["force"])
-    from verifiers_rl.export.card import ModelCard, run_history
+    from verifiers_rl.export.card import ModelCard
     from verifiers_rl.export.sources import layout, open_checkpoint
     from verifiers_rl.export.writer import export_model, is_lora
 
@@ -71,8 +71,10 @@ def export_checkpoint(argv: list[str]) -> int:
     info = {**source.run_info, "step": source.step, "exported_from": str(checkpoint.resolve())}
     if lora and opts["base"]:
         info["base_model"], info["base_model_path"] = opts["base"], None
-    history = run_history(checkpoint.parent, source.step, source.log_history)  # the run's folder holds checkpoints
-    card = ModelCard.from_run(info, step=source.step, kind=kind, log_history=history, title=checkpoint.name)
+    card = ModelCard.from_run(  # the run's folder holds its checkpoints
+        info, run_dir=checkpoint.parent, step=source.step, kind=kind, log_history=source.log_history,
+        title=checkpoint.name,
+    )  # fmt: skip
     export_model(source.model, source.tokenizer, out, kind=kind, card=card, run_info=info)
     what = {
         "adapter": "the LoRA adapter",

@@ -14,7 +14,7 @@ import json
 import logging
 from pathlib import Path
 
-from verifiers_rl.export.card import RUN_INFO, ModelCard, run_history
+from verifiers_rl.export.card import RUN_INFO, ModelCard
 from verifiers_rl.export.hub import push_folder, repo_name
 from verifiers_rl.export.writer import FINAL_DIR, export_model, is_export, is_lora
 
@@ -104,8 +104,9 @@ def save_final(trainer, *, push: bool = True) -> Path | None:
             info = run_info(trainer)
             title = args.run_name or Path(args.output_dir).name
             step = trainer.state.global_step
-            history = run_history(args.output_dir, step, trainer.state.log_history)
-            card = ModelCard.from_run(info, step=step, kind=kind, log_history=history, title=title)
+            card = ModelCard.from_run(
+                info, run_dir=args.output_dir, step=step, kind=kind, log_history=trainer.state.log_history, title=title
+            )
             export_model(
                 model, trainer.processing_class, out, kind=kind, card=card, run_info=info, weights=weights,
                 adapter_state=adapter,
