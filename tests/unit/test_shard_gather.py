@@ -112,6 +112,17 @@ def _gather_worker(rank: int, init: str, world: int, share: str) -> None:
     os.environ["VF_RL_SHARD_GATHER_SHM"] = "0" if share == "0" else "1"
     if share == "no-shm" and rank == 0:  # rank 0 cannot make the buffers: every rank falls back together
         shard_gather.SHM_DIR = "/nonexistent/shm"
+    if share == "shm-full" and rank == 0:  # the third buffer does not fit: the two made are removed, all fall back
+        shard_gather.SHM_DIR = init.removeprefix("file://").rsplit("/", 1)[0] + "/shm"
+        make, calls = shard_gather._shm_file, []
+
+        def full(nbytes, tempfile):
+            calls.append(nbytes)
+            if len(calls) == 3:
+                raise OSError(28, "No space left on device")
+            return make(nbytes, tempfile)
+
+        shard_gather._shm_file = full
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         group = dist.new_group(list(range(world)))  # a mesh's group, as FSDP2's
@@ -151,12 +162,16 @@ def _gather_worker(rank: int, init: str, world: int, share: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "share", ["1", "0", "no-shm"], ids=["shared-memory", "point-to-point", "point-to-point-without-dev-shm"]
+    "share",
+    ["1", "0", "no-shm", "shm-full"],
+    ids=["shared-memory", "point-to-point", "point-to-point-without-dev-shm", "point-to-point-when-dev-shm-is-full"],
 )
 def test_pieces_reach_rank_zero_whole_over_real_gloo(tmp_path, share):
     """Two real processes: every group arrives whole on rank 0, through /dev/shm or gloo's point-to-point (asked
     for, or because /dev/shm is not there)."""
     import torch.multiprocessing as mp
 
+    (tmp_path / "shm").mkdir()
     mp.spawn(_gather_worker, args=(f"file://{tmp_path}/store", 2, share), nprocs=2, join=True)
+    assert not list((tmp_path / "shm").iterdir())  # nothing left where the buffers were being made
     assert not [p for p in __import__("os").listdir("/dev/shm") if p.startswith("vfrl-sync-")]  # names unlinked

@@ -145,21 +145,26 @@ def _share_slots(ring: Ring, group) -> bool:
         return False
     paths: list = [None]
     if me == 0:
+        made: list[str] = []
         try:
-            paths = [[_shm_file(ring.slot_bytes, tempfile) for _ in range(Ring.SLOTS)]]
-        except OSError:  # no /dev/shm, or too small to reserve the buffers
-            paths = [None]
-    dist.broadcast_object_list(paths, group=group, group_src=0)
-    if paths[0] is None:
-        return False
+            for _ in range(Ring.SLOTS):
+                made.append(_shm_file(ring.slot_bytes, tempfile))
+            paths = [made]
+        except OSError:  # no /dev/shm, or too small to reserve the buffers (those already made go)
+            for p in made:
+                os.unlink(p)
     try:
-        bufs = [torch.from_file(p, shared=True, size=ring.slot_bytes, dtype=torch.uint8) for p in paths[0]]
-    except RuntimeError:
-        bufs = None
-    ok: list = [None] * world
-    dist.all_gather_object(ok, bufs is not None, group=group)
-    if me == 0:  # every rank has mapped them (or given up): the names can go, the memory lives while mapped
-        for p in paths[0]:
+        dist.broadcast_object_list(paths, group=group, group_src=0)
+        if paths[0] is None:
+            return False
+        try:
+            bufs = [torch.from_file(p, shared=True, size=ring.slot_bytes, dtype=torch.uint8) for p in paths[0]]
+        except RuntimeError:
+            bufs = None
+        ok: list = [None] * world
+        dist.all_gather_object(ok, bufs is not None, group=group)
+    finally:  # every rank has mapped them, given up or failed: the names go (tmpfs memory lives while mapped)
+        for p in paths[0] if me == 0 and paths[0] else []:
             os.unlink(p)
     if not all(ok):
         return False
