@@ -200,7 +200,10 @@ def test_a_stuck_stage_is_named_and_the_server_is_not_blamed(tmp_path, tiny_mode
     assert r.returncode == 1, r.stderr[-3000:]
     line = error_line(r.stderr)
     assert message in line, line
-    assert "no request is waiting on the inference server: the environment is stuck, not the server" in line
+    # the server is cleared in so many words when no request waits on it; requests of other rollouts may still be
+    # in flight when a reward function times out (CI, once), and are then listed after it, not blamed
+    cleared = "no request is waiting on the inference server: the environment is stuck, not the server" in line
+    assert cleared != ("request(s) to the inference server waiting" in line), line
     assert "check the inference server log" not in line and "inference.log" not in line
     assert time.monotonic() - t0 < 120  # the scoring timeout, not generation_timeout=300
     assert not _gone(pid)

@@ -71,3 +71,30 @@ def test_a_reward_reading_a_column_the_dataset_lacks_is_refused_before_the_run()
     env = _env(reads_answer, rows=[{"question": f"say {i}"} for i in range(4)])
     with pytest.raises(TrainingError, match="reads `answer`, but the training dataset has no 'answer' column"):
         check_reward_inputs(env, env.get_dataset())
+
+
+def test_a_timed_out_reward_function_leads_the_message_even_when_requests_started_earlier():
+    """The race CI hit once: a reward function past scoring_timeout while other rollouts' requests, sent a moment
+    earlier, were still answered. The function that timed out is named first; the requests are listed after it;
+    the server is cleared in so many words only when no request waits on it."""
+    import time
+
+    from verifiers_rl.rl.trainer.stages import Stages, stuck_message
+
+    stages = Stages()
+    with stages.track("generation", "the inference server"), stages.track("generation", "the inference server"):
+        time.sleep(0.02)
+        with stages.track("scoring", "reward function never_returns"):
+            time.sleep(0.02)
+            late = stages.overdue("scoring", 0.01)
+            assert late is not None
+            assert stuck_message(stages)[0] == "generation"  # the longest-running leads by default
+            stage, where = stuck_message(stages, culprit=late)
+            assert stage == "scoring", where
+            assert where.startswith("stuck in scoring: reward function never_returns running for"), where
+            assert "; also 2 request(s) to the inference server waiting" in where
+            assert "no request is waiting" not in where
+    with stages.track("scoring", "reward function never_returns"):
+        time.sleep(0.02)
+        _, where = stuck_message(stages, culprit=stages.overdue("scoring", 0.01))
+        assert where.endswith("no request is waiting on the inference server: the environment is stuck, not the server")

@@ -285,7 +285,7 @@ class Orchestrator:
             if self.scoring_timeout is not None:
                 late = self.stages.overdue("scoring", self.scoring_timeout)
                 if late is not None:
-                    _, where = stuck_message(self.stages)
+                    _, where = stuck_message(self.stages, culprit=late)
                     raise GenerationError(
                         f"{what}: {late.name} did not return within scoring_timeout={self.scoring_timeout:.0f}s "
                         f"({where}); fix the function or raise scoring_timeout",

@@ -79,9 +79,13 @@ def stages_of(env) -> Stages:
     return stages
 
 
-def stuck_message(stages: Stages) -> tuple[str | None, str]:
-    """(the stage a batch is stuck in, a phrase naming it and the function) from what is in flight now."""
+def stuck_message(stages: Stages, culprit: Activity | None = None) -> tuple[str | None, str]:
+    """(the stage a batch is stuck in, a phrase naming it and the function) from what is in flight now: `culprit`
+    first when a timeout already names it (a reward function past scoring_timeout, while requests that started a
+    moment earlier are still answered), else the longest-running activity."""
     acts = stages.snapshot()
+    if culprit is not None:
+        acts = [culprit] + [a for a in acts if (a.stage, a.name) != (culprit.stage, culprit.name)]
     if not acts:
         return None, "nothing was in flight (stuck in the environment's own code between stages)"
     first = acts[0]
