@@ -18,14 +18,12 @@ fraction.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import resource
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,11 +97,9 @@ def make_clock(trainer_ref: dict):
 
 
 def read_metrics(out_dir: str) -> list[dict]:
-    path = Path(out_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "reward" in r]
+    from verifiers_rl.rl.trainer.callbacks import read_metrics as rows_of
+
+    return [r for r in rows_of(out_dir) if "reward" in r]
 
 
 def window_stats(marks: list[dict], first: int) -> dict:

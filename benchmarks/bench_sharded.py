@@ -127,7 +127,9 @@ def launch(layout: str, model_dir: str, out: Path, steps: int, log) -> dict:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{layout} run failed ({r.returncode}): {r.stderr[-3000:]}")
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    from verifiers_rl.rl.trainer.callbacks import read_metrics
+
+    rows = [r for r in read_metrics(out) if "loss" in r]
     syncs = [r["timing/sync_s"] for r in rows if r["timing/sync_s"] > 0]  # 0: a step that trained nothing
     if not syncs:
         raise RuntimeError(f"{layout}: no step moved weights; nothing to time")

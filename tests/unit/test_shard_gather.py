@@ -1,6 +1,7 @@
 """The pure parts of gathering shards to rank 0 (shard_gather.py), with the ranks' pieces simulated."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -102,8 +103,6 @@ def _shapes():
 
 
 def _gather_worker(rank: int, init: str, world: int, share: str) -> None:
-    import os
-
     import torch.distributed as dist
 
     from verifiers_rl.rl.trainer import shard_gather
@@ -174,4 +173,4 @@ def test_pieces_reach_rank_zero_whole_over_real_gloo(tmp_path, share):
     (tmp_path / "shm").mkdir()
     mp.spawn(_gather_worker, args=(f"file://{tmp_path}/store", 2, share), nprocs=2, join=True)
     assert not list((tmp_path / "shm").iterdir())  # nothing left where the buffers were being made
-    assert not [p for p in __import__("os").listdir("/dev/shm") if p.startswith("vfrl-sync-")]  # names unlinked
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith("vfrl-sync-")]  # names unlinked

@@ -29,7 +29,7 @@ class Plan:
     model: str
     gpus: Any  # plan.devices.GpuPlan
     serving: Any  # plan.serving.ServingPlan
-    output_dir: str
+    args: Any  # the trainer's RLConfig as planned (the pinned values applied), checked once here
     server: Any  # InferenceServer, not started
     sft: dict[str, Any] | None = None
     trainer_cmd: list[str] = field(default_factory=list)
@@ -37,7 +37,10 @@ class Plan:
     elsewhere: bool = False  # planned for GPUs this machine does not have (`--gpus N`): indices as they are there
     accelerate_config: str | None = None  # [trainer] accelerate_config, resolved
     ranks: Any = None  # plan.ranks.RankMemory of one trainer rank (None: the model's shape is unknown here)
-    args: Any = None  # the trainer's RLConfig as planned (the pinned values applied), checked once here
+
+    @property
+    def output_dir(self) -> str:
+        return self.args.output_dir
 
     def visible(self, indices: list[int]) -> str:
         """CUDA_VISIBLE_DEVICES of a process that gets `indices` of the GPUs vf-rl sees."""
@@ -123,7 +126,7 @@ def build_plan(
             f"= {args.micro_batch_size} * {procs} (trainer.gpus)"
         )
     server = make_server(cfg, args, model, serving)
-    plan = Plan(cfg, config_path, overrides, model, gpus, serving, args.output_dir, server, sft, args=args)
+    plan = Plan(cfg, config_path, overrides, model, gpus, serving, args, server, sft)
     plan.trainer_overrides, plan.elsewhere = pinned, cuda > real_cuda
     plan.accelerate_config = _accelerate_config(cfg, config_path)
     if gpus.trainer:  # every GPU layout: the trainer in processes of its own, on its own GPUs (see trainer_command)
