@@ -39,6 +39,7 @@ STARTUP_TIMEOUT_S = 240
 BUCKET_BYTES = 12 * 1024
 PROMPT = [{"role": "user", "content": "Count: one two three"}]
 MAX_TOKENS = 12
+LONG = 2000  # tokens: seconds of decoding for the two-engine server (--max-model-len 2048 there)
 PROMPTS = ([72, 101, 108, 108, 111], [1, 2, 3, 4, 5, 6], [200, 100, 50])  # token ids, for /v1/completions
 
 
@@ -125,7 +126,7 @@ def server(tiny_model_dir, tmp_path_factory):
     Class scope: the server is gone before the next one starts."""
     log = tmp_path_factory.mktemp("vllm_dp2") / "vllm.log"
     env = {"VLLM_CPU_OMP_THREADS_BIND": _omp_bind(2)}  # one core each; "auto" pins both engines to core 0
-    with _vllm_server(tiny_model_dir, log, ["--data-parallel-size", "2"], env) as srv:
+    with _vllm_server(tiny_model_dir, log, ["--data-parallel-size", "2", "--max-model-len", "2048"], env) as srv:
         yield srv
 
 
@@ -242,23 +243,51 @@ class TestTwoEngines:
         try:
             client.init_weight_transfer("gloo", bucket_bytes=BUCKET_BYTES)
             client.update_weights(original.named_parameters(), version=10)
-            _complete(http, name, prompt, max_tokens=2, headers=engine0)  # cached under `original`
-            with ThreadPoolExecutor(4) as pool:
-                futs = [
+
+            # The engines run ahead of the API server that reports them (its gauges and responses lag; under load
+            # /metrics alone took seconds), so no timing seen from here says requests are still running when a sync
+            # lands (CI: a fixed 0.3 s sleep lost that race). So the requests are queued in paused engines, which
+            # resume and pause again a round trip later, mid-decode, and vLLM itself says whether they hold KV
+            # blocks: a plain prefix-cache reset answers success=false then. When it succeeds instead, the requests
+            # had not reached the engines before the resume (and the cached prompt is gone): try again, waiting longer.
+            def run_long(pool):
+                # no logprobs: less work for the API server
+                body = {"model": name, "max_tokens": LONG, "temperature": 0.0, "ignore_eos": True}
+                return [
                     pool.submit(
-                        _complete, http, name, PROMPTS[i % 3], 300, headers={"X-data-parallel-rank": str(i % 2)}
+                        http.post,
+                        "/v1/completions",
+                        json={**body, "prompt": PROMPTS[i % 3]},
+                        headers={"X-data-parallel-rank": str(i % 2)},
                     )
-                    for i in range(4)
+                    for i in range(8)
                 ]
-                time.sleep(0.3)
-                assert not any(f.done() for f in futs)  # the sync below lands while they run
+
+            def pause():
                 client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
-                try:
-                    client.sender.send(perturbed.named_parameters(), 11)
-                finally:
+
+            for attempt, wait in enumerate((0.5, 2.0, 5.0, 10.0), 1):
+                _complete(http, name, prompt, max_tokens=2, headers=engine0)  # cached under `original`
+                with ThreadPoolExecutor(8) as pool:
+                    pause()
+                    futs = run_long(pool)
+                    time.sleep(wait)  # they reach the paused engines' queues
                     client.resume()
-                choices = [f.result(timeout=300)[0] for f in futs]
-            assert all(len(c["token_ids"]) == 300 for c in choices)  # preempted by the reset, then finished
+                    pause()
+                    try:
+                        held = client.post("/reset_prefix_cache")["success"] is False
+                        if held:
+                            client.sender.send(perturbed.named_parameters(), 11)
+                    finally:
+                        client.resume()
+                    answers = [f.result(timeout=300) for f in futs]
+                if held:
+                    break
+                print(f"attempt {attempt}: the requests reached the engines after {wait}s; again")
+            else:
+                pytest.fail("the requests never ran when the sync landed: the case was never tested")
+            # preempted by the sender's reset, then finished
+            assert [(a.status_code, a.json()["usage"]["completion_tokens"]) for a in answers] == [(200, LONG)] * 8
             assert _max_diff(http, name, perturbed, prompts=[prompt], headers=engine0) < 1e-4
         finally:
             client.close()
