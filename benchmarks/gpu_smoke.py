@@ -92,12 +92,14 @@ def check_plan(path: Path, gpus: int) -> list[tuple[str, bool]]:
 def check_run(path: Path, steps: int, gpus: int, timeout: float) -> list[tuple[str, bool]]:
     from procs import survivors
 
+    from verifiers_rl.rl.trainer.callbacks import read_metrics
+
     out_dir = Path(tomllib_load(path)["output_dir"])
     t0 = time.monotonic()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus))}  # the layout's GPUs
     proc = subprocess.Popen([sys.executable, "-m", "verifiers_rl.scripts.rl", "@", str(path)], cwd=ROOT, env=env)
     code = proc.wait(timeout)
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(out_dir)
     train = [r for r in rows if "policy_version" in r]
     versions = [int(r["policy_version"]) for r in train]
     kl = max((abs(r.get("mismatch_kl", 0.0)) for r in train), default=float("nan"))

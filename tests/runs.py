@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import textwrap
@@ -59,18 +58,9 @@ def start(cfg: Path, *extra, env: dict | None = None) -> subprocess.Popen:
 
 def steps(out: Path) -> list[int]:
     """Steps of metrics.jsonl's training rows, in file order."""
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if "reward" in row:
-            rows.append(row["step"])
-    return rows
+    from verifiers_rl.rl.trainer.callbacks import read_metrics
+
+    return [row["step"] for row in read_metrics(out) if "reward" in row]
 
 
 def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:

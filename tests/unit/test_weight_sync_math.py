@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from peft_models import lora_model
@@ -178,7 +180,15 @@ def test_adapter_update_round_trip_and_errors():
 
     update = AdapterUpdate(UpdateInfo.from_metas(_metas()), {"r": 8, "lora_alpha": 8})
     back = AdapterUpdate.parse(update.to_json())
-    assert back == update and back.lora_int_id == 1
+    assert back == update and back.lora_int_id == 1 and back.report == ""
+    info = UpdateInfo.from_metas(_metas())
+    info.report = "7-abc"
+    reported = AdapterUpdate(info, {"r": 8})
+    assert "report" not in json.loads(reported.to_json())  # it travels inside update_info, like a full sync's
+    assert AdapterUpdate.parse(reported.to_json()).report == "7-abc"
+    # what earlier senders wrote: the id beside update_info
+    legacy = {**json.loads(update.to_json()), "report": "7-abc"}
+    assert AdapterUpdate.parse(json.dumps(legacy)).report == "7-abc"
     with pytest.raises(ValueError, match="not JSON"):
         AdapterUpdate.parse("{")
     with pytest.raises(ValueError, match="expected keys"):

@@ -31,19 +31,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from verifiers_rl.rl.inference.errors import ServerError
 from verifiers_rl.rl.inference.layout import WORKER_EXTENSION
 from verifiers_rl.rl.inference.transfer.buckets import UpdateInfo, plan_buckets
 from verifiers_rl.rl.inference.transfer.gloo import (
-    REPORT_WAIT_S,
     GlooSender,
-    collect_reports,
     run_in_thread,
     send_buckets,
 )
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
 from verifiers_rl.rl.inference.transfer.stream import as_stream
-from verifiers_rl.rl.inference.transfer.verify import verify
 
 UPDATE_RPC = "vf_lora_update"
 INFO_RPC = "vf_lora_info"
@@ -55,14 +51,17 @@ LORA_INT_ID = 1
 class AdapterUpdate:
     """The argument of `vf_lora_update` (a JSON string: vLLM's /collective_rpc passes strings only)."""
 
-    update_info: UpdateInfo
+    update_info: UpdateInfo  # its `report` names where every receiving rank leaves its result in the group's store
     peft_config: dict
     lora_int_id: int = LORA_INT_ID
-    report: str = ""  # the id under which every receiving rank leaves its result in the group's store
+
+    @property
+    def report(self) -> str:
+        return self.update_info.report
 
     def to_json(self) -> str:
         body = {"update_info": self.update_info.to_dict(), "peft_config": self.peft_config}
-        return json.dumps({**body, "lora_int_id": self.lora_int_id, "report": self.report})
+        return json.dumps({**body, "lora_int_id": self.lora_int_id})
 
     @classmethod
     def parse(cls, text: str) -> AdapterUpdate:
@@ -71,13 +70,15 @@ class AdapterUpdate:
         except (TypeError, ValueError) as e:
             raise ValueError(f"{UPDATE_RPC}: argument is not JSON: {e}") from None
         required = {"update_info", "peft_config", "lora_int_id"}
+        # a top-level "report" is how 0.3.x senders named the report id; it now travels in update_info
         if not isinstance(body, dict) or not required <= set(body) <= required | {"report"}:
             keys = sorted(body) if isinstance(body, dict) else type(body).__name__
-            raise ValueError(f"{UPDATE_RPC}: expected keys update_info, peft_config, lora_int_id[, report]; got {keys}")
+            raise ValueError(f"{UPDATE_RPC}: expected keys update_info, peft_config, lora_int_id; got {keys}")
         if not isinstance(body["peft_config"], dict):
             raise ValueError(f"{UPDATE_RPC}: peft_config must be an object")
         info, config = UpdateInfo.parse(body["update_info"]), body["peft_config"]
-        return cls(info, config, int(body["lora_int_id"]), str(body.get("report") or ""))
+        info.report = info.report or str(body.get("report") or "")
+        return cls(info, config, int(body["lora_int_id"]))
 
 
 def lora_module(name: str) -> tuple[str, str]:
@@ -147,20 +148,13 @@ class AdapterSender(GlooSender):
         tensors = as_stream(named_tensors)
         metas = tensors.metas
         buckets = plan_buckets(metas, self.bucket_bytes)
-        update = AdapterUpdate(UpdateInfo.from_metas(metas), config, report=f"{version}-{secrets.token_hex(6)}")
+        report, sums = f"{version}-{secrets.token_hex(6)}", []
+        update = AdapterUpdate(self.update_info(metas, report), config)
         body = {"method": UPDATE_RPC, "args": [update.to_json()]}
         pending = run_in_thread(lambda: self.post("/collective_rpc", body))
-        sums: list[int] = []
         sent = send_buckets(self.group, buckets, tensors, sums)
         pending.join()
-        # A refusal is a result {"error": ...} (the data was drained first, so the group stays usable).
-        reports = collect_reports(self.group, update.report, min(REPORT_WAIT_S, self.timeout_s))
-        refused = {rank: r["error"] for rank, r in reports.items() if r.get("error")}
-        if refused:
-            rank, reason = next(iter(refused.items()))
-            where = f"inference rank {rank}" + (f" and {len(refused) - 1} more" if len(refused) > 1 else "")
-            raise ServerError(f"{UPDATE_RPC} refused by the server ({where}): {reason}")
-        verify(version, [m.name for m in metas], [m.nbytes for m in metas], sums, reports)
+        self.verify(report, metas, sums, version)
         # The prefix cache is keyed by adapter name and path, which stay the same: blocks computed with the old
         # adapter would be served again.
         self.client.reset_prefix_cache(timeout=self.timeout_s)

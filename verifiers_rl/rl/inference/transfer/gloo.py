@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from verifiers_rl.rl.inference.errors import ServerError
 from verifiers_rl.rl.inference.transfer.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
@@ -309,8 +310,15 @@ class GlooSender:
         return info
 
     def verify(self, report: str, metas: list[TensorMeta], sent: list[int], version: int) -> None:
-        """Every receiving rank's checksums of what it loaded against the trainer's (verify.py)."""
+        """Every receiving rank's checksums of what it loaded against the trainer's (verify.py). A rank that
+        refused the update (the adapter's RPC does, after draining the data, so the group stays usable) reports
+        {"error": ...} instead."""
         reports = collect_reports(self.group, report, min(REPORT_WAIT_S, self.timeout_s))
+        refused = {rank: r["error"] for rank, r in reports.items() if r.get("error")}
+        if refused:
+            rank, reason = next(iter(refused.items()))
+            where = f"inference rank {rank}" + (f" and {len(refused) - 1} more" if len(refused) > 1 else "")
+            raise ServerError(f"the weight update was refused by the server ({where}): {reason}")
         verify(version, [m.name for m in metas], [m.nbytes for m in metas], sent, reports)
 
     def send(self, named_tensors: NamedTensors, version: int) -> SyncStats:
