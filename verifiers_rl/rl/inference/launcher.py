@@ -137,20 +137,26 @@ class InferenceServer:
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab", buffering=0)
-        self.process = subprocess.Popen(
-            self.command(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.environment(),
-            start_new_session=True,  # own process group: stop() takes the server's children down too
-            preexec_fn=_die_with_parent,
-        )
-        log.close()
+        # the client first: whoever sees the new process (a supervisor, a test) finds its client already there
+        self.client = InferenceClient(self.spec.host, self.spec.port, control_token=self.token, **self.client_kwargs)
+        try:
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                start_new_session=True,  # own process group: stop() takes the server's children down too
+                preexec_fn=_die_with_parent,
+            )
+        except BaseException:
+            self.client = None
+            raise
+        finally:
+            log.close()
         if not self._stop_at_exit:  # once, however often it is restarted
             atexit.register(self.stop)
             self._stop_at_exit = True
-        self.client = InferenceClient(self.spec.host, self.spec.port, control_token=self.token, **self.client_kwargs)
         try:
             self._wait_healthy()
         except BaseException:
