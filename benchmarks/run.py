@@ -36,6 +36,7 @@ BENCHMARKS = (
     "bench_endurance",
     "bench_load",
     "bench_roofline",
+    "bench_reward_time",
 )
 HEADERS = ["benchmark", "metric", "unit", "baseline", "ours", "ratio", "goal", "pass"]
 
