@@ -65,6 +65,22 @@ def wait_for_quiet(max_wait_s: float, threshold: float = 0.15, log=print) -> dic
     return {"quiet": ok, "waited_s": round(waited, 1), "busy_fraction": round(last, 3)}
 
 
+def left_padded_prompts(tok, rows: list[dict]):
+    """The rows' chat prompts (generation prompt added) as one left-padded batch for HF `generate`:
+    (input_ids, attention_mask, width); completions start at column `width`."""
+    import torch
+
+    prompts = [
+        tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in rows
+    ]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tok.pad_token_id)
+    att = torch.zeros(len(prompts), width, dtype=torch.long)
+    for j, p in enumerate(prompts):
+        ids[j, width - len(p) :], att[j, width - len(p) :] = torch.tensor(p), 1
+    return ids, att, width
+
+
 def row(name: str, baseline, ours, ratio, goal: str, passed: bool | None, unit: str = "", **extra) -> dict:
     """One line of a result table. `passed` is None for rows that only report (no goal)."""
     return {

@@ -44,7 +44,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from _common import finish, main_for, median, row, wait_for_quiet  # noqa: E402
+from _common import finish, left_padded_prompts, main_for, median, row, wait_for_quiet  # noqa: E402
 from bench_async import make_clock, rl_config, run_rl, window_stats  # noqa: E402
 
 NAME = "bench_e2e"
@@ -188,15 +188,7 @@ def hf_eval(model, tok, rows, max_new_tokens: int, batch: int = 50, samples: int
     greedy, sampled, t0 = [], [], time.perf_counter()
     for i in range(0, len(rows), batch):
         part = rows[i : i + batch]
-        prompts = [
-            tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in part
-        ]
-        t = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), t), tok.pad_token_id)
-        att = torch.zeros(len(prompts), t, dtype=torch.long)
-        for j, p in enumerate(prompts):  # left padding
-            ids[j, t - len(p) :] = torch.tensor(p)
-            att[j, t - len(p) :] = 1
+        ids, att, t = left_padded_prompts(tok, part)
         common = dict(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         out = model.generate(input_ids=ids, attention_mask=att, do_sample=False, **common)
         greedy += [score(tok.decode(out[j, t:], skip_special_tokens=True), r["answer"]) for j, r in enumerate(part)]

@@ -34,7 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from _common import RESULTS_DIR, finish, main_for, row, wait_for_quiet  # noqa: E402
+from _common import RESULTS_DIR, finish, left_padded_prompts, main_for, row, wait_for_quiet  # noqa: E402
 from bench_async import make_clock, rl_config, run_rl, window_stats  # noqa: E402
 
 NAME = "bench_reward_time"
@@ -115,14 +115,7 @@ def evaluate(model, tok, rows, s: dict, greedy: bool = False, batch: int = 50) -
     scores = []
     for i in range(0, len(rows), batch):
         part = rows[i : i + batch]
-        prompts = [
-            tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in part
-        ]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), tok.pad_token_id)
-        att = torch.zeros(len(prompts), width, dtype=torch.long)
-        for j, p in enumerate(prompts):  # left padding
-            ids[j, width - len(p) :], att[j, width - len(p) :] = torch.tensor(p), 1
+        ids, att, width = left_padded_prompts(tok, part)
         common = dict(max_new_tokens=s["max_tokens"], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         if greedy:
             out = model.generate(input_ids=ids, attention_mask=att, do_sample=False, **common)
