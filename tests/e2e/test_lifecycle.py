@@ -127,6 +127,16 @@ def _vf_vllm(*args, env=None):
     )
 
 
+def test_a_server_that_cannot_be_spawned_leaves_no_client_or_process(tiny_model_dir, tmp_path):
+    """start() sets the client before the process (a supervisor that sees the new pid finds its client); when
+    the spawn itself fails, neither is left behind and the OS error reaches the caller."""
+    server = InferenceServer(tiny_model_dir, engine="cpu", output_dir=tmp_path)
+    server.command = lambda: [str(tmp_path / "no-such-binary")]
+    with pytest.raises(FileNotFoundError):
+        server.start()
+    assert server.client is None and server.process is None
+
+
 def test_vf_vllm_help_without_vllm():
     r = _vf_vllm("--help")
     assert r.returncode == 0

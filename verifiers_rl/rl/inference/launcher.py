@@ -150,7 +150,8 @@ class InferenceServer:
                 preexec_fn=_die_with_parent,
             )
         except BaseException:
-            self.client = None
+            client, self.client = self.client, None
+            client.close(polite=False)  # nothing listens: just its connection pool
             raise
         finally:
             log.close()
