@@ -79,30 +79,28 @@ def warm_start(log, quick: bool = False) -> tuple[str, list[dict], list[dict], o
     return final, [dict(r) for r in env.get_dataset()], [dict(r) for r in env.get_eval_dataset()], env
 
 
-class Snapshots:
+def make_snapshots(every: int, last: int):
     """A TrainerCallback keeping (step, perf_counter time, trainable tensors) at train begin and every `every`
     steps; times become seconds since `train()` was called once the run says when that was."""
+    from transformers import TrainerCallback
 
-    def __new__(cls, every: int, last: int):
-        from transformers import TrainerCallback
+    class Snapshots(TrainerCallback):
+        def __init__(self):
+            self.items: list[tuple[int, float, dict]] = []
 
-        class _Snapshots(TrainerCallback):
-            def __init__(self):
-                self.items: list[tuple[int, float, dict]] = []
+        def take(self, step: int, model) -> None:
+            t = time.perf_counter()
+            weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+            self.items.append((step, t, weights))
 
-            def take(self, step: int, model) -> None:
-                t = time.perf_counter()
-                weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-                self.items.append((step, t, weights))
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.take(0, model)
 
-            def on_train_begin(self, args, state, control, model=None, **kwargs):
-                self.take(0, model)
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step % every == 0 or state.global_step == last:
+                self.take(state.global_step, model)
 
-            def on_step_end(self, args, state, control, model=None, **kwargs):
-                if state.global_step % every == 0 or state.global_step == last:
-                    self.take(state.global_step, model)
-
-        return _Snapshots()
+    return Snapshots()
 
 
 @torch.no_grad()
@@ -214,7 +212,7 @@ def curve(run: dict, snaps, rows, s: dict, log, name: str) -> list[dict]:
             for n, w in weights.items():
                 params[n].copy_(w)
         points.append({"step": step, "t": t - run["t_call"], "reward": evaluate(model, tok, rows, s)})
-        log(f"{name}: step {step} at {t:.1f}s: eval {points[-1]['reward']:.3f}")
+        log(f"{name}: step {step} at {points[-1]['t']:.1f}s: eval {points[-1]['reward']:.3f}")
     points[-1]["greedy"] = evaluate(model, tok, rows, s, greedy=True)
     return points
 
@@ -260,7 +258,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     runs, curves = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench_reward_time_") as tmp:
         for name, fn in (("TRL", run_trl), ("ours", run_ours)):
-            snaps = Snapshots(s["every"], s["steps"])
+            snaps = make_snapshots(s["every"], s["steps"])
             src = train_rows if name == "TRL" else env
             runs[name] = r = fn(model_dir, src, s, os.path.join(tmp, name), snaps)
             st = window_stats(r["marks"], 1)

@@ -146,13 +146,18 @@ def trainer_step(layers: int, n: int, seq: int, repeats: int, log) -> dict:
     return {"seconds": median(secs), "all_seconds": secs, "model_flops": flops, "layers": layers, "n": n, "seq": seq}
 
 
+def engine_threads() -> int:
+    """What the server gives the engine (cpu/app.py): every core but one."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
 def engine_decode(layers: int, tokens: int, repeats: int, log) -> dict:
     from verifiers_rl.rl.inference.cpu.sampling import SamplingParams
     from verifiers_rl.rl.inference.cpu.slot_engine import SlotEngine
 
     model, tok = shape_model(layers)
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))  # what the server gives the engine (cpu/app.py)
+    torch.set_num_threads(engine_threads())
     engine = SlotEngine(model, tok, max_model_len=1024, max_num_seqs=4)
     prompt = list(range(32, 96))
 
@@ -201,8 +206,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     )
     dec = results["decode"] = engine_decode(layers, 8 if quick else 16, 1 if quick else 3, log)
     # The engine's own threads (every core but one) may not reach the machine's bandwidth: their read bound too
-    engine_threads = max(1, (os.cpu_count() or 1) - 1)
-    torch.set_num_threads(engine_threads)
+    torch.set_num_threads(engine_threads())
     bw_engine = results["bandwidth_engine_threads"] = bandwidth(128 if quick else 1024, 2 if quick else 5)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
@@ -233,7 +237,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             unit="ms/token",
         ),
         row(
-            f"the same decode against the read bandwidth of the engine's {engine_threads} thread(s) "
+            f"the same decode against the read bandwidth of the engine's {engine_threads()} thread(s) "
             f"({bw_engine['read_bytes_per_s'] / 1e9:.1f} GB/s): bound vs ours",
             dec["weight_bytes"] / bw_engine["read_bytes_per_s"] * 1e3,
             dec["seconds_per_token"] * 1e3,
