@@ -548,6 +548,22 @@ def lora(tiny_model_dir, tmp_path_factory):
         srv.stop()
 
 
+def _wait_running(http, n: int, timeout: float) -> float:
+    """Poll vLLM's Prometheus gauges until all n requests are in the engine (running or waiting) and at least one
+    runs; returns how many run."""
+    deadline, gauges = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        text = http.get("/metrics", headers=_auth()).text
+        gauges = {
+            name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+            for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        }
+        if gauges["vllm:num_requests_running"] >= 1 and sum(gauges.values()) >= n:
+            break
+        time.sleep(0.02)
+    return gauges.get("vllm:num_requests_running", 0.0)
+
+
 def _auth(key: str = API_KEY) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
@@ -604,8 +620,9 @@ def test_in_flight_request_survives_an_adapter_sync(lora):
             pool.submit(_complete, lora["http"], lora["name"], PROMPTS[i % len(PROMPTS)], length, headers=_auth())
             for i in range(n)
         ]
-        time.sleep(0.1)
-        assert not all(f.done() for f in futs)  # the sync below lands mid-request
+        # the sync below lands mid-request: vLLM itself reports them running (a fixed sleep raced their start)
+        running = _wait_running(lora["http"], n, timeout=120)
+        assert running >= 1 and not all(f.done() for f in futs), running
         _set_step(peft, 3)
         client.update_weights(_adapter_weights(peft), version=3)
         choices = [f.result(timeout=300)[0] for f in futs]
