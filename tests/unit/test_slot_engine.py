@@ -13,7 +13,7 @@ from verifiers_rl.rl.inference.cpu import slot_engine as se
 from verifiers_rl.rl.inference.cpu.cb_engine import CPUEngine
 from verifiers_rl.rl.inference.cpu.engine_api import EngineError
 from verifiers_rl.rl.inference.cpu.engines import create_engine
-from verifiers_rl.rl.inference.cpu.kv_cache import SlotKVCache
+from verifiers_rl.rl.inference.cpu.kv_cache import DEFAULT_CACHE_BYTES, SlotKVCache, token_budget
 from verifiers_rl.rl.inference.cpu.lean_forward import (
     LeanDecoder,
     apply_rope,
@@ -369,6 +369,28 @@ def test_slots_are_reused_and_queued_requests_wait(tiny):
             ref, _ = _teacher_forced(tiny[0], p, o[0].token_ids)
             assert torch.allclose(torch.tensor(o[0].logprobs), ref, atol=1e-4)
         assert eng.cache.slots <= 3 and not eng._running and not eng._waiting
+    finally:
+        eng.close()
+
+
+def test_kv_budget_is_bounded_in_bytes_not_by_a_fraction_of_the_maximum():
+    qwen3_06b = 2 * 28 * 8 * 128 * 4  # keys and values, 28 layers x 8 KV heads x 128 dims, fp32: 224 KiB per token
+    assert token_budget(DEFAULT_CACHE_BYTES, qwen3_06b, 64, 4096) == (4 << 30) // qwen3_06b  # ~18.7k tokens, 4 GiB
+    assert token_budget(DEFAULT_CACHE_BYTES, 1024, 64, 128) == 64 * 128  # a tiny model: every slot at full length
+    assert token_budget(10, 1024, 64, 128) == 1  # never zero (SlotKVCache keeps one full-length sequence anyway)
+
+
+def test_a_batch_of_64_decodes_together_at_a_short_max_model_len():
+    """The RL demos serve max_model_len = max_seq_len (128): a 64-rollout batch must run as one batch of 64, not
+    in waves of 16 (the old budget, a quarter of max_num_seqs x max_model_len tokens, allowed 2048)."""
+    model, tok = build_tiny_model(hidden=64, layers=2)
+    eng = se.SlotEngine(model, tok, max_model_len=128, max_num_seqs=64)
+    try:
+        prompts = [_prompt(tok, f"reverse {g} abc") for g in range(8)]  # 8 prompts x 8 rollouts, like GRPO
+        jobs = [(prompts[i // 8], SamplingParams(max_tokens=48, seed=i, ignore_eos=True)) for i in range(64)]
+        outs = _run(eng, jobs)
+        assert all(len(o[0].token_ids) == 48 for o in outs)
+        assert eng.cache.slots == 64  # every sequence held a slot at once
     finally:
         eng.close()
 

@@ -11,6 +11,18 @@ from __future__ import annotations
 import torch
 
 LENGTH_QUANTUM = 64  # lengths are allocated in multiples of this
+# What the cache may take when nobody says (SlotEngine's kv_cache_bytes): bounded in bytes, whatever the model.
+# A token budget as a fraction of max_num_seqs x max_model_len (transformers' continuous-batching default, a
+# quarter) capped a tiny model served at max_model_len 128 to 16 sequences of a 64-rollout batch (2048 tokens,
+# 2 MB), so decode ran in four waves (measured: 3x the decode steps per batch), while the same rule let a
+# Qwen3-0.6B-sized model at the default 4096 claim ~15 GB.
+DEFAULT_CACHE_BYTES = 4 << 30
+
+
+def token_budget(cache_bytes: int, bytes_per_token: int, max_slots: int, max_length: int) -> int:
+    """Tokens (slots x positions) the cache may hold: every slot at full length where that fits in cache_bytes,
+    else what fits (SlotKVCache still keeps room for one full-length sequence)."""
+    return max(1, min(max_slots * max_length, cache_bytes // max(1, bytes_per_token)))
 
 
 def round_up(n: int, quantum: int) -> int:
