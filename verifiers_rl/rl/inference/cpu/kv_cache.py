@@ -39,9 +39,12 @@ class SlotKVCache:
         max_slots: int,
         max_length: int,
         budget_tokens: int | None = None,
+        budget_bytes: int | None = None,
         dtype: torch.dtype = torch.float32,
     ):
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
+        if budget_tokens is None and budget_bytes is not None:  # a token count wins where both are given
+            budget_tokens = token_budget(budget_bytes, self.bytes_per_token, max_slots, max_length)
         self.max_slots, self.max_length = max_slots, round_up(max_length, LENGTH_QUANTUM)
         # Always room for one full-length sequence, whatever the budget.
         self.budget_tokens = max(self.max_length, budget_tokens or max_slots * self.max_length)
@@ -49,6 +52,11 @@ class SlotKVCache:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self._resize(min(4, max_slots), LENGTH_QUANTUM)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values of one position in every layer."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:

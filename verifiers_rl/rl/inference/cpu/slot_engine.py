@@ -26,7 +26,7 @@ import torch
 
 from verifiers_rl.rl.inference.cpu.cb_engine import eos_ids
 from verifiers_rl.rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS, EngineError
-from verifiers_rl.rl.inference.cpu.kv_cache import DEFAULT_CACHE_BYTES, SlotKVCache, token_budget
+from verifiers_rl.rl.inference.cpu.kv_cache import DEFAULT_CACHE_BYTES, SlotKVCache
 from verifiers_rl.rl.inference.cpu.lean_forward import LeanDecoder
 from verifiers_rl.rl.inference.cpu.sampling import (
     Completion,
@@ -90,11 +90,9 @@ class SlotEngine(ServedWeights):
         self.decoder = LeanDecoder(model, max_model_len)  # packs projections: adjacent spans of that buffer
         self.eos_token_ids = eos_ids(model, tokenizer)
         d = self.decoder
-        per_token = 2 * len(d.layers) * d.num_kv_heads * d.head_dim * d.dtype.itemsize  # keys and values
-        budget = kv_cache_tokens or token_budget(kv_cache_bytes, per_token, max_num_seqs, max_model_len)
         self.cache = SlotKVCache(
             len(d.layers), d.num_kv_heads, d.head_dim, max_slots=max_num_seqs, max_length=max_model_len,
-            budget_tokens=budget, dtype=d.dtype,
+            budget_tokens=kv_cache_tokens or None, budget_bytes=kv_cache_bytes, dtype=d.dtype,
         )  # fmt: skip
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # held for a whole step; pause() and load_weights() wait on it
