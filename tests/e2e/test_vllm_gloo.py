@@ -548,20 +548,20 @@ def lora(tiny_model_dir, tmp_path_factory):
         srv.stop()
 
 
-def _wait_running(http, n: int, timeout: float) -> float:
-    """Poll vLLM's Prometheus gauges until all n requests are in the engine (running or waiting) and at least one
-    runs; returns how many run."""
-    deadline, gauges = time.monotonic() + timeout, {}
-    while time.monotonic() < deadline:
+def _wait_running(http, futs, timeout: float) -> float:
+    """Poll vLLM's Prometheus gauges until at least one request runs; returns how many run (0.0 when all of `futs`
+    finished first, or at the timeout). Waiting for all of them to be in the engine at once raced in CI: with two
+    data-parallel engines, one engine's gauge lagged ~2 s behind the other's, and its requests could end first."""
+    deadline, running = time.monotonic() + timeout, 0.0
+    while time.monotonic() < deadline and not all(f.done() for f in futs):
         text = http.get("/metrics", headers=_auth()).text
-        gauges = {
-            name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-            for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
-        }
-        if gauges["vllm:num_requests_running"] >= 1 and sum(gauges.values()) >= n:
+        running = sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running{")
+        )
+        if running >= 1:
             break
         time.sleep(0.02)
-    return gauges.get("vllm:num_requests_running", 0.0)
+    return running
 
 
 def _auth(key: str = API_KEY) -> dict:
@@ -621,7 +621,7 @@ def test_in_flight_request_survives_an_adapter_sync(lora):
             for i in range(n)
         ]
         # the sync below lands mid-request: vLLM itself reports them running (a fixed sleep raced their start)
-        running = _wait_running(lora["http"], n, timeout=120)
+        running = _wait_running(lora["http"], futs, timeout=120)
         assert running >= 1 and not all(f.done() for f in futs), running
         _set_step(peft, 3)
         client.update_weights(_adapter_weights(peft), version=3)
