@@ -12,6 +12,7 @@ fixture; its worker extension is ours plus a refusal on demand, tests/scripts/vl
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -548,20 +549,21 @@ def lora(tiny_model_dir, tmp_path_factory):
         srv.stop()
 
 
-def _wait_running(http, futs, timeout: float) -> float:
-    """Poll vLLM's Prometheus gauges until at least one request runs; returns how many run (0.0 when all of `futs`
-    finished first, or at the timeout). Waiting for all of them to be in the engine at once raced in CI: with two
-    data-parallel engines, one engine's gauge lagged ~2 s behind the other's, and its requests could end first."""
-    deadline, running = time.monotonic() + timeout, 0.0
-    while time.monotonic() < deadline and not all(f.done() for f in futs):
-        text = http.get("/metrics", headers=_auth()).text
-        running = sum(
-            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running{")
-        )
-        if running >= 1:
-            break
-        time.sleep(0.02)
-    return running
+def _stream(http, model: str, prompt_ids, max_tokens: int, got: list[int]) -> dict:
+    """A streamed greedy completion; `got[0]` counts the tokens received so far, for the caller to read mid-request."""
+    body = {"model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    body.update(return_token_ids=True, ignore_eos=True, seed=0)
+    ids, finish = [], None
+    with http.stream("POST", "/v1/completions", json=body, headers=_auth()) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[len("data: ") :])["choices"][0]
+            ids += choice.get("token_ids") or []
+            finish = choice.get("finish_reason") or finish
+            got[0] = len(ids)
+    return {"token_ids": ids, "finish_reason": finish}
 
 
 def _auth(key: str = API_KEY) -> dict:
@@ -612,20 +614,27 @@ def test_base_weights_never_move(lora, tiny_model_dir):
 
 def test_in_flight_request_survives_an_adapter_sync(lora):
     client, peft = lora["client"], lora["peft"]
-    # Eight long requests, so that on a quiet machine too the sync lands while they generate (one 200-token request
-    # finished within 0.5 s there); 500 tokens fill the 512-token context.
+    # Eight streamed requests of 500 tokens (they fill the 512-token context); the sync starts once one has streamed
+    # a token. A fixed sleep raced their start, and vLLM's gauges (/metrics) lagged seconds behind the engine under
+    # load, so requests could end before the gauges read running; under load some requests also start only after
+    # others have ended, so the test does not wait for all eight.
     n, length = 8, 500
+    got = [[0] for _ in range(n)]
     with ThreadPoolExecutor(n) as pool:
         futs = [
-            pool.submit(_complete, lora["http"], lora["name"], PROMPTS[i % len(PROMPTS)], length, headers=_auth())
+            pool.submit(_stream, lora["http"], lora["name"], PROMPTS[i % len(PROMPTS)], length, got[i])
             for i in range(n)
         ]
-        # the sync below lands mid-request: vLLM itself reports them running (a fixed sleep raced their start)
-        running = _wait_running(lora["http"], futs, timeout=120)
-        assert running >= 1 and not all(f.done() for f in futs), running
+        deadline = time.monotonic() + 120
+        while not any(g[0] for g in got) and time.monotonic() < deadline and not any(f.done() for f in futs):
+            time.sleep(0.005)
+        # the sync starts mid-generation: some request has streamed tokens and has more to come. (Whether one is still
+        # generating when it returns is up to the machine: under load, all finished during the sync's buckets.)
+        running = [i for i, g in enumerate(got) if 0 < g[0] < length]
+        assert running, (got, [f.result() for f in futs if f.done()])
         _set_step(peft, 3)
         client.update_weights(_adapter_weights(peft), version=3)
-        choices = [f.result(timeout=300)[0] for f in futs]
+        choices = [f.result(timeout=300) for f in futs]
     assert all(c["finish_reason"] == "length" and len(c["token_ids"]) == length for c in choices)
     assert _adapter_diff(lora, prompts=PROMPTS[:1]) < 1e-4
 
