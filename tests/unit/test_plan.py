@@ -211,3 +211,28 @@ def test_cpu_thread_split(monkeypatch):
     plan = plan_serving(_cfg(server_engine="cpu", max_async_level=1), mode="spawn", engine="cpu", cuda_count=0)
     assert plan.threads == cpu_thread_split("cpu", local=True, max_async_level=1, cuda=False)
     assert plan.server_env() == ({"OMP_NUM_THREADS": str(plan.threads[0])} if plan.threads else None)
+
+
+def test_openmp_spin_is_bounded_for_what_the_commands_start(monkeypatch):
+    """libgomp's idle workers spin 300k iterations by default, which stalls torch when anything else runs on the
+    cores (verifiers_rl/rl/plan/openmp.py has the measurements); a user's own spin or wait policy wins."""
+    import subprocess
+    import sys
+
+    from verifiers_rl.rl.plan.openmp import SPIN_COUNT, bound_openmp_spin
+    from verifiers_rl.scripts.common import run_cli
+
+    assert bound_openmp_spin(env := {}) and env == {"GOMP_SPINCOUNT": SPIN_COUNT}
+    assert not bound_openmp_spin(env := {"GOMP_SPINCOUNT": "0"}) and env == {"GOMP_SPINCOUNT": "0"}
+    assert not bound_openmp_spin(env := {"OMP_WAIT_POLICY": "PASSIVE"}) and "GOMP_SPINCOUNT" not in env
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):  # set first, so that the teardown removes what run_cli sets
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    seen = []
+
+    def body() -> int:  # a command's child process (the server, the SFT run) inherits the setting
+        code = "import os; print(os.environ.get('GOMP_SPINCOUNT'))"
+        seen.append(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip())
+        return 0
+
+    assert run_cli("vf-test", body) == 0 and seen == [SPIN_COUNT]

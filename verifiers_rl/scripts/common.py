@@ -189,6 +189,9 @@ def _actionable(e: Exception) -> bool:
 
 def run_cli(prog: str, body: Callable[[], int]) -> int:
     """Run a command body; known failures become one line on stderr and a non-zero exit, no traceback."""
+    from verifiers_rl.rl.plan.openmp import bound_openmp_spin
+
+    bound_openmp_spin()  # before torch loads, here and in every process the command starts
     try:
         return body()
     except ConfigError as e:

@@ -23,6 +23,7 @@ from typing import NoReturn
 from verifiers_rl.rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 from verifiers_rl.rl.inference.launcher import PARENT_ENV
 from verifiers_rl.rl.inference.net import DEFAULT_PORT, is_loopback
+from verifiers_rl.rl.plan.openmp import bound_openmp_spin
 from verifiers_rl.rl.plan.serving import CPU_ENGINES, ENGINES, resolve_engine
 
 logger = logging.getLogger("verifiers_rl.server")
@@ -232,6 +233,7 @@ def serve_command(argv: list[str] | None = None) -> int:
     # uvicorn re-raises the SIGTERM it caught once it has shut down; with the default handler that would end
     # the process before atexit runs (the token file would stay behind)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    bound_openmp_spin()  # before our CPU engine loads torch (vLLM binds its own threads)
     return run_cpu(args, passthrough)
 
 
