@@ -11,6 +11,7 @@ import torch
 
 from verifiers_rl.rl.inference.errors import ServerError, ServerLost
 from verifiers_rl.rl.inference.limits import room_for_prompt
+from verifiers_rl.rl.trainer.core_handoff import CoreHandoff
 from verifiers_rl.rl.trainer.metrics import rollout_metrics
 from verifiers_rl.rl.trainer.orchestrator import GenerationError, Orchestrator, RolloutBatch
 from verifiers_rl.rl.trainer.policy_sync import PolicySync
@@ -40,6 +41,7 @@ class InferenceRuntime:
         # the trainer's current weights and version, for a replaced server (RLTrainer sets it)
         self.current: Callable[[], tuple[WeightExport, int]] | None = None
         self._threads_before: int | None = None
+        self.handoff: CoreHandoff | None = None  # the server's cores, lent to training while it idles
 
     # ------------------------------------------------------------------ the server
 
@@ -68,7 +70,12 @@ class InferenceRuntime:
             logger.info(
                 "CPU engine and trainer overlap on %d cores: server %d threads, trainer %d", sum(threads), *threads
             )
+            if self.args.world_size == 1:  # other ranks would train on those cores too
+                self.handoff = CoreHandoff(threads[1], sum(threads), self._generating)
         return client
+
+    def _generating(self) -> bool:
+        return self.orchestrator is not None and self.orchestrator.generating()
 
     def check_server(self) -> None:
         self.session.check()
@@ -86,7 +93,11 @@ class InferenceRuntime:
     # ------------------------------------------------------------------ the policy
 
     def sync(self, export: WeightExport, version: int, changed: bool = True) -> float:
-        return self._recovering(lambda: self.policy.sync(export, version, changed))
+        try:
+            return self._recovering(lambda: self.policy.sync(export, version, changed))
+        finally:
+            if self.handoff is not None:  # the next batch generates from here on: the server's cores go back
+                self.handoff.narrow()
 
     def _recovering(self, attempt):
         """`attempt()`, and once more after the server was replaced when it failed because the server died."""
@@ -140,6 +151,8 @@ class InferenceRuntime:
 
     def start(self, model, tokenizer, rows, version: int, orchestrator_state: dict | None = None) -> None:
         self.ensure_server(model, tokenizer, version)
+        if self.handoff is not None:
+            self.handoff.attach(model)
         if self.orchestrator is None:
             rows, self.prompts_filtered = self.fitting_rows(rows, tokenizer)
             args = self.args
@@ -216,6 +229,10 @@ class InferenceRuntime:
         self.stop_rollouts()
         self.session.close()
         self.policy.detach()  # a next server starts from the model files, not from these weights
+        if self.handoff is not None:
+            self.handoff.narrow()
+            self.handoff.detach()
+            self.handoff = None
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
