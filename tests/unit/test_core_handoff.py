@@ -97,3 +97,18 @@ def test_the_switch_does_not_change_loss_or_gradients(lora_model, threads):
 def test_rejects_an_empty_share():
     with pytest.raises(ValueError, match="narrow=0"):
         CoreHandoff(0, 2, lambda: False)
+
+
+def test_widening_in_backward_reaches_the_training_thread(lora_model, threads):
+    """CPU backward runs on the thread that called it: a gradient hook's switch sizes that thread's next ops."""
+    phase = {"backward": False}
+    handoff = CoreHandoff(1, 2, lambda: not phase["backward"])  # busy through forward, idle once backward starts
+    handoff.attach(lora_model)
+    ids = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(3))
+    loss = lora_model(input_ids=ids, labels=ids).loss
+    assert torch.get_num_threads() == 1 and not handoff.wide
+    phase["backward"] = True
+    loss.backward()
+    assert handoff.wide and torch.get_num_threads() == 2
+    handoff.narrow()
+    assert torch.get_num_threads() == 1
