@@ -78,6 +78,8 @@ class CoreHandoff:
         self.widen_if_idle()
 
     def _on_output(self, module, args, output) -> None:
+        if self.wide:  # nothing left to ask until the sync narrows: no gradient hook for backward to run
+            return
         out = output[0] if isinstance(output, (tuple, list)) else output
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(self._on_grad)
