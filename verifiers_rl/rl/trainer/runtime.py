@@ -229,8 +229,7 @@ class InferenceRuntime:
         self.stop_rollouts()
         self.session.close()
         self.policy.detach()  # a next server starts from the model files, not from these weights
-        if self.handoff is not None:
-            self.handoff.narrow()
+        if self.handoff is not None:  # the thread count is restored just below
             self.handoff.detach()
             self.handoff = None
         if self._threads_before is not None:
