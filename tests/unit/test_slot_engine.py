@@ -8,7 +8,9 @@ import asyncio
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from verifiers_rl.rl.inference.cpu import lean_forward
 from verifiers_rl.rl.inference.cpu import slot_engine as se
 from verifiers_rl.rl.inference.cpu.cb_engine import CPUEngine
 from verifiers_rl.rl.inference.cpu.engine_api import EngineError
@@ -105,8 +107,13 @@ def _model(kind: str):
     return LlamaForCausalLM(cfg).eval()
 
 
+@pytest.mark.parametrize("kernel", ["f_linear", "onednn"])
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
-def test_prefill_and_decode_logits_match_hf(kind):
+def test_prefill_and_decode_logits_match_hf(kind, kernel, monkeypatch):
+    if kernel == "onednn":  # every weight through oneDNN, as a real model's large ones are
+        if not lean_forward._ONEDNN:
+            pytest.skip("this torch build has no oneDNN linear")
+        monkeypatch.setattr(lean_forward, "ONEDNN_MIN_ELEMENTS", 0)
     model = _model(kind)
     assert unsupported_reason(model) is None
     dec = LeanDecoder(model, 128)
@@ -134,6 +141,23 @@ def test_prefill_and_decode_logits_match_hf(kind):
         for i in live:
             torch.testing.assert_close(out[i], refs[i][pos[i]], atol=1e-5, rtol=1e-5)
             pos[i] += 1
+
+
+def test_onednn_linear_is_f_linear_and_takes_large_weights_only(monkeypatch):
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise if lean_forward._ONEDNN else None
+    if real is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    x, w, b = torch.randn(3, 5, 1024), torch.randn(512, 1024), torch.randn(512)
+    monkeypatch.setattr(lean_forward.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        torch.testing.assert_close(lean_forward.linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+        assert calls == [1]  # 512K elements: oneDNN
+        small = w[:256].contiguous()
+        torch.testing.assert_close(lean_forward.linear(x, small), F.linear(x, small))
+        lean_forward.linear(x, torch.randn(1024, 512).t())  # a transposed view is left to F.linear
+        lean_forward.linear(x.double(), w.double())  # and so is fp64
+    assert calls == [1]
 
 
 def test_weights_stay_the_models_parameters():
