@@ -156,14 +156,19 @@ class InferenceClient:
         bucket_bytes: int | None = None,
         timeout_s: float | None = None,
         server_pauses: bool = False,
+        shared_memory: bool = True,
     ) -> WeightSender:
         """Join the server's workers in a weight-transfer group (`transfer.backends.create_sender` backends).
-        `server_pauses`: the server pauses and resumes itself around a sync (our CPU engine, gloo)."""
+        `server_pauses`: the server pauses and resumes itself around a sync (our CPU engine, gloo).
+        `shared_memory`: with `server_pauses` and a loopback `host`, offer the server buckets through shared
+        memory (transfer/shm.py); False keeps every byte on gloo."""
         self.close_weight_transfer()
         timeout_s = self.sync_timeout if timeout_s is None else timeout_s
         sender = create_sender(backend, self, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
         if server_pauses:
             sender.pauses_itself = True
+        if not shared_memory:
+            sender.offers_shared_memory = False
         sender.init()
         self.sender = sender
         return sender

@@ -17,7 +17,7 @@ A layout describes a parameter as `Pieces`: the parameter flattened is the conca
 contiguous piece in rank order (FSDP2: torch.chunk's rows on dim 0; ZeRO-3: equal flat partitions, of which only
 the part before the end of the parameter is sent). A parameter whole on every rank is one piece, rank 0's. Rank 0
 lays a group's parameters end to end in its buffer, as the sender's bucket lays them (`plan_buckets`), so a
-bucket is broadcast from there with no packing (`gloo.send_buckets`).
+bucket is broadcast from there with no packing (`wire.send_buckets`).
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def place_pieces(dest: torch.Tensor, lengths: list[int], rank: int) -> torch.Ten
 
 class Ring:
     """Reused receive buffers, one per group in flight; a sync yields views of them. The stream posts group k+1
-    when the sender pulls group k, and the sender (transfer/gloo.py `send_buckets`, whose buckets are these
-    groups) may still be broadcasting buckets k-1 and k-2 straight from this memory (`gloo.in_place`: it sends a
+    when the sender pulls group k, and the sender (transfer/wire.py `send_buckets`, whose buckets are these
+    groups) may still be broadcasting buckets k-1 and k-2 straight from this memory (`wire.in_place`: it sends a
     group laid out as its bucket without packing, and waits for bucket k-2 only after pulling bucket k): four
     buffers, none reused while the sender can still read it. A group larger than
     `slot_bytes` (one tensor bigger than a bucket) gets memory of its own instead of growing a buffer for good.

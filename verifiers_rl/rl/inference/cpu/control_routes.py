@@ -84,10 +84,10 @@ def weight_router(engine: Engine, receiver: WeightReceiver) -> APIRouter:
     @router.post("/init_weight_transfer_engine")
     async def init_transfer(init_info: dict[str, Any] = Body(..., embed=True)):
         try:
-            await asyncio.to_thread(receiver.init, init_info)
+            shared = await asyncio.to_thread(receiver.init, init_info)
         except ValueError as e:
             return bad_request(e)
-        return {"message": "Weight transfer initialized"}
+        return {"message": "Weight transfer initialized", "shm": shared}
 
     @router.post("/start_weight_update")
     async def start_update():

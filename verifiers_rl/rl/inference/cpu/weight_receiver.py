@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from verifiers_rl.rl.inference.transfer import adapter, gloo
 from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES, UpdateInfo, plan_buckets
 from verifiers_rl.rl.inference.transfer.policy_weights import unsupported_adapter_features
+from verifiers_rl.rl.inference.transfer.shm import SharedSlots
 from verifiers_rl.rl.inference.transfer.verify import tensor_checksum
 
 if TYPE_CHECKING:
@@ -23,10 +24,14 @@ class WeightReceiver:
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
         self.paused_by_update = False
 
-    def init(self, info: dict[str, Any]) -> None:
+    def init(self, info: dict[str, Any]) -> bool:
+        """Join the trainer's group; True when the buckets will come through its shared memory (shm.py)."""
         init = gloo.GlooInitInfo.parse(info)
         self.bucket_bytes = init.bucket_bytes
         self.pg = gloo.connect_group(init, rank=init.rank_offset)
+        if init.shm_path and init.world_size == 2:
+            self.pg.shm = SharedSlots.open(init.shm_path, init.shm_nonce, init.bucket_bytes)
+        return self.pg.shm is not None
 
     def start(self) -> None:
         if not self.engine.is_paused:

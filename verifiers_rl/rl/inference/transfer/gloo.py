@@ -11,31 +11,38 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import ipaddress
 import json
 import os
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from verifiers_rl.rl.inference.errors import ServerError
 from verifiers_rl.rl.inference.transfer.buckets import (
     DEFAULT_BUCKET_BYTES,
-    Bucket,
     TensorMeta,
     UpdateInfo,
-    pack,
     plan_buckets,
-    unpack,
 )
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
-from verifiers_rl.rl.inference.transfer.stream import as_stream, bucket_tensors
-from verifiers_rl.rl.inference.transfer.verify import dropped_buckets, tensor_checksum, verify
+from verifiers_rl.rl.inference.transfer.shm import SharedSlots
+from verifiers_rl.rl.inference.transfer.stream import as_stream
+from verifiers_rl.rl.inference.transfer.verify import verify
+
+# Where the buckets move (wire.py); imported from here by the receivers, the adapter sender and the benchmarks.
+from verifiers_rl.rl.inference.transfer.wire import (  # noqa: F401
+    WeightGroup,
+    broadcast,
+    broadcast_async,
+    in_place,
+    receive_buckets,
+    send_buckets,
+)
 
 _PREFIX = "verifiers_rl_weights"
 # The receivers' reports are in the store by the time the sync's request answers (vLLM answers once every engine
@@ -58,6 +65,9 @@ class GlooInitInfo:
     # The run's secret: every rendezvous key lives under it, so a peer that does not present it (it only
     # travels in this token-protected request) cannot join or disturb the group.
     group_key: str = ""
+    # Shared-memory buckets (shm.py), offered to a receiver on this machine: the file and the nonce it holds.
+    shm_path: str = ""
+    shm_nonce: str = ""
 
     def __post_init__(self):
         try:
@@ -73,6 +83,8 @@ class GlooInitInfo:
             raise ValueError(f"init_info.master_port={self.master_port} is not a TCP port")
         if self.bucket_bytes <= 0:
             raise ValueError(f"init_info.bucket_bytes={self.bucket_bytes} must be > 0")
+        if not isinstance(self.shm_path, str) or not isinstance(self.shm_nonce, str):
+            raise ValueError("init_info.shm_path and init_info.shm_nonce must be strings")
         if self.world_size < 2 or not (0 < self.rank_offset < self.world_size):
             raise ValueError(f"init_info.rank_offset={self.rank_offset} does not fit world_size={self.world_size}")
 
@@ -89,23 +101,6 @@ class GlooInitInfo:
             return cls(**info)
         except TypeError as e:
             raise ValueError(f"init_info needs master_address and master_port: {e}") from None
-
-
-@dataclass
-class WeightGroup:
-    pg: object  # ProcessGroupGloo
-    store: object  # kept alive with the group: gloo reads the store lazily
-    rank: int
-    world_size: int
-    key: str = ""  # the run's secret: every key this group puts in the store lives under it
-    # Two staging buffers reused across syncs: a fresh 256 MB buffer per sync costs page faults that took
-    # longer than the transfer itself (104 ms vs 14 ms to fill; raw gloo 1.35 vs 3.34 GB/s into it).
-    buffers: list = field(default_factory=list)
-
-    def staging(self, nbytes: int) -> list[torch.Tensor]:
-        if not self.buffers or self.buffers[0].numel() < nbytes:
-            self.buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(2)]
-        return self.buffers
 
 
 def open_store(host: str, port: int = 0, world_size: int = 2, timeout_s: float = 300.0):
@@ -159,96 +154,6 @@ def create_group(host: str, port: int, rank: int, world_size: int, timeout_s: fl
     return connect_group(GlooInitInfo(host, port, rank, world_size, timeout_s=timeout_s), rank)
 
 
-def broadcast(group: WeightGroup, tensor: torch.Tensor, root: int = 0) -> None:
-    broadcast_async(group, tensor, root).wait()
-
-
-def broadcast_async(group: WeightGroup, tensor: torch.Tensor, root: int = 0):
-    opts = dist.BroadcastOptions()
-    opts.rootRank = root
-    opts.rootTensor = 0
-    return group.pg.broadcast([tensor], opts)
-
-
-def send_buckets(
-    group: WeightGroup, buckets: list[Bucket], tensors: Iterable[tuple[str, torch.Tensor]], checksums=None
-) -> int:
-    """Trainer side: pack bucket i+1 while bucket i is on the wire (gloo runs collectives on its own threads),
-    pulling each bucket's tensors from `tensors` (a stream in bucket order) only when it is packed; a bucket
-    whose tensors already lie as the bucket lays them (one contiguous tensor; a sharded export's receive buffer)
-    is sent straight from their memory, no copy (`in_place`). `checksums` (a list) receives each
-    tensor's `verify.tensor_checksum` as the stream produced it."""
-    if not buckets:
-        return 0
-    bufs = group.staging(max(b.nbytes for b in buckets))
-    in_flight: list = [None, None]
-    sent = 0
-    for i, (bucket, ts) in enumerate(bucket_tensors(buckets, tensors)):
-        slot = i % 2
-        if checksums is not None:  # while the previous bucket is on the wire
-            checksums.extend(tensor_checksum(t) for t in ts)
-        if in_flight[slot] is not None:
-            in_flight[slot][0].wait()  # this staging buffer is free again
-        payload = in_place(bucket, ts)
-        if payload is None:
-            payload = pack(bucket, ts, out=bufs[slot][: bucket.nbytes])
-        in_flight[slot] = (broadcast_async(group, payload), payload)
-        sent += bucket.nbytes
-    for item in in_flight:
-        if item is not None:
-            item[0].wait()
-    return sent
-
-
-def in_place(bucket: Bucket, ts: list[torch.Tensor]) -> torch.Tensor | None:
-    """The bucket's bytes where they already are, when its tensors lie end to end in one storage at the bucket's
-    offsets; None otherwise (the bucket is packed)."""
-    first = ts[0]
-    storage = first.untyped_storage()
-    start = first.data_ptr()
-    for t, meta, off in zip(ts, bucket.metas, bucket.offsets):
-        if t.dtype != meta.dtype or not t.is_contiguous() or t.data_ptr() != start + off:
-            return None
-        if t.untyped_storage().data_ptr() != storage.data_ptr():
-            return None
-    begin = start - storage.data_ptr()
-    if not bucket.nbytes or begin + bucket.nbytes > storage.nbytes():
-        return None
-    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, begin, (bucket.nbytes,))
-
-
-def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket, place=None) -> None:
-    """Receiver side: bucket i+1 arrives into one staging buffer while `on_bucket` copies bucket i out of the
-    other. `on_bucket` gets [(name, view into the staging buffer)] and must copy what it keeps.
-
-    `place(bucket)` may return where a bucket's bytes belong (a uint8 view of the destination itself, e.g. the
-    engine's parameters laid out in the bucket's order): such a bucket is received there, with no copy, and
-    `on_bucket` is not called for it."""
-    if not buckets:
-        return
-    bufs: list[torch.Tensor] = []
-
-    dropped = dropped_buckets(len(buckets), group.rank)  # empty unless a test breaks this receiver on purpose
-
-    def post(i: int):
-        dest = place(buckets[i]) if place is not None and i not in dropped else None
-        if dest is None:
-            if not bufs:
-                bufs.extend(group.staging(max(b.nbytes for b in buckets)))
-            dest = bufs[i % 2][: buckets[i].nbytes]
-            return broadcast_async(group, dest), dest
-        return broadcast_async(group, dest), None
-
-    pending = post(0)
-    for i, bucket in enumerate(buckets):
-        work, staged = pending
-        work.wait()
-        if i + 1 < len(buckets):
-            pending = post(i + 1)
-        if staged is not None and i not in dropped:
-            on_bucket(unpack(bucket, staged))
-
-
 def _report_key(group: WeightGroup, sync_id: str, rank: int) -> str:
     return f"{_PREFIX}/{group.key}/report/{sync_id}/{rank}"
 
@@ -281,6 +186,8 @@ class GlooSender:
     # Set for our CPU engine: `/update_weights` with a weight_version pauses, finishes and resumes by itself,
     # so the client skips its pause/resume and the sync is one control round trip instead of six.
     pauses_itself = False
+    # With pauses_itself (our CPU engine) and a loopback host: buckets through shared memory where it can (shm.py).
+    offers_shared_memory = True
 
     def __init__(self, client, *, host: str = "127.0.0.1", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  timeout_s: float = 300.0):  # fmt: skip
@@ -298,11 +205,27 @@ class GlooSender:
         store = open_store(self.host, 0, world, self.timeout_s)
         key = secrets.token_hex(16)
         info = GlooInitInfo(self.host, store.port, 1, world, self.bucket_bytes, self.timeout_s, key)
+        # our CPU engine, one receiver, on this machine: offer it shared memory (shm.py)
+        local = self.pauses_itself and self.offers_shared_memory and world == 2 and _local(self.host)
+        offer = SharedSlots.create(self.bucket_bytes) if local else None
+        if offer is not None:
+            info.shm_path, info.shm_nonce = offer[0].path, offer[1]
         # the server's workers join while this thread waits in the rendezvous
         body = {"init_info": dataclasses.asdict(info)}
         joined = run_in_thread(lambda: self.post("/init_weight_transfer_engine", body))
-        self.group = join_group(store, 0, world, self.timeout_s, key)
-        joined.join()
+        try:
+            self.group = join_group(store, 0, world, self.timeout_s, key)
+            answer = joined.join()
+        finally:
+            if offer is not None:
+                offer[0].unlink()  # mapped by both sides now (or declined): the mappings keep the memory
+        if offer is not None and isinstance(answer, dict) and answer.get("shm") is True:
+            self.group.shm = offer[0]
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether buckets travel through shared memory (shm.py) rather than over gloo."""
+        return self.group is not None and self.group.shm is not None
 
     def update_info(self, metas: list[TensorMeta], report: str = "") -> UpdateInfo:
         info = UpdateInfo.from_metas(metas)
@@ -356,6 +279,13 @@ class GlooSender:
                 self.client.post("/shutdown_weight_transfer_engine", timeout=5.0)
             except Exception:  # noqa: BLE001 - the server may already be gone
                 pass
+
+
+def _local(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def run_in_thread(fn) -> _Result:

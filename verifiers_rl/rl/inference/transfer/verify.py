@@ -1,6 +1,6 @@
 """Did a sync land? Both sides checksum every tensor of a sync the same way, from its bytes, and compare.
 
-- The trainer checksums each tensor as its stream produced it, while sending (`gloo.send_buckets`).
+- The trainer checksums each tensor as its stream produced it, while sending (`wire.send_buckets`).
 - Each receiving rank checksums what it loaded: our CPU engine reads its parameters back once the sync is in
   (so a tensor received but never written, or written elsewhere, shows); a vLLM worker checksums the tensors it
   hands to `model.load_weights` (its own parameters are fused and sharded, so they cannot be compared with the
