@@ -44,15 +44,18 @@ BANDWIDTH_GOAL = 0.8  # bucketed GB/s vs raw gloo GB/s at ~100M (issue 24; it wa
 # ---------------------------------------------------------------------------------------- syncs
 
 
-def on(client, shm: bool, bucket_bytes: int | None = None) -> bool:
+def on(client, model, shm: bool, bucket_bytes: int | None = None) -> bool:
     """Sync as the trainer does into our CPU engine (one request per sync; with `shm`, buckets through shared
-    memory, transfer/shm.py), re-joining the group only when the transport or bucket size changes (untimed)."""
+    memory, transfer/shm.py), re-joining the group only when the transport or bucket size changes, then syncing
+    once untimed: a trainer keeps its group for the whole run, so the first touch of a new group's buffers (the
+    shared file's pages on both sides, 2 x 64 MB) is not what a sync costs."""
     sender = client.sender
     want = bucket_bytes or (sender.bucket_bytes if sender is not None else None)
     if sender is None or sender.shared_memory != shm or sender.bucket_bytes != want:
         client.init_weight_transfer(server_pauses=True, shared_memory=shm, bucket_bytes=want)
         if shm and not client.sender.shared_memory:
             raise RuntimeError("the server declined shared-memory buckets (no room in /dev/shm?)")
+        client.update_weights(model.named_parameters(), version=_next_version(client))
     return True
 
 
@@ -223,14 +226,14 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             )
             info = {"hidden": hidden, "layers": layers, "params": n_params, "tensors": n_tensors, "bytes": nbytes}
             with server as client:
-                on(client, shm=True)  # the default bucket size (DEFAULT_BUCKET_BYTES)
+                on(client, model, shm=True)  # the default bucket size (DEFAULT_BUCKET_BYTES)
                 info["bucket_bytes"], info["shared_memory"] = client.bucket_bytes, client.sender.shared_memory
                 ours, base, unverified, over_gloo = measure_interleaved(
                     [
-                        lambda m=model: on(client, shm=True) and bucketed_sync(client, m),
-                        lambda m=model: on(client, shm=False) and per_tensor_sync(client, m, pool),
-                        lambda m=model: on(client, shm=True) and unverified_sync(client, m),
-                        lambda m=model: on(client, shm=False) and bucketed_sync(client, m),
+                        lambda m=model: on(client, m, shm=True) and bucketed_sync(client, m),
+                        lambda m=model: on(client, m, shm=False) and per_tensor_sync(client, m, pool),
+                        lambda m=model: on(client, m, shm=True) and unverified_sync(client, m),
+                        lambda m=model: on(client, m, shm=False) and bucketed_sync(client, m),
                     ],
                     repeats,
                 )
@@ -239,7 +242,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
                 if is_last and sweep:
                     info["bucket_sweep"] = {}
                     for bb in sweep:
-                        on(client, shm=True, bucket_bytes=bb)
+                        on(client, model, shm=True, bucket_bytes=bb)
                         info["bucket_sweep"][bb] = measure(lambda m=model: bucketed_sync(client, m), repeats)
             sp = base["seconds"] / ours["seconds"]
             info.update(
