@@ -60,6 +60,7 @@ def test_single_turn_steps_log_sync_and_checkpoint(tiny_model_dir, tmp_path):
         trainer.train()
         client = trainer.runtime.client
         assert client.weight_version() == "2"  # one sync per optimizer step
+        assert client.sender.shared_memory  # our CPU engine on this machine: buckets through /dev/shm (shm.py)
         metrics = _metrics(args.output_dir)
         assert [m["step"] for m in metrics] == [1, 2]
         for m in metrics:
@@ -138,12 +139,14 @@ def test_multi_turn_env_trains_each_turn_full_finetune(tiny_model_dir, tmp_path)
         pack_sequences=False,
         learning_rate=1e-3,
         keep_server=True,
+        sync_shared_memory=False,  # every byte of the full-model sync on gloo
     )
     trainer = RLTrainer(model=tiny_model_dir, env=again_env(), args=args)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     try:
         trainer.train()
         assert trainer.runtime.client.weight_version() == "1"
+        assert not trainer.runtime.client.sender.shared_memory
     finally:
         trainer.close()
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)]

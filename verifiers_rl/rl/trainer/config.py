@@ -243,6 +243,13 @@ class RLConfig(TrainingArguments):
         default="auto", metadata=_help("'gloo' (CPU), 'nccl' (GPU, trainer and server on different GPUs) or 'auto'.")
     )
     sync_bucket_mb: int = field(default=64, metadata=_help("Bucket size of a weight sync in MiB."))
+    sync_shared_memory: bool = field(
+        default=True,
+        metadata=_help(
+            "Into our CPU engine on this machine, send a sync's buckets through shared memory (/dev/shm) instead of "
+            "the loopback socket (the same checks; gloo where /dev/shm lacks room or the server cannot see it)."
+        ),
+    )
     lora_sync: str = field(
         default="auto",
         metadata=_help(

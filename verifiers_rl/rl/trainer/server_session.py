@@ -308,6 +308,7 @@ class ServerSession:
             host=store_host_for(args.vllm_server_host),
             bucket_bytes=args.sync_bucket_mb << 20,
             server_pauses=self.plan.server_pauses,
+            shared_memory=args.sync_shared_memory,
         )
         self.client = client
         return client

@@ -56,9 +56,15 @@ class SharedSlots:
         nonce = secrets.token_bytes(_NONCE_BYTES)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
-        finally:
+            # Reserve every page now: a sparse file whose tmpfs filled up later would kill the first process to
+            # write there with SIGBUS; a reservation that fails here only means gloo.
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
             os.close(fd)
+            os.unlink(path)
+            logger.info("weight sync: cannot reserve %d MB in %s (%s); syncing over gloo", size >> 20, directory, e)
+            return None
+        os.close(fd)
         mapping = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         mapping[:_NONCE_BYTES].copy_(torch.frombuffer(bytearray(nonce), dtype=torch.uint8))
         return cls(path, slot_bytes, mapping), nonce.hex()
