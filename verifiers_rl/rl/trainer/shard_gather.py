@@ -17,7 +17,8 @@ A layout describes a parameter as `Pieces`: the parameter flattened is the conca
 contiguous piece in rank order (FSDP2: torch.chunk's rows on dim 0; ZeRO-3: equal flat partitions, of which only
 the part before the end of the parameter is sent). A parameter whole on every rank is one piece, rank 0's. Rank 0
 lays a group's parameters end to end in its buffer, as the sender's bucket lays them (`plan_buckets`), so a
-bucket is broadcast from there with no packing (`wire.send_buckets`).
+bucket is broadcast from there with no packing (`wire.send_buckets`; into a CPU engine on this host it is copied
+once, into the shared-memory slot, transfer/shm.py).
 """
 
 from __future__ import annotations
