@@ -184,6 +184,26 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
 
 
+def test_num_iterations_trains_each_batch_again_and_resumes_inside_a_batch(tiny_model_dir, tmp_path):
+    """num_iterations=2 (TRL's name): each batch trains two optimizer steps, sampled once at the version of its
+    first step; the checkpoint after step 3 falls between a batch's two steps, and the resumed run trains that
+    same batch again (the checkpoint carries it) instead of sampling a new one with newer weights."""
+    full, _ = _run(tiny_model_dir, tmp_path / "full", 6, num_iterations=2)
+    assert [m["batch_iteration"] for m in full] == [0, 1] * 3
+    assert [m["policy_version"] for m in full] == [0, 0, 2, 2, 4, 4]  # sampled once, at max_async_level=0
+    for first, again in zip(full[::2], full[1::2]):
+        assert again["reward"] == first["reward"] and again["timing/generation_s"] == 0.0
+        assert first["mismatch_kl"] < 1e-6  # fresh batches are on-policy (and checked by the sync guard)
+        assert again["mismatch_kl"] > 1e-6 and again["ratio_mean"] != pytest.approx(1.0, abs=1e-7)
+    _run(tiny_model_dir, tmp_path / "split", 3, num_iterations=2)
+    resumed, _ = _run(tiny_model_dir, tmp_path / "split", 6, resume=True, num_iterations=2)
+    tail = [m for m in resumed if m["step"] > 3]
+    assert [m["step"] for m in tail] == [4, 5, 6]
+    for a, b in zip(full[3:], tail):
+        assert a["reward"] == pytest.approx(b["reward"], abs=1e-9)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+
+
 def test_trainer_and_engine_logprobs_agree_at_temperature(tiny_model_dir, tmp_path):
     from openai import OpenAI
     from transformers import AutoModelForCausalLM

@@ -99,6 +99,10 @@ class RLConfig(TrainingArguments):
             "(0 = on-policy; k lets step n train while batch n+k generates)."
         ),
     )
+    num_iterations: int = field(default=1, metadata=_help(
+        "Optimizer steps per rollout batch (TRL's num_iterations, PPO's epochs), each against the sampler's logprobs "
+        "(the loss clips or masks); max_steps counts optimizer steps: max_steps / num_iterations batches are sampled."
+    ))  # fmt: skip
     shuffle_dataset: bool = field(
         default=True, metadata=_help("Shuffle the training dataset (seeded by `seed`, reshuffled each pass).")
     )

@@ -40,7 +40,6 @@ REMOVED = {
     "max_data_workers": "not needed: rollouts run on the orchestrator's event loop (max_concurrent bounds them)",
     "async_max_queue_size": "use max_async_level (batches generated ahead of training)",
     "vllm_guided_decoding_regex": "pass guided decoding through sampling_args={'extra_body': {...}}",
-    "num_iterations": "one optimizer step per rollout batch (num_iterations=1 is the only behaviour)",
     "delta": "use loss_type='grpo' with epsilon / epsilon_high for clipping",
     "sync_ref_model": "the reference policy is the base model with its adapter disabled (kl_beta > 0 needs use_lora)",
     "ref_model_mixup_alpha": "the reference policy is the base model with its adapter disabled",

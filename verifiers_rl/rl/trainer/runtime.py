@@ -42,6 +42,7 @@ class InferenceRuntime:
         self.current: Callable[[], tuple[WeightExport, int]] | None = None
         self._threads_before: int | None = None
         self.handoff: CoreHandoff | None = None  # the server's cores, lent to training while it idles
+        self._held: RolloutBatch | None = None  # num_iterations > 1: the batch its later steps train again
 
     # ------------------------------------------------------------------ the server
 
@@ -129,7 +130,9 @@ class InferenceRuntime:
 
     # ------------------------------------------------------------------ rollouts
 
-    def _orchestrator(self, rows, *, rollouts_per_example: int, prompts_per_batch: int, max_async_level: int = 0):
+    def _orchestrator(
+        self, rows, *, rollouts_per_example: int, prompts_per_batch: int, max_async_level: int = 0, steps_per_batch=1
+    ):
         args = self.args
         return Orchestrator(
             self.env,
@@ -147,6 +150,7 @@ class InferenceRuntime:
             policy_version=self.policy.served,
             max_async_level=max_async_level,
             scoring_timeout=args.scoring_timeout,
+            steps_per_batch=steps_per_batch,
         )
 
     def start(self, model, tokenizer, rows, version: int, orchestrator_state: dict | None = None) -> None:
@@ -161,6 +165,7 @@ class InferenceRuntime:
                 rollouts_per_example=args.rollouts_per_example,
                 prompts_per_batch=args.prompts_per_batch,
                 max_async_level=args.max_async_level,
+                steps_per_batch=args.num_iterations,
             )
         if orchestrator_state:
             self.orchestrator.load_state_dict(orchestrator_state)
@@ -179,7 +184,9 @@ class InferenceRuntime:
     def submit_ahead(self, global_step: int) -> None:
         if self.orchestrator is None:  # stopped: the server was lost after this step
             return
-        for b in range(global_step, global_step + self.args.max_async_level + 1):
+        # the batches first trained within max_async_level steps of this one (batch b at step b * num_iterations)
+        per = self.args.num_iterations
+        for b in range(global_step // per, (global_step + self.args.max_async_level) // per + 1):
             self.orchestrator.submit(b)
 
     @contextlib.contextmanager
@@ -194,27 +201,38 @@ class InferenceRuntime:
             raise
 
     def next_batch(self, global_step: int) -> RolloutBatch:
-        """The batch of this step, generated again on a replaced server when the server died under it."""
+        """The batch of this step (the same one for num_iterations steps in a row), generated again on a replaced
+        server when the server died under it."""
+        index = global_step // self.args.num_iterations
+        if self._held is not None and self._held.index == index:
+            return self._held
+        self._held = None
         while True:
-            batch = self._recovering(lambda: self._get(global_step))
+            batch = self._recovering(lambda: self._get(index))
             cause = self.recovery.lost(batch)  # a dead server fails every request: replace it now
             if cause is None:
                 break
             self._replace(cause)
         self.recovery.served()
         self.last_rollouts = batch.rollouts[: max(self.args.num_completions_to_log, 1)]
+        if self.args.num_iterations > 1:
+            self._held = batch
         return batch
 
     def _get(self, index: int) -> RolloutBatch:
         with self._waiting_on_rollouts():
             return self.orchestrator.get(index)
 
-    def rollout_state(self, timeout: float | None = None) -> dict:
+    def rollout_state(self, global_step: int, timeout: float | None = None) -> dict:
         """The orchestrator's state for a checkpoint (it waits for batches in flight). Batches that lost requests
         to a dead server are left out: the step that needs them generates them again, as a resume would."""
         with self._waiting_on_rollouts():
             state = self.orchestrator.state_dict(timeout=timeout)
         ready = state["ready"]
+        held = self._held
+        if held is not None and held.index == global_step // self.args.num_iterations:
+            # the batch that steps after `global_step` train again: a resume trains it, as the run would have
+            ready = state["ready"] = {**ready, held.index: held}
         if any(r.error_kind == "errored" for b in ready.values() for r in b.rollouts) and self.recovery.lost():
             clean = {i: b for i, b in ready.items() if not any(r.error_kind == "errored" for r in b.rollouts)}
             state = {**state, "ready": clean}

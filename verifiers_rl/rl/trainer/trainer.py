@@ -295,7 +295,9 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
             with self._guard.waiting_for_rollouts() if self._guard else contextlib.nullcontext():
                 batch = self.runtime.next_batch(self.state.global_step)
             prepared = prepare_batch(batch.rollouts, args, current_version=self.state.global_step)
-            prepared.metrics["timing/generation_s"] = batch.generation_seconds
+            iteration = self.state.global_step % args.num_iterations  # > 0: a batch trained again (num_iterations)
+            prepared.metrics["timing/generation_s"] = 0.0 if iteration else batch.generation_seconds
+            prepared.metrics["batch_iteration"] = float(iteration)
             prepared.metrics["policy_version"] = float(batch.policy_version)  # the weights the batch was sampled with
             prepared.metrics["timing/wait_s"] = time.perf_counter() - t0
             prepared.metrics["server_restarts"] = float(self.runtime.recovery.total)
@@ -315,7 +317,8 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
             self.accelerator, model, prepared, self.args, self.processing_class.pad_token_id
         )
         metrics.update(prepared.metrics)
-        if problem := self.sync_guard.check_batch(self.state.global_step, metrics):
+        # a batch trained again (num_iterations) was sampled before the steps since: its sampler legitimately differs
+        if not metrics["batch_iteration"] and (problem := self.sync_guard.check_batch(self.state.global_step, metrics)):
             raise TrainingError(problem)  # a sync that did not land (sync_guard.py)
         metrics["timing/train_s"] = time.perf_counter() - t_train
         metrics["timing/step_s"] = time.perf_counter() - t0
@@ -358,7 +361,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
             if self.is_world_process_zero():
                 if self.runtime.orchestrator is not None:
                     timeout = self.args.save_on_signal_timeout if self._guard and self._guard.signum else None
-                    state = self.runtime.rollout_state(timeout=timeout)
+                    state = self.runtime.rollout_state(self.state.global_step, timeout=timeout)
                     torch.save(state, os.path.join(staged, ORCHESTRATOR_STATE))
                 final.write_run_info(self, staged)  # what `vf-rl export` needs to describe this checkpoint
                 write_manifest(staged, self.state.global_step)
