@@ -22,6 +22,7 @@ from verifiers_rl.rl.trainer.prefix_sharing import (
     plan_units,
     rows_cost,
     shared_prefix_len,
+    spans_cost,
     unit_length,
 )
 from verifiers_rl.rl.trainer.samples import Sample
@@ -127,15 +128,16 @@ def _by_sample(mb, values, n):
     return [values[(mb.seq_index == i) & mb.loss_mask] for i in range(n)]
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "spans"])
 def test_shared_logprobs_equal_plain_packing(policy, attn):
     samples = _groups()
-    policy.base_model.model.set_attn_implementation(attn)
+    policy.base_model.model.set_attn_implementation("sdpa" if attn == "spans" else attn)
     try:
         plain = collate_packed(samples)
         units = plan_units(samples, None, 10_000)
         for row_len in (None, 40):  # one row, and units first-fit into several rows
-            shared = collate_shared(samples, units, row_len)
+            shared = collate_shared(samples, units, row_len, spans=attn == "spans")
+            assert (shared.prefix_spans is None) == (attn != "spans")
             if attn == "eager":
                 shared.attention_mask = additive_mask(shared.attention_mask)
             assert shared.num_shared_tokens == 19 * 3 + 8 * 2 + 13 + 10 * 3
@@ -146,9 +148,10 @@ def test_shared_logprobs_equal_plain_packing(policy, attn):
             for r, g in zip(ref, got):
                 assert r.numel() > 0
                 torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
-        # the mask is what makes it right: without it every suffix also sees the suffixes before it
-        shared = collate_shared(samples, units)
-        shared.attention_mask = None
+        assert policy.config._attn_implementation == ("sdpa" if attn == "spans" else attn)  # the switch is undone
+        # the mask (or the spans) is what makes it right: without it every suffix also sees the suffixes before it
+        shared = collate_shared(samples, units, spans=attn == "spans")
+        shared.attention_mask = shared.prefix_spans = None
         with torch.no_grad():
             crossed = _by_sample(shared, _trained_logprobs(policy, shared), len(samples))
         assert not torch.allclose(crossed[1], ref[1], atol=1e-3)
@@ -156,8 +159,9 @@ def test_shared_logprobs_equal_plain_packing(policy, attn):
         policy.base_model.model.set_attn_implementation("sdpa")
 
 
+@pytest.mark.parametrize("spans", [False, True])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_shared_loss_and_lora_gradients_equal_plain(policy, loss_type):
+def test_shared_loss_and_lora_gradients_equal_plain(policy, loss_type, spans):
     samples = _groups(seed=2)
     plain = collate_packed(samples)
     with torch.no_grad():  # sampler logprobs near the policy's, so ratios stay inside the clip and mask ranges
@@ -168,7 +172,7 @@ def test_shared_loss_and_lora_gradients_equal_plain(policy, loss_type):
         for t, x in zip(at, lp.tolist()):
             s.sampler_logprobs[t] = x + rng.gauss(0, 0.1)
     plain = collate_packed(samples)
-    shared = collate_shared(samples, plan_units(samples, None, 10_000))
+    shared = collate_shared(samples, plan_units(samples, None, 10_000), spans=spans)
     kw = dict(
         loss_type=loss_type,
         num_tokens_global=plain.num_loss_tokens,
@@ -255,3 +259,56 @@ def test_microbatches_choose_the_cheaper_layout(policy):
         assert layout(long_prompt) == "plain"
     finally:
         model.config._attn_implementation = "sdpa"
+
+
+def test_spans_by_hand():
+    """The gather plan of the hand-made layout above: each segment's queries, its keys (prefix, then itself)."""
+    a = _sample([1, 2, 3], [4, 5], advantage=2.0)
+    b = _sample([1, 2, 3], [6], advantage=-1.0)
+    c = _sample([9, 8], [7], group=1, advantage=0.5)
+    mb = collate_shared([a, b, c], [([0, 1], 2), ([2], 0)], row_len=12, pad_token_id=0, spans=True)
+    spans = mb.prefix_spans
+    assert mb.attention_mask is None and mb.input_ids.shape == (1, 10)
+    # segments: prefix [0 1], suffix a [2 3 4], suffix b [5 6], c [7 8 9]; n = 3 queries, keys = 2 prefix + 3 own
+    assert spans.q_index.tolist() == [[0, 1, 1], [2, 3, 4], [5, 6, 6], [7, 8, 9]]
+    assert spans.k_index[:, 2:].tolist() == spans.q_index.tolist()
+    seen = spans.mask[:, 0]
+    keys = lambda s, t: [spans.k_index[s, k].item() for k in range(5) if seen[s, t, k]]  # noqa: E731
+    assert keys(0, 1) == [0, 1]  # the prefix, causal, sees no prefix of its own
+    assert keys(1, 2) == [0, 1, 2, 3, 4]  # suffix a: prefix + itself
+    assert keys(2, 1) == [0, 1, 5, 6]  # suffix b: prefix + itself, not suffix a
+    assert keys(3, 2) == [7, 8, 9]  # c: only itself
+    assert keys(0, 2) == [0, 1] and keys(2, 2) == [0, 1, 5, 6]  # padded queries: finite, and dropped below
+    assert sorted(spans.out_index.tolist()) == list(range(10))  # every real token gets one output, once
+    assert spans.out_select.tolist() == [0, 1, 3, 4, 5, 6, 7, 9, 10, 11]  # of the [4 x 3] queries
+    assert spans.pairs == 4 * 3 * 5
+    assert spans_cost([[0, 1]], [7, 3], [[2, 3, 2], [3]], [2, 0], 1.0, 1.0) == 2 * 7 + 4 * 3 * (2 + 3)  # two rows
+
+
+def test_span_gradients_equal_plain_under_activation_checkpointing():
+    """A step through run_microbatches with checkpointed layers: the recompute inside backward attends by span
+    too (the switch covers the backward), so LoRA gradients match the plain layout's."""
+    from accelerate import Accelerator
+
+    from verifiers_rl.rl.trainer.policy_step import run_microbatches
+
+    model = lora_model(seed=4)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = _batch(40, 12, group=4, seed=5)
+    batch.num_tokens = sum(sum(s.loss_mask) for s in batch.samples)
+    batch.num_sequences = len(batch.samples)
+    args = _args(temperature=1.0, kl_beta=0.0, loss_type="dapo", max_tokens=12, max_seq_len=64, epsilon=0.2,
+                 epsilon_high=0.28, mask_ratio_low=0.125, mask_ratio_high=8.0)  # fmt: skip
+    grads, layouts = [], []
+    for share in (False, True):
+        model.zero_grad()
+        step_args = SimpleNamespace(**{**vars(args), "share_prompt_prefix": share})
+        _, metrics = run_microbatches(Accelerator(cpu=True), model, batch, step_args, 0)
+        layouts.append(metrics["shared_prefix_frac"])
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert layouts[0] == 0 and layouts[1] > 0.5  # plain, then shared by span (the cost model's choice here)
+    for n in grads[0]:
+        scale = float(grads[0][n].abs().max()) + 1e-12
+        assert float((grads[1][n] - grads[0][n]).abs().max()) / scale < 1e-4, n
+    assert model.config._attn_implementation == "sdpa"

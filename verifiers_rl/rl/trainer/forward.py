@@ -16,6 +16,7 @@ import torch
 
 from verifiers_rl.rl.trainer.logprobs import logits_logprobs
 from verifiers_rl.rl.trainer.microbatches import MicroBatch
+from verifiers_rl.rl.trainer.span_attention import span_attention
 from verifiers_rl.rl.trainer.weight_export import WeightExport
 
 
@@ -29,6 +30,8 @@ def model_inputs(mb: MicroBatch, logits_to_keep: int | torch.Tensor = 1) -> dict
         inputs["position_ids"] = mb.position_ids
     if mb.attention_mask is not None:
         inputs["attention_mask"] = mb.attention_mask
+    if mb.prefix_spans is not None:  # reaches span_attention_forward through the model's attention kwargs
+        inputs["prefix_spans"] = mb.prefix_spans
     return inputs
 
 
@@ -44,13 +47,16 @@ def token_logprobs(
     """[B, T-1] logprobs of `target_ids` (0 where not trained) and the matching entropies (no grad)."""
     mask = mb.loss_mask
     targets = mb.target_ids[mask]
+    spans = span_attention(model) if mb.prefix_spans is not None else contextlib.nullcontext()
     if export.head_in_forward:
         # column j of the logits predicts token j+1, as row j of mask/targets describes it
         columns = mask.any(dim=0).nonzero().squeeze(-1)
-        logits = model(**model_inputs(mb, logits_to_keep=columns)).logits
+        with spans:
+            logits = model(**model_inputs(mb, logits_to_keep=columns)).logits
         lp, ent = logits_logprobs(logits[mask[:, columns]], targets, temperature, with_entropy=with_entropy)
     else:
-        hidden = model(**model_inputs(mb)).hidden_states[-1][:, :-1]  # position t predicts token t+1
+        with spans:
+            hidden = model(**model_inputs(mb)).hidden_states[-1][:, :-1]  # position t predicts token t+1
         lp, ent = export.head_logprobs(
             hidden[mask], targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
         )

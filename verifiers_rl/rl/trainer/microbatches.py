@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from verifiers_rl.rl.trainer.samples import Sample
+from verifiers_rl.rl.trainer.span_attention import PrefixSpans
 
 _LISTS = ("loss_mask", "sampler_logprobs")  # per-token lists that must be as long as input_ids
 
@@ -47,13 +48,14 @@ class MicroBatch:
     position_ids: torch.Tensor | None = None  # packed: [R, L] long, restarting at 0 with each sample
     seq_index: torch.Tensor | None = None  # packed: [R, L-1] long, the sample of each target (policy_loss reads it)
     empty: bool = False  # a zero-weight pass for a rank with fewer micro-batches than the others (DDP)
+    prefix_spans: PrefixSpans | None = None  # shared prompts attended by span (span_attention.py), not by mask
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on `device` (the counts stay Python ints)."""
         moved = {
             f.name: value.to(device)
             for f in dataclasses.fields(self)
-            if torch.is_tensor(value := getattr(self, f.name))
+            if torch.is_tensor(value := getattr(self, f.name)) or isinstance(value, PrefixSpans)
         }
         return dataclasses.replace(self, **moved)
 

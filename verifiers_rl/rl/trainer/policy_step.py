@@ -22,9 +22,11 @@ from verifiers_rl.rl.trainer.prefix_sharing import (
     layer_costs,
     plan_cost,
     plan_units,
+    spans_cost,
     unit_length,
 )
 from verifiers_rl.rl.trainer.samples import PreparedBatch, Sample, shard_samples
+from verifiers_rl.rl.trainer.span_attention import span_attention
 from verifiers_rl.rl.trainer.weight_export import weight_export
 
 _ADDITIVE = ("ratio_mean", "masked_frac", "mismatch_kl", "kl")
@@ -65,9 +67,22 @@ def _shared_plan(samples: list[Sample], plain: list[list[int]], args, model) -> 
     budget, cap = args.token_budget, args.micro_batch_size
     plan = plan_microbatches(unit_lengths, budget, packed=True, max_samples=cap, sizes=sizes)
     per_token, per_pair = layer_costs(model.config)
-    if plan_cost(plan, unit_lengths, per_token, per_pair) >= plan_cost(plain, lengths, per_token, per_pair):
+    if by_spans(model):
+        segments = [([p] if p else []) + [lengths[i] - p for i in idx] for idx, p in units]
+        prefixes = [p for _, p in units]
+        shared_cost = spans_cost(plan, unit_lengths, segments, prefixes, per_token, per_pair)
+    else:
+        shared_cost = plan_cost(plan, unit_lengths, per_token, per_pair)
+    if shared_cost >= plan_cost(plain, lengths, per_token, per_pair):
         return None
     return [[units[u] for u in mb] for mb in plan]
+
+
+def by_spans(model) -> bool:
+    """Shared prompts attended by span (span_attention.py) rather than under a dense mask: SDPA models without
+    sliding-window layers (eager stays on the mask: a model that needs eager may need its own attention)."""
+    layers = getattr(model.config, "layer_types", None) or ["full_attention"]
+    return attn_implementation(model) == "sdpa" and all(t == "full_attention" for t in layers)
 
 
 def _collate_shared(samples: list[Sample], units: list[Unit], model, pad_token_id: int) -> MicroBatch:
@@ -76,7 +91,7 @@ def _collate_shared(samples: list[Sample], units: list[Unit], model, pad_token_i
     pos = {i: k for k, i in enumerate(idx)}
     local = [([pos[i] for i in u], p) for u, p in units]
     lens = [unit_length([len(samples[i].input_ids) for i in u], p) for u, p in units]
-    mb = collate_shared([samples[i] for i in idx], local, max(lens), pad_token_id)
+    mb = collate_shared([samples[i] for i in idx], local, max(lens), pad_token_id, spans=by_spans(model))
     if attn_implementation(model) == "eager":
         mb.attention_mask = additive_mask(mb.attention_mask, model.dtype)
     return mb
@@ -99,10 +114,14 @@ def run_microbatches(accelerator, model, prepared: PreparedBatch, args, pad_toke
     real = padded = shared = 0
     for i in range(n):
         mb = mbs[i] if i < len(mbs) else None
-        ctx = accelerator.no_sync(model) if i < n - 1 else contextlib.nullcontext()
+        if mb is None:  # this rank has fewer micro-batches: a zero-weight pass keeps DDP in step
+            mb = empty_microbatch(args.pack_sequences)
+        ctx = contextlib.ExitStack()
+        if i < n - 1:
+            ctx.enter_context(accelerator.no_sync(model))
+        if mb.prefix_spans is not None:  # over the backward too: a checkpointed layer's recompute attends again
+            ctx.enter_context(span_attention(model))
         with ctx:
-            if mb is None:  # this rank has fewer micro-batches: a zero-weight pass keeps DDP in step
-                mb = empty_microbatch(args.pack_sequences)
             batch = mb.to(device)
             logprobs, entropy = token_logprobs(model, export, batch, args.temperature)
             sampler = torch.where(torch.isnan(batch.sampler_logprobs), logprobs.detach(), batch.sampler_logprobs)

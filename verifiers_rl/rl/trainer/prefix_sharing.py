@@ -27,6 +27,7 @@ import torch
 
 from verifiers_rl.rl.trainer.microbatches import MicroBatch, _untrain_first_token, _validate, packed_tensors, plan_rows
 from verifiers_rl.rl.trainer.samples import Sample
+from verifiers_rl.rl.trainer.span_attention import spans_from_segments
 
 # (sample indices, shared prefix length): the samples of one unit, in order
 Unit = tuple[list[int], int]
@@ -89,9 +90,14 @@ def attention_mask(segment: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
 
 
 def collate_shared(
-    samples: Sequence[Sample], units: Sequence[Unit], row_len: int | None = None, pad_token_id: int = 0
+    samples: Sequence[Sample],
+    units: Sequence[Unit],
+    row_len: int | None = None,
+    pad_token_id: int = 0,
+    spans: bool = False,
 ) -> MicroBatch:
-    """Units laid out as [prefix | suffixes...] in rows of at most `row_len` tokens, with a 4D attention mask.
+    """Units laid out as [prefix | suffixes...] in rows of at most `row_len` tokens, with a 4D attention mask,
+    or (`spans`) the `PrefixSpans` that span_attention.py attends by instead.
 
     Tensors as `microbatches.collate_packed` (per-target tensors shifted by one, seq_index for the loss) plus
     `attention_mask` [R, 1, L, L] (bool, True = attend) and `num_shared_tokens` (prompt tokens not recomputed).
@@ -132,13 +138,16 @@ def collate_shared(
     real = sum(len(r[0]) for r in rows)
     mb = packed_tensors(rows, pad_token_id, len(samples))
     width = mb.input_ids.shape[1]
+    mb.num_shared_tokens = sum(len(s.input_ids) for s in samples) - real
+    if spans:
+        mb.prefix_spans = spans_from_segments([r[6] for r in rows], [r[7] for r in rows], width)
+        return mb
     for *_, seg, sees in rows:  # padding is a segment of its own: it attends to itself
         pad_seg = max(seg) + 1
         sees += [pad_seg] * (width - len(seg))
         seg += [pad_seg] * (width - len(seg))
     seg, sees = (torch.tensor([r[k] for r in rows]) for k in (6, 7))
     mb.attention_mask = attention_mask(seg, sees)
-    mb.num_shared_tokens = sum(len(s.input_ids) for s in samples) - real
     return mb
 
 
@@ -167,6 +176,29 @@ def layer_costs(config) -> tuple[float, float]:
 def rows_cost(rows: int, width: int, per_token: float, per_pair: float) -> float:
     """Cost of an [rows, width] micro-batch under a dense mask (SDPA scores every query-key pair of a row)."""
     return rows * width * per_token + rows * width * width * per_pair
+
+
+def spans_cost(
+    plan: Sequence[Sequence[int]],
+    lengths: Sequence[int],
+    segments: Sequence[Sequence[int]],
+    prefixes: Sequence[int],
+    per_token: float,
+    per_pair: float,
+) -> float:
+    """Estimated cost of micro-batches of units attended by span (span_attention.py): the projections over the
+    same rows as `plan_cost`, attention over every segment padded to the longest (queries) and to the longest
+    prefix plus that (keys). Unit u has `lengths[u]` tokens, segments of `segments[u]` tokens, prefix
+    `prefixes[u]`."""
+    total = 0.0
+    for mb in plan:
+        sizes = [lengths[u] for u in mb]
+        rows = plan_rows(sizes, max(sizes))
+        width = max(sum(sizes[i] for i in r) for r in rows)
+        segs = [n for u in mb for n in segments[u]]
+        n = max(segs)
+        total += len(rows) * width * per_token + len(segs) * n * (max(prefixes[u] for u in mb) + n) * per_pair
+    return total
 
 
 def plan_cost(plan: Sequence[Sequence[int]], lengths: Sequence[int], per_token: float, per_pair: float) -> float:
