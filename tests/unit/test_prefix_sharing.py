@@ -26,6 +26,7 @@ from verifiers_rl.rl.trainer.prefix_sharing import (
     unit_length,
 )
 from verifiers_rl.rl.trainer.samples import Sample
+from verifiers_rl.rl.trainer.span_attention import block_pairs, query_blocks
 from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
 
 
@@ -281,8 +282,16 @@ def test_spans_by_hand():
     assert keys(0, 2) == [0, 1] and keys(2, 2) == [0, 1, 5, 6]  # padded queries: finite, and dropped below
     assert sorted(spans.out_index.tolist()) == list(range(10))  # every real token gets one output, once
     assert spans.out_select.tolist() == [0, 1, 3, 4, 5, 6, 7, 9, 10, 11]  # of the [4 x 3] queries
-    assert spans.pairs == 4 * 3 * 5
-    assert spans_cost([[0, 1]], [7, 3], [[2, 3, 2], [3]], [2, 0], 1.0, 1.0) == 2 * 7 + 4 * 3 * (2 + 3)  # two rows
+    segments = [(2, 0), (3, 2), (2, 2), (3, 0)]
+    assert query_blocks(segments) == (3, [(0, 0, 2, 0), (1, 0, 3, 2), (2, 0, 2, 2), (3, 0, 3, 0)])
+    assert spans.pairs == block_pairs(segments) == 4 * 3 * 5
+    assert spans_cost([[0, 1]], [7, 3], [segments[:3], segments[3:]], 1.0, 1.0) == 2 * 7 + 4 * 3 * 5  # two rows
+    # a long prompt segment is cut into blocks as long as the longest rollout, each seeing the blocks before it
+    assert query_blocks([(7, 0), (2, 7), (3, 7)]) == (
+        3,
+        [(0, 0, 3, 0), (0, 3, 3, 3), (0, 6, 1, 6), (1, 0, 2, 7), (2, 0, 3, 7)],
+    )
+    assert block_pairs([(7, 0), (2, 7), (3, 7)]) == 5 * 3 * (7 + 3)
 
 
 def test_span_gradients_equal_plain_under_activation_checkpointing():

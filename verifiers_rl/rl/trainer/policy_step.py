@@ -68,9 +68,8 @@ def _shared_plan(samples: list[Sample], plain: list[list[int]], args, model) -> 
     plan = plan_microbatches(unit_lengths, budget, packed=True, max_samples=cap, sizes=sizes)
     per_token, per_pair = layer_costs(model.config)
     if by_spans(model):
-        segments = [([p] if p else []) + [lengths[i] - p for i in idx] for idx, p in units]
-        prefixes = [p for _, p in units]
-        shared_cost = spans_cost(plan, unit_lengths, segments, prefixes, per_token, per_pair)
+        segments = [([(p, 0)] if p else []) + [(lengths[i] - p, p) for i in idx] for idx, p in units]
+        shared_cost = spans_cost(plan, unit_lengths, segments, per_token, per_pair)
     else:
         shared_cost = plan_cost(plan, unit_lengths, per_token, per_pair)
     if shared_cost >= plan_cost(plain, lengths, per_token, per_pair):

@@ -27,7 +27,7 @@ import torch
 
 from verifiers_rl.rl.trainer.microbatches import MicroBatch, _untrain_first_token, _validate, packed_tensors, plan_rows
 from verifiers_rl.rl.trainer.samples import Sample
-from verifiers_rl.rl.trainer.span_attention import spans_from_segments
+from verifiers_rl.rl.trainer.span_attention import block_pairs, spans_from_segments
 
 # (sample indices, shared prefix length): the samples of one unit, in order
 Unit = tuple[list[int], int]
@@ -181,23 +181,19 @@ def rows_cost(rows: int, width: int, per_token: float, per_pair: float) -> float
 def spans_cost(
     plan: Sequence[Sequence[int]],
     lengths: Sequence[int],
-    segments: Sequence[Sequence[int]],
-    prefixes: Sequence[int],
+    segments: Sequence[Sequence[tuple[int, int]]],
     per_token: float,
     per_pair: float,
 ) -> float:
     """Estimated cost of micro-batches of units attended by span (span_attention.py): the projections over the
-    same rows as `plan_cost`, attention over every segment padded to the longest (queries) and to the longest
-    prefix plus that (keys). Unit u has `lengths[u]` tokens, segments of `segments[u]` tokens, prefix
-    `prefixes[u]`."""
+    same rows as `plan_cost`, attention over the query blocks the collator will build. Unit u has `lengths[u]`
+    tokens in segments `segments[u]`, each (tokens, prefix tokens it sees)."""
     total = 0.0
     for mb in plan:
         sizes = [lengths[u] for u in mb]
         rows = plan_rows(sizes, max(sizes))
         width = max(sum(sizes[i] for i in r) for r in rows)
-        segs = [n for u in mb for n in segments[u]]
-        n = max(segs)
-        total += len(rows) * width * per_token + len(segs) * n * (max(prefixes[u] for u in mb) + n) * per_pair
+        total += len(rows) * width * per_token + block_pairs([g for u in mb for g in segments[u]]) * per_pair
     return total
 
 
