@@ -321,3 +321,18 @@ def test_span_gradients_equal_plain_under_activation_checkpointing():
         scale = float(grads[0][n].abs().max()) + 1e-12
         assert float((grads[1][n] - grads[0][n]).abs().max()) / scale < 1e-4, n
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_spans_are_a_cpu_layout_for_full_attention_sdpa(policy):
+    """Span attention on CPU under SDPA; the dense mask elsewhere: on CUDA (an H100 measured SDPA's kernels under the
+    mask faster, benchmarks/gpu_prefix_layouts.py), under eager, and with sliding-window layers."""
+    from verifiers_rl.rl.trainer.policy_step import by_spans
+
+    model = policy.base_model.model
+    assert by_spans(model)
+    config = SimpleNamespace(_attn_implementation="sdpa", layer_types=["full_attention"] * 2)
+    assert by_spans(SimpleNamespace(config=config, device=torch.device("cpu")))
+    assert not by_spans(SimpleNamespace(config=config, device=torch.device("cuda", 0)))
+    assert not by_spans(SimpleNamespace(config=SimpleNamespace(**{**vars(config), "_attn_implementation": "eager"})))
+    sliding = SimpleNamespace(_attn_implementation="sdpa", layer_types=["sliding_attention", "full_attention"])
+    assert not by_spans(SimpleNamespace(config=sliding, device=torch.device("cpu")))
