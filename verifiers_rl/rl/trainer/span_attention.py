@@ -12,7 +12,10 @@ attend, in one batched SDPA call, to its context (the prefix it sees, then its o
 to itself, causally. The scores are [B, H, c, C + c] (B blocks, C the longest context) instead of [R, H, L, L]:
 0.09M pairs per group instead of 0.26M at 8 rollouts of 48 tokens behind 125 prompt tokens. The output is the
 dense mask's to float rounding (tests/unit/test_prefix_sharing.py), and so are the gradients: the prefix's keys
-and values receive the sum of what every block sends them, as in the dense layout.
+and values receive the sum of what every block sends them, as in the dense layout. The price is memory: each
+block gathers its own copy of its context's keys and values, which SDPA keeps for the backward, about
+(prompt + c) / c times the layer's K/V activations (2-4x at the RL shapes this runs on; the dense layout's
+[R, 1, L, L] mask instead grows with the row squared).
 
 transformers looks attention functions up by name in the model config (`AttentionInterface`); `span_attention`
 switches the config to this function for a micro-batch's forward and backward (a checkpointed layer's recompute
