@@ -122,7 +122,7 @@ def run_microbatches(accelerator, model, prepared: PreparedBatch, args, pad_toke
         if i < n - 1:
             ctx.enter_context(accelerator.no_sync(model))
         if mb.prefix_spans is not None:  # over the backward too: a checkpointed layer's recompute attends again
-            ctx.enter_context(span_attention(model))
+            ctx.enter_context(span_attention(unwrapped))
         with ctx:
             batch = mb.to(device)
             logprobs, entropy = token_logprobs(model, export, batch, args.temperature)

@@ -151,7 +151,8 @@ def register() -> None:
 def span_attention(model):
     """Attention by `PrefixSpans` (passed as the model's `prefix_spans` keyword) inside the block."""
     register()
-    while not hasattr(model, "config") and hasattr(model, "module"):  # DDP / DeepSpeed wrappers
+    # DDP's wrapper has no config, DeepSpeed's engine has its own (a dict): the model's is inside
+    while not hasattr(getattr(model, "config", None), "_attn_implementation") and hasattr(model, "module"):
         model = model.module
     config = model.config
     before = config._attn_implementation
