@@ -190,11 +190,15 @@ def spans_cost(
     tokens in segments `segments[u]`, each (tokens, prefix tokens it sees)."""
     total = 0.0
     for mb in plan:
-        sizes = [lengths[u] for u in mb]
-        rows = plan_rows(sizes, max(sizes))
-        width = max(sum(sizes[i] for i in r) for r in rows)
-        total += len(rows) * width * per_token + block_pairs([g for u in mb for g in segments[u]]) * per_pair
+        rows, width = _rows([lengths[u] for u in mb])
+        total += rows * width * per_token + block_pairs([g for u in mb for g in segments[u]]) * per_pair
     return total
+
+
+def _rows(sizes: Sequence[int]) -> tuple[int, int]:
+    """(rows, width) of items first-fit into rows as wide as the widest item, as the collators lay them out."""
+    rows = plan_rows(sizes, max(sizes))
+    return len(rows), max(sum(sizes[i] for i in r) for r in rows)
 
 
 def plan_cost(plan: Sequence[Sequence[int]], lengths: Sequence[int], per_token: float, per_pair: float) -> float:
@@ -202,7 +206,5 @@ def plan_cost(plan: Sequence[Sequence[int]], lengths: Sequence[int], per_token: 
     varlen kernel: first-fit rows as wide as the widest item, each micro-batch padded to its widest row."""
     total = 0.0
     for mb in plan:
-        sizes = [lengths[i] for i in mb]
-        rows = plan_rows(sizes, max(sizes))
-        total += rows_cost(len(rows), max(sum(sizes[i] for i in r) for r in rows), per_token, per_pair)
+        total += rows_cost(*_rows([lengths[i] for i in mb]), per_token, per_pair)
     return total

@@ -131,7 +131,13 @@ class InferenceRuntime:
     # ------------------------------------------------------------------ rollouts
 
     def _orchestrator(
-        self, rows, *, rollouts_per_example: int, prompts_per_batch: int, max_async_level: int = 0, steps_per_batch=1
+        self,
+        rows,
+        *,
+        rollouts_per_example: int,
+        prompts_per_batch: int,
+        max_async_level: int = 0,
+        steps_per_batch: int = 1,
     ):
         args = self.args
         return Orchestrator(
