@@ -16,19 +16,21 @@ same run, and how close the trainer and the engine come to them on the Qwen3-0.6
     weights get no weight gradient, the LoRA factors do (6 x r x (in + out) per token); causal attention
     2 x S^2 x heads x head_dim per layer forward (QK^T and PV over the causal half) and twice that backward.
     MFU = model FLOPs / step seconds / the peak of (a). Goal >= 50 %.
-(d) Engine decode at batch 1, same shape: the slot engine in process (the server's thread count: every core but
-    one), one request of a 64-token prompt, greedy, `ignore_eos`; seconds per token = (time for 1 + N tokens -
-    time for 1 token) / N (the prefill cancels). Bound: every weight byte is read once per token, so the fastest
-    possible token takes weight bytes / the bandwidth of (b). Fraction = bound / measured. Goal >= 60 %.
+(d) Engine decode at batch 1, same shape: the CPU server (`vf-vllm` on CPU: its own process, the slot engine, its
+    thread rule `cpu/app.py:engine_threads`, every core for a model this size), one completions request of a
+    64-token prompt, greedy, `ignore_eos`; seconds per token = (time for 1 + N tokens - time for 1 token) / N
+    (the prefill and the request's own cost cancel).
+    Bound: every weight byte is read once per token, so the fastest possible token takes weight bytes / the
+    bandwidth of (b). Fraction = bound / measured. Goal >= 60 %.
     Reported beside it: the same decode against the read bandwidth of (b) measured with the engine's thread count
-    (one thread on 2 cores: the engine cannot use bandwidth its threads cannot pull).
+    (the engine cannot use bandwidth its threads cannot pull).
 Quick mode: 2 layers, 2 samples of 128 tokens, 8 tokens decoded (checks that it runs; the numbers mean little).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -146,41 +148,49 @@ def trainer_step(layers: int, n: int, seq: int, repeats: int, log) -> dict:
     return {"seconds": median(secs), "all_seconds": secs, "model_flops": flops, "layers": layers, "n": n, "seq": seq}
 
 
-def engine_threads() -> int:
-    """What the server gives the engine (cpu/app.py): every core but one."""
-    return max(1, (os.cpu_count() or 1) - 1)
-
-
 def engine_decode(layers: int, tokens: int, repeats: int, log) -> dict:
-    from verifiers_rl.rl.inference.cpu.sampling import SamplingParams
-    from verifiers_rl.rl.inference.cpu.slot_engine import SlotEngine
+    """Decode through the CPU server as users run it (its own process, its own thread rule), timed per request."""
+    import httpx
+
+    from verifiers_rl.rl.inference.cpu.app import engine_threads
+    from verifiers_rl.rl.inference.launcher import InferenceServer
 
     model, tok = shape_model(layers)
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(engine_threads())
-    engine = SlotEngine(model, tok, max_model_len=1024, max_num_seqs=4)
-    prompt = list(range(32, 96))
-
-    async def gen(n: int) -> float:
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        t0 = time.perf_counter()
-        out = await engine.generate(prompt, params)
-        assert len(out[0].token_ids) == n
-        return time.perf_counter() - t0
-
-    async def measure():
-        await gen(2)  # warm-up
-        pairs = [(await gen(1), await gen(1 + tokens)) for _ in range(repeats)]
-        return [(long - short) / tokens for short, long in pairs]
-
-    try:
-        per_token = asyncio.run(measure())
-    finally:
-        engine.close()
-        torch.set_num_threads(threads_before)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    log(f"engine decode, batch 1, {layers} layers: {' '.join(f'{s * 1e3:.1f}' for s in per_token)} ms/token")
-    return {"seconds_per_token": median(per_token), "all": per_token, "weight_bytes": weight_bytes, "layers": layers}
+    tmp = tempfile.mkdtemp(prefix="bench_roofline_model_")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    del model
+    prompt = list(range(32, 96))
+    server = InferenceServer(
+        tmp, engine="cpu", output_dir=os.path.join(tmp, "out"), max_model_len=1024, startup_timeout=600,
+        extra_args=["--max-num-seqs", "4", "--log-level", "warning"],
+    )  # fmt: skip
+    server.start()
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=600) as http:
+
+            def gen(n: int) -> float:
+                body = {"model": tmp, "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+                t0 = time.perf_counter()
+                r = http.post("/v1/completions", json=body)
+                r.raise_for_status()
+                assert r.json()["usage"]["completion_tokens"] == n
+                return time.perf_counter() - t0
+
+            gen(1 + tokens)  # warm-up: the first pass faults in the memory-mapped weights
+            pairs = [(gen(1), gen(1 + tokens)) for _ in range(repeats)]
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    per_token = [(long - short) / tokens for short, long in pairs]
+    threads = engine_threads(weight_bytes)
+    times = " ".join(f"{s * 1e3:.1f}" for s in per_token)
+    log(f"engine decode, batch 1, {layers} layers, {threads} thread(s): {times} ms/token")
+    return {
+        "seconds_per_token": median(per_token), "all": per_token, "weight_bytes": weight_bytes, "layers": layers,
+        "threads": threads,
+    }  # fmt: skip
 
 
 def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
@@ -205,8 +215,8 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         train_layers, 2 if quick else 4, 128 if quick else 512, 1 if quick else 2, log
     )
     dec = results["decode"] = engine_decode(layers, 8 if quick else 16, 1 if quick else 3, log)
-    # The engine's own threads (every core but one) may not reach the machine's bandwidth: their read bound too
-    torch.set_num_threads(engine_threads())
+    # The engine's own threads (the server's rule, cpu/app.py) may not reach the machine's bandwidth: their bound too
+    torch.set_num_threads(dec["threads"])
     bw_engine = results["bandwidth_engine_threads"] = bandwidth(128 if quick else 1024, 2 if quick else 5)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
@@ -237,7 +247,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             unit="ms/token",
         ),
         row(
-            f"the same decode against the read bandwidth of the engine's {engine_threads()} thread(s) "
+            f"the same decode against the read bandwidth of the engine's {dec['threads']} thread(s) "
             f"({bw_engine['read_bytes_per_s'] / 1e9:.1f} GB/s): bound vs ours",
             dec["weight_bytes"] / bw_engine["read_bytes_per_s"] * 1e3,
             dec["seconds_per_token"] * 1e3,

@@ -380,6 +380,32 @@ def test_buckets_in_sync_order_arrive_in_the_served_parameters():
         eng.close()
 
 
+def test_set_threads_sizes_the_loop_threads_team_only():
+    """The server gives the loop thread its intra-op threads (app.serve); the caller's own count stays."""
+    model, tok = build_tiny_model(hidden=64, layers=2)
+    engine = se.SlotEngine(model, tok, max_model_len=64, max_num_seqs=2)
+    before = torch.get_num_threads()
+    want = 2 if before == 1 else 1
+    try:
+        engine.set_threads(want)
+        out = asyncio.run(engine.generate([5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0)))
+        assert len(out[0].token_ids) == 2
+        assert engine.loop_threads == want
+        assert torch.get_num_threads() == before
+    finally:
+        engine.close()
+
+
+def test_engine_threads_rule():
+    from verifiers_rl.rl.inference.cpu.app import ALL_CORES_WEIGHT_BYTES, engine_threads
+
+    assert engine_threads(10 << 20, cores=2) == 1  # the demos' tiny models: the event loop keeps a core
+    assert engine_threads(ALL_CORES_WEIGHT_BYTES, cores=2) == 2  # bandwidth-bound decode: every core
+    assert engine_threads(10 << 20, cores=16) == 15
+    assert engine_threads(ALL_CORES_WEIGHT_BYTES - 1, cores=1) == 1
+    assert engine_threads(ALL_CORES_WEIGHT_BYTES, cores=1) == 1
+
+
 def test_slots_are_reused_and_queued_requests_wait(tiny):
     model, tok = build_tiny_model(hidden=64, layers=2)
     eng = se.SlotEngine(model, tok, max_model_len=128, max_num_seqs=3)

@@ -8,9 +8,11 @@ receives, waiting for the batching loop to pause) runs in worker threads so gene
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, HTTPException
@@ -25,6 +27,8 @@ from verifiers_rl.rl.inference.cpu.openai_routes import openai_router
 from verifiers_rl.rl.inference.cpu.slot_engine import SlotEngine
 from verifiers_rl.rl.inference.cpu.weight_receiver import WeightReceiver
 from verifiers_rl.rl.inference.net import SERVER_KEEP_ALIVE_S
+
+logger = logging.getLogger(__name__)
 
 
 class ApiKeyGuard:
@@ -56,6 +60,10 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app):
+        # Blocking control work (weight receives and copies) runs in this pool; its threads keep one intra-op
+        # thread so that the generation loop's OpenMP team is the only one in the process (see `serve`).
+        pool = ThreadPoolExecutor(thread_name_prefix="vf-engine-control", initializer=_one_intra_op_thread)
+        asyncio.get_running_loop().set_default_executor(pool)
         yield
         await asyncio.to_thread(engine.close)
 
@@ -90,15 +98,32 @@ def serve(
     allow_remote_control: bool = False,
     log_level: str = "info",
 ) -> None:
+    import torch
     import uvicorn
 
+    # torch's default: OMP_NUM_THREADS when set (the user's, or the trainer's split of the cores), else every core
+    default_threads = torch.get_num_threads()
+    # Only the generation loop's thread may build an OpenMP team: a team once used on another thread (the model load
+    # here, a weight copy) slows the loop's decode on the same cores even while idle. Measured, Qwen3-0.6B's shape
+    # at batch 1, 2 threads on 2 cores: 86-106 ms/token alone, 118-184 with the main thread's team built
+    # (118-147 when that thread went back to 1 thread before the loop started).
+    torch.set_num_threads(1)
     engine = load_engine(model, impl=cpu_engine, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
     if isinstance(engine, SlotEngine):
-        _set_engine_threads()
+        pinned = os.environ.get("OMP_NUM_THREADS")
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        threads = default_threads if pinned else engine_threads(weight_bytes)
+        engine.set_threads(threads)
+        logger.info(
+            "CPU engine: %d intra-op thread(s) for %.0f MB of weights%s", threads, weight_bytes / 2**20,
+            " (OMP_NUM_THREADS)" if pinned else "",
+        )  # fmt: skip
         # The engine thread takes the GIL back between its torch ops faster than the event loop thread wakes up,
         # so requests wait out the 5 ms switch interval while a step runs: a burst of 32 trickled in over
         # 40-170 ms. 1 ms: 3,665 vs 3,475 tok/s at 32 concurrent, 4,401 vs 4,009 on 8 x 4 (interleaved rounds).
         sys.setswitchinterval(0.001)
+    else:
+        torch.set_num_threads(default_threads)  # transformers' continuous batching runs on torch's default
     app = create_app(
         engine,
         served_model_name or model,
@@ -112,14 +137,28 @@ def serve(
     )  # fmt: skip
 
 
-def _set_engine_threads() -> None:
-    """Intra-op threads for the slot engine: every core but one, which the event loop (and, on one machine, the
-    clients) need; OMP_NUM_THREADS wins when set (the trainer sets it when it overlaps with generation).
-    Measured on 2 cores (bench_engine, tiny Qwen3 h128 x 4, 32 concurrent): 1 thread 3,700-4,000 tok/s,
-    2 threads 2,600-3,000; h512 x 8: 365 vs 283."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return
+def _one_intra_op_thread() -> None:
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores - 1))
+    torch.set_num_threads(1)
+
+
+# Decoders whose weights are at least this many bytes decode with every core: each step's matrix products are then
+# long enough that a second thread's share outweighs its synchronisation and the event loop's lost core. Measured
+# through this server on 2 AVX2 cores (tok/s at 1 vs 2 threads, c requests in flight, interleaved rounds):
+# h512 x 8 (77 MB fp32) c=1 74-80 vs 60-70, c=8 236-260 vs 160-189, c=32 even; h1024 x 8 (506 MB) c=1 even,
+# c=8 68-71 vs 84-98, c=32 108-117 vs 145-160; Qwen3-0.6B's shape (1.76 GB) c=1 6.4-7.2 vs 7.4-7.8, c=8 16-18
+# vs 19-22. The demos' tiny models stay at one thread.
+ALL_CORES_WEIGHT_BYTES = 256 << 20
+
+
+def engine_threads(weight_bytes: int, cores: int | None = None) -> int:
+    """Intra-op threads for the slot engine: every core but one (the event loop's, and on one machine the
+    clients'), or every core for a decoder of at least ALL_CORES_WEIGHT_BYTES (see there).
+    Small models, measured on 2 cores (bench_engine, tiny Qwen3 h128 x 4, 32 concurrent): 1 thread 3,700-4,000
+    tok/s, 2 threads 2,600-3,000."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if weight_bytes >= ALL_CORES_WEIGHT_BYTES:
+        return max(1, cores)
+    return max(1, cores - 1)
