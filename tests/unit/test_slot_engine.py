@@ -396,6 +396,35 @@ def test_set_threads_sizes_the_loop_threads_team_only():
         engine.close()
 
 
+def test_control_threads_keep_one_intra_op_thread_when_the_loop_sets_more():
+    """The server's control pool threads (app.py) stay at one thread after another thread raised torch's
+    process-wide count: otherwise their first large op would build a second OpenMP team next to the loop's."""
+    import threading
+
+    from verifiers_rl.rl.inference.cpu.app import _one_intra_op_thread
+
+    before = torch.get_num_threads()
+    seen, ready, go = {}, threading.Event(), threading.Event()
+
+    def control():
+        _one_intra_op_thread()
+        ready.set()
+        go.wait(10)
+        torch.ones(1 << 22).sum()  # large enough to run in parallel
+        seen["threads"] = torch.get_num_threads()
+
+    t = threading.Thread(target=control)
+    t.start()
+    try:
+        ready.wait(10)
+        torch.set_num_threads(2)  # what the loop thread does: it sets the process-wide count too
+        go.set()
+        t.join(10)
+        assert seen["threads"] == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_engine_threads_rule():
     from verifiers_rl.rl.inference.cpu.app import ALL_CORES_WEIGHT_BYTES, engine_threads
 

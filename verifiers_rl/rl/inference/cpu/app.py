@@ -141,6 +141,9 @@ def _one_intra_op_thread() -> None:
     import torch
 
     torch.set_num_threads(1)
+    # A thread takes torch's process-wide count (the loop's, once it is set) at its first parallel op unless it
+    # has asked for its count already: this asks now.
+    torch.get_num_threads()
 
 
 # Decoders whose weights are at least this many bytes decode with every core: each step's matrix products are then
