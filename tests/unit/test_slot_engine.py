@@ -380,14 +380,14 @@ def test_buckets_in_sync_order_arrive_in_the_served_parameters():
         eng.close()
 
 
-def test_set_threads_sizes_the_loop_threads_team_only():
+def test_threads_size_the_loop_threads_team_only():
     """The server gives the loop thread its intra-op threads (app.serve); the caller's own count stays."""
     model, tok = build_tiny_model(hidden=64, layers=2)
     engine = se.SlotEngine(model, tok, max_model_len=64, max_num_seqs=2)
     before = torch.get_num_threads()
     want = 2 if before == 1 else 1
     try:
-        engine.set_threads(want)
+        engine.threads = want
         out = asyncio.run(engine.generate([5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0)))
         assert len(out[0].token_ids) == 2
         assert engine.loop_threads == want

@@ -113,7 +113,7 @@ def serve(
         pinned = os.environ.get("OMP_NUM_THREADS")
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         threads = default_threads if pinned else engine_threads(weight_bytes)
-        engine.set_threads(threads)
+        engine.threads = threads
         logger.info(
             "CPU engine: %d intra-op thread(s) for %.0f MB of weights%s", threads, weight_bytes / 2**20,
             " (OMP_NUM_THREADS)" if pinned else "",

@@ -101,7 +101,7 @@ class SlotEngine(ServedWeights):
         self._shared: dict[tuple, tuple[_Seq, torch.Tensor]] = {}  # prompt -> (a running holder, its logits)
         self._paused = self._closed = False
         self._fatal: BaseException | None = None
-        self._threads: int | None = None  # intra-op threads asked for the loop thread (set_threads)
+        self.threads: int | None = None  # intra-op threads for the loop, set on its own thread (one OpenMP team each)
         self.loop_threads: int | None = None  # what the loop thread runs with, once it has stepped
         self._thread = threading.Thread(target=self._loop, name="vf-slot-engine", daemon=True)
         self._thread.start()
@@ -161,11 +161,6 @@ class SlotEngine(ServedWeights):
 
     # ------------------------------------------------------------------ control (any thread but the loop's)
 
-    def set_threads(self, n: int) -> None:
-        """Intra-op threads for the generation loop, applied on the loop's own thread at its next iteration:
-        `torch.set_num_threads` sizes the calling thread's OpenMP team only."""
-        self._threads = max(1, int(n))
-
     @property
     def is_paused(self) -> bool:
         return self._paused
@@ -215,8 +210,8 @@ class SlotEngine(ServedWeights):
                         self._cond.wait()
                     if self._closed:
                         return
-                if self._threads is not None and self._threads != self.loop_threads:
-                    torch.set_num_threads(self._threads)
+                if self.threads is not None and self.threads != self.loop_threads:
+                    torch.set_num_threads(self.threads)
                 self.loop_threads = torch.get_num_threads()
                 with self._step_lock, torch.inference_mode():
                     if not self._paused:
@@ -399,9 +394,5 @@ class SlotEngine(ServedWeights):
 
 
 def _settle(future: asyncio.Future, result) -> None:
-    if future.done():
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
+    if not future.done():
+        (future.set_exception if isinstance(result, BaseException) else future.set_result)(result)
