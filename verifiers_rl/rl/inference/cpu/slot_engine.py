@@ -102,7 +102,7 @@ class SlotEngine(ServedWeights):
         self._paused = self._closed = False
         self._fatal: BaseException | None = None
         self.threads: int | None = None  # intra-op threads for the loop, set on its own thread (one OpenMP team each)
-        self.loop_threads: int | None = None  # what the loop thread runs with, once it has stepped
+        self.loop_threads: int | None = None  # what the loop thread runs with, once `threads` was applied
         self._thread = threading.Thread(target=self._loop, name="vf-slot-engine", daemon=True)
         self._thread.start()
 
@@ -212,7 +212,7 @@ class SlotEngine(ServedWeights):
                         return
                 if self.threads is not None and self.threads != self.loop_threads:
                     torch.set_num_threads(self.threads)
-                self.loop_threads = torch.get_num_threads()
+                    self.loop_threads = torch.get_num_threads()  # also fixes it: a later global change cannot
                 with self._step_lock, torch.inference_mode():
                     if not self._paused:
                         self._step()
