@@ -66,6 +66,15 @@ def test_bad_requests_among_good_ones_fail_alone(server, tiny_model_dir):
     assert codes == [200] * 3 + [400] + [200] * 3 + [400] + [200] * 4
 
 
+def test_a_cpu_server_we_start_logs_no_line_per_request(server, tiny_model_dir):
+    if server.kind == "vllm":
+        pytest.skip("a vLLM server we start keeps vLLM's own logging")
+    assert _complete(server, tiny_model_dir, [97, 98, 99]).status_code == 200
+    log = server.log_path.read_text(errors="replace")
+    assert "Uvicorn running on" in log  # the server's own lines still reach its log
+    assert "/v1/completions" not in log and "/health" not in log
+
+
 def test_unknown_model_is_404_like_vllm(server, tiny_model_dir):
     r = _complete(server, "no-such-model", [97, 98])
     assert r.status_code == 404

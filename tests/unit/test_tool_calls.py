@@ -58,3 +58,17 @@ def test_unsupported_request_options_are_clear_errors():
         ChatCompletionRequest(messages=[], stream=True).to_sampling_params()
     with pytest.raises(ValueError, match="top_p=0"):
         ChatCompletionRequest(messages=[], top_p=0).to_sampling_params()
+
+
+def test_response_ids_are_unique_and_logprob_tokens_are_each_ids_text():
+    tok = build_tokenizer()
+    ids = tok("héllo wörld")["input_ids"] * 2  # repeated ids: the second of each comes from the per-id cache
+    comp = Completion(ids, [-0.5] * len(ids), "length", None, 0)
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], logprobs=True, tools=[])
+    bodies = [chat_response(tok, "m", req, req.to_sampling_params(), [1], [comp]) for _ in range(3)]
+    assert len({b["id"] for b in bodies}) == 3 and all(b["id"].startswith("chatcmpl-") for b in bodies)
+    content = bodies[-1]["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert [c["bytes"] for c in content] == [list(c["token"].encode("utf-8")) for c in content]
+    _, calls = parse_tool_calls('<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b"}</tool_call>')
+    assert calls[0]["id"] != calls[1]["id"]

@@ -184,6 +184,17 @@ def test_server_spec_adds_adapter_flags_for_vllm_only():
     assert not any("lora" in a for a in cpu)
 
 
+def test_a_cpu_engine_the_trainer_starts_writes_no_line_per_request():
+    from verifiers_rl.rl.inference.layout import ServerSpec
+    from verifiers_rl.rl.inference.server import build_parser
+
+    flag = "--disable-uvicorn-access-log"
+    cpu = ServerSpec("m", "cpu", port=9000).argv("py")
+    assert cpu.count(flag) == 1 and build_parser().parse_known_args(cpu[3:])[0].disable_uvicorn_access_log
+    assert ServerSpec("m", "cpu", extra_args=[flag]).argv("py").count(flag) == 1  # the user's flag, not twice
+    assert flag not in ServerSpec("m", "vllm").argv("py")  # vLLM keeps its own logging defaults
+
+
 def _guard_status(path: str, headers: dict[str, str], client: str = "127.0.0.1") -> int:
     import asyncio
 
@@ -257,10 +268,12 @@ def test_vf_vllm_hands_the_flags_it_parses_on_to_vllm(monkeypatch):
     monkeypatch.setattr(vllm_command, "check_vllm", lambda: "0.32.0")
     monkeypatch.setattr(subprocess, "Popen", Started)
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # run_vllm installs handlers for the real server
-    argv = ["--model", "m", "--max-num-seqs", "7", "--max-model-len", "300", "--served-model-name", "s", "--dtype", "x"]
+    argv = ["--model", "m", "--max-num-seqs", "7", "--max-model-len", "300", "--served-model-name", "s", "--dtype", "x",
+            "--disable-uvicorn-access-log"]  # fmt: skip
     args, passthrough = server.build_parser().parse_known_args(argv)
     assert server.run_vllm(args, passthrough) == 0
     (cmd,) = started
+    assert "--disable-uvicorn-access-log" in cmd
     assert _values(cmd, "--max-num-seqs") == ["7"]
     assert _values(cmd, "--max-model-len") == ["300"]
     assert _values(cmd, "--served-model-name") == ["s"]

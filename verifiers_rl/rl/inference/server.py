@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="no control token: any local process may pause the server or replace its weights",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no log line per HTTP request (vLLM's flag; the trainer sets it for a CPU engine it starts)",
+    )
     return p
 
 
@@ -156,6 +161,8 @@ def run_vllm(args, passthrough: list[str]) -> int:
         extra += ["--served-model-name", args.served_model_name]
     if args.api_key:
         extra += ["--api-key", args.api_key]
+    if args.disable_uvicorn_access_log:
+        extra += ["--disable-uvicorn-access-log"]
     argv, env_add = build_vllm_command(
         args.model, args.host, args.port, extra, weight_backend=args.weight_transfer_backend or "nccl"
     )
@@ -208,6 +215,7 @@ def run_cpu(args, passthrough: list[str]) -> int:
             api_key=args.api_key,
             allow_remote_control=args.allow_remote_control,
             log_level=args.log_level,
+            access_log=not args.disable_uvicorn_access_log,
         )
     except (FileNotFoundError, NotADirectoryError, ValueError, OSError) as e:
         print(f"vf-vllm: {e}", file=sys.stderr)

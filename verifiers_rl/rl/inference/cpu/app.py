@@ -97,6 +97,7 @@ def serve(
     api_key: str | None = None,
     allow_remote_control: bool = False,
     log_level: str = "info",
+    access_log: bool = True,
 ) -> None:
     import torch
     import uvicorn
@@ -132,7 +133,7 @@ def serve(
         allow_remote_control=allow_remote_control,
     )
     uvicorn.run(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+        app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
         timeout_keep_alive=SERVER_KEEP_ALIVE_S,
     )  # fmt: skip
 

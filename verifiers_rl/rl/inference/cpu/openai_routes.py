@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 
 from fastapi import APIRouter
@@ -90,7 +89,7 @@ def openai_router(engine: Engine, served_model_name: str) -> APIRouter:
             choices += protocol.completion_choices(engine.tokenizer, req, params, p, comps, len(choices))
         all_comps = [c for comps in results for c in comps]
         body = {
-            "id": f"cmpl-{secrets.token_hex(12)}",
+            "id": protocol.new_id("cmpl"),
             "object": "text_completion",
             "created": int(time.time()),
             "model": req.model or served_model_name,

@@ -6,10 +6,12 @@ Responses carry what verifiers 0.1.14 reads for training: top-level `prompt_toke
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import secrets
 import time
-import uuid
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -18,6 +20,15 @@ from pydantic import BaseModel, ConfigDict
 from verifiers_rl.rl.inference.cpu.sampling import Completion, SamplingParams
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# Response and tool-call ids: one random prefix per server process and a counter, unique as vLLM's uuid4 ids are.
+# A uuid4 per response reads os.urandom, and that call gives the GIL to the engine loop's thread and waits its
+# switch interval to take it back: 10 % of the HTTP thread's samples at 64 requests in flight (py-spy).
+_ID_PREFIX = secrets.token_hex(6)
+_ids = itertools.count()
+
+
+def new_id(kind: str = "chatcmpl") -> str:
+    return f"{kind}-{_ID_PREFIX}{next(_ids):012x}"
 
 
 class _SamplingFields(BaseModel):
@@ -149,7 +160,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         args = obj.get("arguments", {})
         calls.append(
             {
-                "id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}",
+                "id": new_id("chatcmpl-tool"),
                 "type": "function",
                 "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)},
             }
@@ -168,11 +179,23 @@ def _text(tokenizer, c: Completion, params: SamplingParams) -> str:
 
 
 def _logprob_content(tokenizer, c: Completion) -> list[dict[str, Any]]:
+    texts = _token_texts(tokenizer)
     out = []
     for tid, lp in zip(c.token_ids, c.logprobs):
-        tok = tokenizer.decode([tid], skip_special_tokens=False)
-        out.append({"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []})
+        if tid not in texts:  # one decode per token id and tokenizer: a response decodes every token it holds
+            tok = tokenizer.decode([tid], skip_special_tokens=False)
+            texts[tid] = (tok, tuple(tok.encode("utf-8")))
+        tok, raw = texts[tid]
+        out.append({"token": tok, "logprob": lp, "bytes": list(raw), "top_logprobs": []})
     return out
+
+
+_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _token_texts(tokenizer) -> dict[int, tuple[str, tuple[int, ...]]]:
+    """Each token id's text and UTF-8 bytes, per tokenizer (a server has one)."""
+    return _TOKEN_TEXTS.setdefault(tokenizer, {})
 
 
 def usage(prompt_ids: list[int], completions: list[Completion]) -> dict[str, int]:
@@ -204,7 +227,7 @@ def chat_response(
             choice["token_ids"] = c.token_ids
         choices.append(choice)
     body = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "id": new_id(),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
