@@ -1,6 +1,12 @@
 import json
 
-from verifiers_rl.rl.inference.cpu.protocol import ChatCompletionRequest, chat_response, parse_tool_calls
+from verifiers_rl.rl.inference.cpu.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_response,
+    completion_choices,
+    parse_tool_calls,
+)
 from verifiers_rl.rl.inference.cpu.sampling import Completion
 from verifiers_rl.tiny import build_tokenizer
 
@@ -72,3 +78,9 @@ def test_response_ids_are_unique_and_logprob_tokens_are_each_ids_text():
     assert [c["bytes"] for c in content] == [list(c["token"].encode("utf-8")) for c in content]
     _, calls = parse_tool_calls('<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b"}</tool_call>')
     assert calls[0]["id"] != calls[1]["id"]
+    # the completions route names the same tokens, with their offsets into the text
+    creq = CompletionRequest(prompt=[1], logprobs=0)
+    (choice,) = completion_choices(tok, creq, creq.to_sampling_params(), [1], [comp], 0)
+    tokens = [tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert choice["logprobs"]["tokens"] == tokens
+    assert choice["logprobs"]["text_offset"] == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]

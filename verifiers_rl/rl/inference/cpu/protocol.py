@@ -178,24 +178,23 @@ def _text(tokenizer, c: Completion, params: SamplingParams) -> str:
     return text
 
 
+_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {token id: its text}
+
+
+def _token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """Each id's own text, decoded once per token id and tokenizer: logprobs name every token of a response."""
+    texts = _TOKEN_TEXTS.setdefault(tokenizer, {})
+    for tid in ids:
+        if tid not in texts:
+            texts[tid] = tokenizer.decode([tid], skip_special_tokens=False)
+    return [texts[tid] for tid in ids]
+
+
 def _logprob_content(tokenizer, c: Completion) -> list[dict[str, Any]]:
-    texts = _token_texts(tokenizer)
-    out = []
-    for tid, lp in zip(c.token_ids, c.logprobs):
-        if tid not in texts:  # one decode per token id and tokenizer: a response decodes every token it holds
-            tok = tokenizer.decode([tid], skip_special_tokens=False)
-            texts[tid] = (tok, tuple(tok.encode("utf-8")))
-        tok, raw = texts[tid]
-        out.append({"token": tok, "logprob": lp, "bytes": list(raw), "top_logprobs": []})
-    return out
-
-
-_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _token_texts(tokenizer) -> dict[int, tuple[str, tuple[int, ...]]]:
-    """Each token id's text and UTF-8 bytes, per tokenizer (a server has one)."""
-    return _TOKEN_TEXTS.setdefault(tokenizer, {})
+    return [
+        {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
+        for tok, lp in zip(_token_texts(tokenizer, c.token_ids), c.logprobs)
+    ]
 
 
 def usage(prompt_ids: list[int], completions: list[Completion]) -> dict[str, int]:
@@ -253,7 +252,7 @@ def completion_choices(
             "stop_reason": c.stop_reason,
         }
         if params.logprobs:
-            tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in c.token_ids]
+            tokens = _token_texts(tokenizer, c.token_ids)
             offsets, pos = [], 0
             for t in tokens:
                 offsets.append(pos)
