@@ -156,7 +156,9 @@ def engine_decode(layers: int, tokens: int, repeats: int, log) -> dict:
     from verifiers_rl.rl.inference.launcher import InferenceServer
 
     model, tok = shape_model(layers)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    from verifiers_rl.models import weight_bytes as model_weight_bytes
+
+    weight_bytes = model_weight_bytes(model)
     tmp = tempfile.mkdtemp(prefix="bench_roofline_model_")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)

@@ -193,6 +193,7 @@ def raw_gloo_bandwidth(nbytes: int, repeats: int, fresh: bool = False) -> dict:
 
 
 def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
+    from verifiers_rl.models import weight_bytes
     from verifiers_rl.rl.inference.launcher import InferenceServer
     from verifiers_rl.tiny import build_tiny_model, save_tiny_model
 
@@ -215,7 +216,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             model, _ = build_tiny_model(hidden=hidden, layers=layers)
             n_params = sum(p.numel() for p in model.parameters())
             n_tensors = sum(1 for _ in model.parameters())
-            nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            nbytes = weight_bytes(model)
             is_last = i == len(models) - 1
             server = InferenceServer(
                 str(model_dir),

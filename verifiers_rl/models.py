@@ -34,6 +34,11 @@ def default_attn_implementation(device: str) -> str:
     return "sdpa"
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters as stored (what a decode step reads, and what a full sync moves)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def _hub_error(name: str, err: Exception) -> OSError:
     hint = (
         " (HF_HUB_OFFLINE is set: the model must already be in the local cache)"

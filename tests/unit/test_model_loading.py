@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from verifiers_rl.models import ensure_pad_token, get_tokenizer, resolve_model_path
+from verifiers_rl.models import ensure_pad_token, get_tokenizer, resolve_model_path, weight_bytes
 from verifiers_rl.rl.trainer import get_model, get_model_and_tokenizer
 from verifiers_rl.tiny import build_tiny_model
 
@@ -89,3 +89,11 @@ def test_tokenizer_without_chat_template_rejected(tmp_path, tiny_model_dir):
     (d / "chat_template.jinja").unlink()
     with pytest.raises(ValueError, match="no chat template"):
         get_tokenizer(str(d))
+
+
+def test_weight_bytes_counts_each_parameter_at_its_stored_width():
+    model, _ = build_tiny_model()
+    n = sum(p.numel() for p in model.parameters())
+    assert weight_bytes(model) == 4 * n  # fp32
+    model.to(torch.bfloat16)
+    assert weight_bytes(model) == 2 * n

@@ -102,6 +102,8 @@ def serve(
     import torch
     import uvicorn
 
+    from verifiers_rl.models import weight_bytes as model_weight_bytes
+
     # torch's default: OMP_NUM_THREADS when set (the user's, or the trainer's split of the cores), else every core
     default_threads = torch.get_num_threads()
     # Only the generation loop's thread may build an OpenMP team: a team once used on another thread (the model load
@@ -112,7 +114,7 @@ def serve(
     engine = load_engine(model, impl=cpu_engine, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
     if isinstance(engine, SlotEngine):
         pinned = os.environ.get("OMP_NUM_THREADS")
-        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        weight_bytes = model_weight_bytes(engine.model)
         threads = default_threads if pinned else engine_threads(weight_bytes)
         engine.threads = threads
         logger.info(
