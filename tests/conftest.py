@@ -37,7 +37,8 @@ socket.socket.connect = _loopback_only_connect
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir, tmp_path_factory):
     """The plain real-vLLM server of tests/servers.py, shared by test_engine_robustness and test_protocol: a start is
-    ~50 s of the conformance run, and neither module restarts or reconfigures it (their other servers are ours)."""
+    ~50 s of the conformance run, and neither module restarts or reconfigures it (their other servers are ours).
+    Session scope is per pytest-xdist worker: with the two modules on different workers, each starts one."""
     from servers import start_server
 
     srv = start_server("vllm", tiny_model_dir, tmp_path_factory.mktemp("srv-vllm"))
