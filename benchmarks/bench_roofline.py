@@ -152,12 +152,11 @@ def engine_decode(layers: int, tokens: int, repeats: int, log) -> dict:
     """Decode through the CPU server as users run it (its own process, its own thread rule), timed per request."""
     import httpx
 
+    from verifiers_rl.models import weight_bytes as model_weight_bytes
     from verifiers_rl.rl.inference.cpu.app import engine_threads
     from verifiers_rl.rl.inference.launcher import InferenceServer
 
     model, tok = shape_model(layers)
-    from verifiers_rl.models import weight_bytes as model_weight_bytes
-
     weight_bytes = model_weight_bytes(model)
     tmp = tempfile.mkdtemp(prefix="bench_roofline_model_")
     model.save_pretrained(tmp)
