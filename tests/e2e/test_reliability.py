@@ -185,6 +185,10 @@ def stuck_env_path(tmp_path_factory):
         ("reward", "scoring_timeout = 3\ngeneration_timeout = 300\n",
          "reward function never_returns did not return within scoring_timeout=3s (stuck in scoring: reward function "
          "never_returns running for"),
+        # the same blame on the orchestrator's thread (an environment that cannot be copied into a rollout process)
+        ("reward", "scoring_timeout = 3\ngeneration_timeout = 300\nrollout_process = false\n",
+         "reward function never_returns did not return within scoring_timeout=3s (stuck in scoring: reward function "
+         "never_returns running for"),
         ("tool", "generation_timeout = 8\n",
          "did not finish within generation_timeout=8s: stuck in env_response: StuckTool.env_response running for"),
     ],

@@ -92,13 +92,13 @@ class RLConfig(TrainingArguments):
     )
     max_steps: int = field(default=500, metadata=_help("Optimizer steps to train for."))
     max_concurrent: int = field(default=1024, metadata=_help("Most rollouts in flight at once against the server."))
-    max_async_level: int = field(
-        default=1,
-        metadata=_help(
-            "Rollout batches generated ahead of training "
-            "(0 = on-policy; k lets step n train while batch n+k generates)."
-        ),
-    )
+    max_async_level: int = field(default=1, metadata=_help(
+        "Rollout batches generated ahead of training (0 = on-policy; k lets step n train while batch n+k generates)."
+    ))  # fmt: skip
+    rollout_process: bool = field(default=True, metadata=_help(
+        "Run the environment's code (env_response, reward functions, the HTTP client) in a child process, off the "
+        "trainer's GIL; an environment that cannot be copied into it (dill) generates in the trainer's process."
+    ))  # fmt: skip
     num_iterations: int = field(default=1, metadata=_help(
         "Optimizer steps per rollout batch (TRL's num_iterations, PPO's epochs), each against the sampler's logprobs "
         "(the loss clips or masks); max_steps counts optimizer steps: max_steps / num_iterations batches are sampled."
@@ -170,13 +170,10 @@ class RLConfig(TrainingArguments):
             "penalties and extra_body keys set the matching fields); after init, the effective request fields."
         ),
     )
-    generation_timeout: float = field(
-        default=600.0,
-        metadata=_help(
-            "Seconds one rollout batch may take before training stops with an error naming the stage it is stuck "
-            "in (generation, env_response, scoring) and the function."
-        ),
-    )
+    generation_timeout: float = field(default=600.0, metadata=_help(
+        "Seconds one rollout batch may take before training stops with an error naming the stage it is stuck "
+        "in (generation, env_response, scoring) and the function."
+    ))  # fmt: skip
     scoring_timeout: float = field(
         default=300.0,
         metadata=_help(

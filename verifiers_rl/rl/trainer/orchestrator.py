@@ -7,7 +7,8 @@ prompt, rollout, turn): the same checkpoint resumes to the same samples.
 
 One thread owns one long-lived event loop and one HTTP client (verifiers' `generate_sync` opens and closes a
 loop per call, which breaks a reused client). Up to `max_async_level` batches generate while the trainer
-trains; a failure comes back to the trainer as an exception from `get()`, never as a silent hang.
+trains; a failure comes back to the trainer as an exception from `get()`, never as a silent hang. With a
+`RolloutProcess` the environment's code runs in a child; what a batch is made of is decided here either way.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import os
+import logging
 import threading
 import time
-import traceback
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -29,11 +29,20 @@ import numpy as np
 from openai import AsyncOpenAI
 
 from verifiers_rl.rl.trainer.policy_version import PolicyVersion
-from verifiers_rl.rl.trainer.reward_checks import REWARD_ERRORS_KEY
 from verifiers_rl.rl.trainer.rollout_client import ROLLOUT_KEY, RolloutClient, rollout_seed  # noqa: F401 - public here
-from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY, Rollout, rollouts_from_outputs
+from verifiers_rl.rl.trainer.rollout_process import (
+    STATE_COLUMNS,
+    ProcessExited,
+    ProcessUnavailable,
+    RolloutProcess,
+    type_name,
+    where,
+)
+from verifiers_rl.rl.trainer.rollouts import Rollout, rollouts_from_outputs
 from verifiers_rl.rl.trainer.server_recovery import quiet_lost_requests
 from verifiers_rl.rl.trainer.stages import stages_of, stuck_message
+
+logger = logging.getLogger(__name__)
 
 
 class GenerationError(RuntimeError):
@@ -44,15 +53,6 @@ class GenerationError(RuntimeError):
         super().__init__(message)
         self.timed_out = timed_out
         self.stage = stage
-
-
-def _where(error: BaseException) -> str:
-    """`in <function> (<file>:<line>)` of the innermost frame that raised: the environment's own code."""
-    frames = traceback.extract_tb(error.__traceback__)
-    if not frames:
-        return ""
-    last = frames[-1]
-    return f" in {last.name} ({os.path.basename(last.filename)}:{last.lineno})"
 
 
 @dataclass
@@ -109,6 +109,7 @@ class Orchestrator:
         max_async_level: int = 0,
         scoring_timeout: float | None = None,
         steps_per_batch: int = 1,
+        process: RolloutProcess | None = None,
     ):
         if len(dataset) == 0:
             raise ValueError("the training dataset is empty (after filtering over-long prompts)")
@@ -122,7 +123,8 @@ class Orchestrator:
         self.max_async_level = max_async_level
         self.steps_per_batch = steps_per_batch  # num_iterations: batch b is first trained at step b * this
         self.scoring_timeout = scoring_timeout
-        self.stages = stages_of(env)
+        self.process = process  # rollouts in a child process (rollout_process.py); None: on this loop
+        self.stages = process.stages if process is not None else stages_of(env)
         quiet_lost_requests(env)
         self._required: dict[int, int] = {}  # batch index -> the policy version it must be generated with
         self._futures: dict[int, Future] = {}
@@ -142,13 +144,20 @@ class Orchestrator:
             self._loop = asyncio.new_event_loop()
             self._loop.set_exception_handler(_quiet_unretrieved)
             asyncio.set_event_loop(self._loop)
-            self._client = self._new_client()
+            self._client = self._new_client()  # also the fallback of a rollout process that could not load the env
             started.set()
             self._loop.run_forever()
 
         self._thread = threading.Thread(target=run, name="vf-rl-orchestrator", daemon=True)
         self._thread.start()
         started.wait()
+        self._connect_process()
+
+    def _connect_process(self) -> None:
+        if self.process is not None:
+            self.process.connect(
+                self.base_url, self.model_name, self.api_key, self.timeout, self.seed, self.max_concurrent
+            )
 
     def close(self) -> None:
         for fut in self._futures.values():
@@ -165,6 +174,9 @@ class Orchestrator:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5 if alive else 0.1)
         self._thread = self._loop = self._client = None
+        if self.process is not None:
+            self.process.close()
+            self.process = None
 
     def _responsive(self, timeout: float) -> bool:
         answered = threading.Event()
@@ -196,6 +208,7 @@ class Orchestrator:
         self.model_name = model_name or self.model_name
         if self._loop is None:
             return
+        self._connect_process()
         old = self._client
 
         async def swap():
@@ -245,6 +258,12 @@ class Orchestrator:
             concurrent.futures.wait(older, timeout=timeout if timeout is not None else self.timeout)
 
     async def _run(self, inputs: list[dict], sampling_args: dict) -> dict:
+        process = self.process
+        if process is not None:
+            try:
+                return await process.generate(inputs, sampling_args)
+            except ProcessUnavailable as e:
+                self._without_process(process, str(e))
         quiet = lambda *a, **k: None  # noqa: E731 - the trainer draws its own progress bar
         return await self.env.generate(
             inputs,
@@ -252,10 +271,21 @@ class Orchestrator:
             self.model_name,
             sampling_args=sampling_args,
             max_concurrent=self.max_concurrent,
-            state_columns=["trajectory", POLICY_VERSIONS_KEY, "prompt_too_long", REWARD_ERRORS_KEY],
+            state_columns=STATE_COLUMNS,
             on_start=quiet,
             on_progress=quiet,
         )
+
+    def _without_process(self, process: RolloutProcess, why: str) -> None:
+        """The environment did not load in the rollout process: generate here, as without one (once said)."""
+        if self.process is not process:
+            return
+        logger.warning(
+            "rollouts run in the trainer's process: the environment did not load in the rollout process (%s)", why
+        )
+        self.process = None
+        self.stages = stages_of(self.env)
+        process.close()
 
     def get(self, index: int) -> RolloutBatch:
         """The batch `index`, waiting for it if needed (submitting it first if nobody did)."""
@@ -267,9 +297,11 @@ class Orchestrator:
             batch = self._wait(fut, f"rollout batch {index}")
         except GenerationError:
             raise
+        except ProcessExited as e:
+            raise GenerationError(f"rollout batch {index} failed: {e}") from None
         except Exception as e:  # noqa: BLE001 - re-raised with context for the training loop
             raise GenerationError(
-                f"rollout batch {index} failed: the environment raised {type(e).__name__}: {e}{_where(e)}"
+                f"rollout batch {index} failed: the environment raised {type_name(e)}: {e}{where(e)}"
             ) from e
         finally:
             if fut.done():
@@ -350,7 +382,7 @@ class Orchestrator:
             fut.cancel()
             raise
         except Exception as e:  # noqa: BLE001
-            raise GenerationError(f"evaluation rollouts failed: {type(e).__name__}: {e}") from e
+            raise GenerationError(f"evaluation rollouts failed: {type_name(e)}: {e}{where(e)}") from e
         return rollouts_from_outputs(out["outputs"], groups, version)
 
 

@@ -16,6 +16,7 @@ from verifiers_rl.rl.trainer.metrics import rollout_metrics
 from verifiers_rl.rl.trainer.orchestrator import GenerationError, Orchestrator, RolloutBatch
 from verifiers_rl.rl.trainer.policy_sync import PolicySync
 from verifiers_rl.rl.trainer.prompts import filter_prompts
+from verifiers_rl.rl.trainer.rollout_process import RolloutProcess, start_rollout_process
 from verifiers_rl.rl.trainer.rollouts import Rollout
 from verifiers_rl.rl.trainer.server_recovery import ServerRecovery
 from verifiers_rl.rl.trainer.server_session import ServerSession
@@ -138,6 +139,7 @@ class InferenceRuntime:
         prompts_per_batch: int,
         max_async_level: int = 0,
         steps_per_batch: int = 1,
+        process: RolloutProcess | None = None,
     ):
         args = self.args
         return Orchestrator(
@@ -157,22 +159,31 @@ class InferenceRuntime:
             max_async_level=max_async_level,
             scoring_timeout=args.scoring_timeout,
             steps_per_batch=steps_per_batch,
+            process=process,
         )
 
     def start(self, model, tokenizer, rows, version: int, orchestrator_state: dict | None = None) -> None:
-        self.ensure_server(model, tokenizer, version)
-        if self.handoff is not None:
-            self.handoff.attach(model)
-        if self.orchestrator is None:
-            rows, self.prompts_filtered = self.fitting_rows(rows, tokenizer)
-            args = self.args
-            self.orchestrator = self._orchestrator(
-                rows,
-                rollouts_per_example=args.rollouts_per_example,
-                prompts_per_batch=args.prompts_per_batch,
-                max_async_level=args.max_async_level,
-                steps_per_batch=args.num_iterations,
-            )
+        # the rollout process imports and loads the environment (seconds) while the server starts
+        process = start_rollout_process(self.env) if self.orchestrator is None and self.args.rollout_process else None
+        try:
+            self.ensure_server(model, tokenizer, version)
+            if self.handoff is not None:
+                self.handoff.attach(model)
+            if self.orchestrator is None:
+                rows, self.prompts_filtered = self.fitting_rows(rows, tokenizer)
+                args = self.args
+                self.orchestrator = self._orchestrator(
+                    rows,
+                    rollouts_per_example=args.rollouts_per_example,
+                    prompts_per_batch=args.prompts_per_batch,
+                    max_async_level=args.max_async_level,
+                    steps_per_batch=args.num_iterations,
+                    process=process,
+                )
+        except BaseException:
+            if process is not None:  # not adopted by an orchestrator: nothing else would close it
+                process.close()
+            raise
         if orchestrator_state:
             self.orchestrator.load_state_dict(orchestrator_state)
         self.orchestrator.start()

@@ -52,6 +52,17 @@ class Stages:
             with self._lock:
                 self._active.pop(key, None)
 
+    def entries(self) -> list[tuple[str, str, float]]:
+        """(stage, function, monotonic start) of each call in flight: what a rollout process sends its trainer."""
+        with self._lock:
+            return list(self._active.values())
+
+    def mirror(self, entries: list[tuple[str, str, float]]) -> None:
+        """Show another process's calls in flight (its `entries()`): time.monotonic is one clock for every process
+        of a machine, so their ages read right here."""
+        with self._lock:
+            self._active = dict(enumerate(entries))
+
     def snapshot(self) -> list[Activity]:
         """What is in flight, grouped by (stage, function), the longest-running first."""
         now = time.monotonic()

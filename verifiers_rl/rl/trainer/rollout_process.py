@@ -1,0 +1,366 @@
+"""Rollouts in a process of their own: the environment's code, its reward functions and the HTTP client run in a
+child interpreter, so they do not take the trainer's GIL while it trains (`RLConfig.rollout_process`).
+
+Why a process and not the orchestrator's thread: on a CPU-bound trainer the rollout code (verifiers' per-call
+bookkeeping, parsing, reward functions) and the training step take turns on one GIL; measured on 2 cores, the
+training step is ~30 % shorter and the async step reaches 0.90-0.94 of its bound instead of 0.68-0.76
+(docs/performance.md). The trainer keeps everything that decides *what* is generated (batch indices, policy
+versions, the no-sync-inside-a-batch rule, checkpoints); the child only runs `env.generate` on the inputs it is
+sent and sends back the parts of each output the trainer reads.
+
+The environment object crosses with dill (verifiers' parsers hold lambdas, and a notebook's reward functions live
+in `__main__`, neither of which the standard pickle takes); one that cannot be copied, or that fails to load in the
+child, is generated in the trainer's process as before, with a log line saying why. Protocol, over a socket pair
+with `multiprocessing.connection` framing (pickled tuples):
+
+    trainer -> child: ("init", sys_path, env_bytes) ("connect", base_url, model, api_key, timeout, seed,
+                      max_concurrent) ("generate", id, inputs, sampling_args) ("cancel", id) ("close",)
+    child -> trainer: ("ready",) ("failed", why) ("done", id, outputs) ("error", id, type, message, where)
+                      ("stages", [(stage, function, since), ...])
+
+The child is a `python -m` subprocess, not a multiprocessing "spawn" one: spawn re-runs the user's `__main__`,
+which for a training script without a main guard would start a second training run. It ignores SIGINT/SIGTERM
+(the trainer decides when rollouts stop: a signal saves a checkpoint first) and exits when its socket closes, so it
+never outlives the trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY, REWARD_ERRORS_KEY
+from verifiers_rl.rl.trainer.stages import Stages
+
+logger = logging.getLogger(__name__)
+
+STATE_COLUMNS = ["trajectory", POLICY_VERSIONS_KEY, "prompt_too_long", REWARD_ERRORS_KEY]
+_STAGES_EVERY = 0.2  # seconds between the child's reports of its calls in flight (only when they changed)
+
+
+class ProcessUnavailable(RuntimeError):
+    """The environment did not load in the rollout process: rollouts go back to the trainer's process."""
+
+
+class ProcessExited(RuntimeError):
+    """The rollout process is gone (killed, crashed, or closed): the batches it held are lost."""
+
+
+class EnvironmentRaised(Exception):
+    """An exception the environment raised in the rollout process, with its type's name and the frame it came
+    from (the exception object itself may not pickle)."""
+
+    def __init__(self, type_name: str, message: str, where: str):
+        super().__init__(message)
+        self.type_name, self.where = type_name, where
+
+
+def where(error: BaseException) -> str:
+    """`in <function> (<file>:<line>)` of the innermost frame that raised: the environment's own code."""
+    if isinstance(error, EnvironmentRaised):
+        return error.where
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" in {last.name} ({os.path.basename(last.filename)}:{last.lineno})"
+
+
+def type_name(error: BaseException) -> str:
+    return error.type_name if isinstance(error, EnvironmentRaised) else type(error).__name__
+
+
+def trim_outputs(outputs: list[dict]) -> list[dict]:
+    """What `rollouts_from_outputs` reads of each verifiers output, in plain types: token data per turn, not the
+    responses themselves (the pickle the trainer unpacks stays small)."""
+    keys = ("reward", "is_truncated", "metrics", "prompt_too_long", POLICY_VERSIONS_KEY, REWARD_ERRORS_KEY)
+    trimmed = []
+    for out in outputs:
+        row = {k: out.get(k) for k in keys}
+        row["trajectory"] = [{"tokens": t.get("tokens")} for t in out.get("trajectory") or []]
+        err = out.get("error")
+        row["error"] = err if err is None or isinstance(err, (dict, str)) else repr(err)
+        row["prompt"], row["completion"] = _plain(out.get("prompt")), _plain(out.get("completion"))
+        trimmed.append(row)
+    return trimmed
+
+
+def _plain(messages):
+    if not isinstance(messages, list):
+        return messages
+    return [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
+
+
+# ---------------------------------------------------------------------------------------------- trainer side
+
+
+class RolloutProcess:
+    """The trainer's handle on a rollout process: `generate` is awaited on the orchestrator's loop; `stages`
+    mirrors the child's calls in flight, so a stuck reward function is named even while the child's loop is
+    blocked by it."""
+
+    def __init__(self, env):
+        import dill  # datasets' own pickler: it ships with every install of ours
+
+        payload = dill.dumps(env)  # before the child starts: an environment that cannot be copied costs nothing
+        ours, theirs = socket.socketpair()
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        # it runs Python, not kernels: no thread pool of its own on the trainer's cores
+        child_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=child_env,
+        )
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.stages = Stages()
+        self.failed: str | None = None  # why the environment did not load in the child
+        self.exited: str | None = None  # why the child is gone
+        self._pending: dict[int, concurrent.futures.Future] = {}
+        self._ids = itertools.count()
+        self._send_lock = threading.Lock()
+        self._send(("init", list(sys.path), payload))
+        self._reader = threading.Thread(target=self._read, name="vf-rl-rollout-process", daemon=True)
+        self._reader.start()
+
+    def _send(self, message) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+
+    def connect(self, base_url: str, model: str, api_key: str, timeout: float, seed, max_concurrent: int) -> None:
+        """Talk to this server from now on (a fresh HTTP session: none of a dead server's connections)."""
+        with contextlib.suppress(OSError):
+            self._send(("connect", base_url, model, api_key, timeout, seed, max_concurrent))
+
+    async def generate(self, inputs: list[dict], sampling_args: dict) -> dict:
+        if self.failed is not None:
+            raise ProcessUnavailable(self.failed)
+        if self.exited is not None:
+            raise ProcessExited(self.exited)
+        rid = next(self._ids)
+        fut = self._pending[rid] = concurrent.futures.Future()
+        try:
+            self._send(("generate", rid, inputs, sampling_args))
+            return {"outputs": await asyncio.wrap_future(fut)}
+        except asyncio.CancelledError:
+            with contextlib.suppress(OSError):
+                self._send(("cancel", rid))
+            raise
+        except OSError:
+            raise ProcessExited(self.exited or "the rollout process is gone") from None
+        finally:
+            self._pending.pop(rid, None)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "stages":
+                self.stages.mirror(message[1])
+            elif kind == "done":
+                _resolve(self._pending.get(message[1]), result=message[2])
+            elif kind == "error":
+                _resolve(self._pending.get(message[1]), error=EnvironmentRaised(*message[2:]))
+            elif kind == "failed":
+                self.failed = message[1]
+                self._fail_all(ProcessUnavailable(message[1]))
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(2)
+        code = self.proc.poll()
+        self.exited = self.exited or f"the rollout process exited (code {code}): see its log above"
+        self.stages.mirror([])
+        self._fail_all(ProcessExited(self.exited))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for fut in list(self._pending.values()):
+            _resolve(fut, error=error)
+
+    def close(self) -> None:
+        self.exited = self.exited or "the rollout process was closed"
+        with contextlib.suppress(OSError):
+            self._send(("close",))
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:  # environment code that never returns: nothing else stops it
+            self.proc.kill()
+            self.proc.wait()
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        self._reader.join(3)
+
+
+def _resolve(fut: concurrent.futures.Future | None, result=None, error: BaseException | None = None) -> None:
+    if fut is None or fut.done():
+        return
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+
+def start_rollout_process(env) -> RolloutProcess | None:
+    """A rollout process for `env`, or None (with a log line) when the environment cannot be copied into one."""
+    try:
+        return RolloutProcess(env)
+    except Exception as e:  # noqa: BLE001 - any pickling failure: the trainer's process generates, as before
+        logger.warning(
+            "rollouts run in the trainer's process: the environment could not be copied into a rollout process "
+            "(%s: %s)",
+            type(e).__name__,
+            e,
+        )
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- child side
+
+
+class _Child:
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.loop = asyncio.new_event_loop()
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.client = None
+        self.model = ""
+        self.max_concurrent = 1024
+        self.env = None
+        self.stages = Stages()
+
+    def send(self, message) -> None:
+        with self.lock, contextlib.suppress(OSError):
+            self.conn.send(message)
+
+    def load(self, sys_path: list[str], payload: bytes) -> None:
+        for entry in reversed(sys_path):  # the trainer's import path: its environment modules import here too
+            if entry not in sys.path:
+                sys.path.insert(0, entry)
+        import dill
+
+        from verifiers_rl.rl.trainer.reward_checks import guard_rewards
+        from verifiers_rl.rl.trainer.server_recovery import quiet_lost_requests
+        from verifiers_rl.rl.trainer.stages import stages_of
+
+        self.env = dill.loads(payload)
+        guard_rewards(self.env)  # idempotent: the copy of a guarded environment is guarded
+        quiet_lost_requests(self.env)  # loggers are copied by name: filters are added again here
+        self.stages = stages_of(self.env)
+
+    def serve(self) -> None:
+        try:
+            _, sys_path, payload = self.conn.recv()
+            self.load(sys_path, payload)
+        except (EOFError, OSError):
+            return
+        except BaseException as e:  # noqa: BLE001 - said to the trainer, which generates itself
+            self.send(("failed", f"{type(e).__name__}: {e}"))
+            return
+        self.send(("ready",))
+        asyncio.set_event_loop(self.loop)
+        self.loop.set_exception_handler(lambda loop, ctx: None)  # failures are sent, not printed twice
+        threading.Thread(target=self._receive, daemon=True).start()
+        threading.Thread(target=self._report_stages, daemon=True).start()
+        self.loop.run_forever()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                message = ("close",)
+            if message[0] == "close":
+                break
+            self.loop.call_soon_threadsafe(self._handle, message)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        time.sleep(2)  # the loop did not stop: environment code that never returns holds it
+        os._exit(0)
+
+    def _handle(self, message) -> None:
+        kind = message[0]
+        if kind == "connect":
+            self._connect(*message[1:])
+        elif kind == "generate":
+            rid = message[1]
+            self.tasks[rid] = self.loop.create_task(self._generate(*message[1:]))
+        elif kind == "cancel":
+            task = self.tasks.pop(message[1], None)
+            if task is not None:
+                task.cancel()
+
+    def _connect(self, base_url, model, api_key, timeout, seed, max_concurrent) -> None:
+        from openai import AsyncOpenAI
+
+        from verifiers_rl.rl.trainer.rollout_client import RolloutClient
+
+        old = self.client
+        self.client = RolloutClient(
+            AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout), seed, stages=self.stages
+        )
+        self.model, self.max_concurrent = model, max_concurrent
+        if old is not None:
+            self.loop.create_task(_quietly(old.close()))
+
+    async def _generate(self, rid: int, inputs: list[dict], sampling_args: dict) -> None:
+        quiet = lambda *a, **k: None  # noqa: E731 - the trainer draws its own progress bar
+        try:
+            out = await self.env.generate(
+                inputs,
+                self.client,
+                self.model,
+                sampling_args=sampling_args,
+                max_concurrent=self.max_concurrent,
+                state_columns=STATE_COLUMNS,
+                on_start=quiet,
+                on_progress=quiet,
+            )
+            self.send(("done", rid, trim_outputs(out["outputs"])))
+        except asyncio.CancelledError:
+            pass
+        except BaseException as e:  # noqa: BLE001 - the trainer reports it, naming the environment's frame
+            self.send(("error", rid, type(e).__name__, str(e), where(e)))
+        finally:
+            self.tasks.pop(rid, None)
+
+    def _report_stages(self) -> None:
+        last = None
+        while True:
+            time.sleep(_STAGES_EVERY)
+            entries = self.stages.entries()
+            if entries != last:
+                self.send(("stages", entries))
+                last = entries
+
+
+async def _quietly(coro) -> None:
+    with contextlib.suppress(Exception):
+        await coro
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer says when to stop: it saves a checkpoint first
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _Child(Connection(int(sys.argv[1]))).serve()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
