@@ -115,6 +115,7 @@ def _unloadable_env():
     return _env(extra_funcs=[module.only_here])
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     "make, why",
     [
@@ -134,6 +135,7 @@ def test_an_environment_the_child_cannot_have_generates_in_the_trainer(tiny_mode
     assert _steps(args.output_dir) == [1, 2]
 
 
+@pytest.mark.faults
 def test_a_killed_rollout_process_is_one_error_naming_it(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(PIDS, str(tmp_path / "pids"))
 
@@ -154,7 +156,7 @@ def test_a_killed_rollout_process_is_one_error_naming_it(tiny_model_dir, tmp_pat
 
     trainer.add_callback(KillChild())
     t0 = time.monotonic()
-    with pytest.raises(GenerationError, match=r"the rollout process exited \(code -9\)"):
+    with pytest.raises(GenerationError, match=r"the rollout process exited \(code -9, SIGKILL\): it was killed"):
         trainer.train()
     assert time.monotonic() - t0 < 100  # not generation_timeout
     assert trainer.runtime.orchestrator is None  # closed: nothing left running

@@ -185,7 +185,11 @@ class RolloutProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(2)
         code = self.proc.poll()
-        self.exited = self.exited or f"the rollout process exited (code {code}): see its log above"
+        if code is not None and code < 0:
+            how = f"code {code}, {signal.Signals(-code).name}): it was killed (the out-of-memory killer? see dmesg)"
+        else:
+            how = f"code {code}): see its traceback above, on stderr"
+        self.exited = self.exited or f"the rollout process exited ({how}"
         self.stages.mirror([])
         self._fail_all(ProcessExited(self.exited))
 
