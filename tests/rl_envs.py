@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import verifiers as vf
 from datasets import Dataset
 
@@ -24,6 +27,16 @@ def variety(completion, **kwargs) -> float:
     """Distinct characters written (up to 8): varies across rollouts whatever the sampler's random stream, so a
     group always has non-zero advantages (char_match alone is all-zero for most seeds of a random model)."""
     return min(len(set(_text(completion))), 8) / 8
+
+
+PIDS = "VF_RL_TEST_SCORER_PIDS"
+
+
+def scorer_pid(completion, **kwargs) -> float:
+    """A metric (weight 0) that writes down which process scored the rollout, and whether it has torch loaded."""
+    with open(os.environ[PIDS], "a") as f:
+        f.write(f"{os.getpid()}:{int('torch' in sys.modules)}\n")
+    return 0.0
 
 
 def length_bonus(completion, **kwargs) -> float:

@@ -16,22 +16,13 @@ from pathlib import Path
 import pytest
 import verifiers as vf
 from datasets import Dataset
-from rl_envs import WORDS, char_match
+from rl_envs import PIDS, WORDS, char_match, scorer_pid
 
 from verifiers_rl.rl.trainer import RLConfig, RLTrainer
 from verifiers_rl.rl.trainer.orchestrator import GenerationError
 from verifiers_rl.rl.trainer.rollout_process import trim_outputs
 from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY, REWARD_ERRORS_KEY, rollouts_from_outputs
 from verifiers_rl.rl.trainer.stages import Stages, stuck_message
-
-PIDS = "VF_RL_TEST_SCORER_PIDS"
-
-
-def scorer_pid(completion, **kwargs) -> float:
-    """A metric (weight 0) that writes down which process scored the rollout."""
-    with open(os.environ[PIDS], "a") as f:
-        f.write(f"{os.getpid()}\n")
-    return 0.0
 
 
 def _env(extra_funcs=()) -> vf.SingleTurnEnv:
@@ -64,7 +55,7 @@ def _args(tmp_path, **kw) -> RLConfig:
 
 
 def _pids(path: Path) -> set[int]:
-    return {int(x) for x in path.read_text().split()} if path.exists() else set()
+    return {int(x.split(":")[0]) for x in path.read_text().split()} if path.exists() else set()
 
 
 def _gone(pid: int) -> bool:
@@ -90,6 +81,8 @@ def test_rollouts_are_scored_in_one_child_process_that_ends_with_training(tiny_m
     assert len(pids) == 1 and os.getpid() not in pids, pids  # training and evaluation rollouts: one child
     (child,) = pids
     assert _gone(child)  # train() closed it
+    # the child imports verifiers and the environment's modules (here rl_envs, not this file), not torch
+    assert set((tmp_path / "pids").read_text().split()) == {f"{child}:0"}
     assert _steps(args.output_dir) == [1, 2]
 
 
