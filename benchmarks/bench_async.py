@@ -10,7 +10,8 @@ time per step come from metrics.jsonl (`timing/generation_s`, `timing/train_s`, 
 Goal: the k >= 1 step reaches >= 90 % of its bound on this machine (bound / step time). On a 2-core machine the
 server process and the trainer share the cores, so overlap is not free. The bound of a perfectly overlapped step:
 max(gen, train, (cpu_gen + cpu_train) / cores), with gen and train the k = 0 run's (no overlap, every core each)
-and the CPU-seconds (server process from /proc/<pid>/stat, trainer process from getrusage) from a k = 0 run with
+and the CPU-seconds (server process from /proc/<pid>/stat, trainer process from getrusage plus its rollout process,
+`rollout_process`, from /proc/<pid>/stat: the trainer's side of the step) from a k = 0 run with
 each process on one thread, as they run under overlap (the fewest CPU-seconds either burns). Also reported: k = 0
 against max(gen, train), the old fixed ratio (k = 1 over max(gen, train), goal was <= 1.1), the machine's busy
 fraction.
@@ -62,8 +63,9 @@ def _self_cpu_s() -> float:
 
 
 def make_clock(trainer_ref: dict):
-    """A TrainerCallback recording, at every step end: wall time, this process's CPU time, the inference server's
-    CPU time and /proc/stat totals (for the machine's busy fraction between any two steps)."""
+    """A TrainerCallback recording, at every step end: wall time, the trainer's CPU time (this process and its
+    rollout process), the inference server's CPU time and /proc/stat totals (for the machine's busy fraction
+    between any two steps)."""
     from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):
@@ -77,11 +79,13 @@ def make_clock(trainer_ref: dict):
             server = getattr(session, "process", None)  # the InferenceServer the trainer spawned
             popen = getattr(server, "process", None)
             pid = popen.pid if popen is not None else None
+            orchestrator = getattr(getattr(tr, "runtime", None), "orchestrator", None)
+            rollouts = getattr(orchestrator, "process", None)  # None: rollouts on the orchestrator's thread
             total, idle = _proc_stat()
             return {
                 "step": step,
                 "t": time.perf_counter(),
-                "cpu_self": _self_cpu_s(),
+                "cpu_self": _self_cpu_s() + (_pid_cpu_s(rollouts.proc.pid) if rollouts is not None else 0.0),
                 "cpu_server": _pid_cpu_s(pid),
                 "stat_total": total,
                 "stat_idle": idle,
