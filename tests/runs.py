@@ -46,6 +46,30 @@ def write_cfg(
     return path
 
 
+def tiny_rl_config(tmp_path: Path, **kw):
+    """The RLConfig of the in-process trainer tests: the tiny model's geometry, 2 steps, no checkpoints; `kw` wins."""
+    from verifiers_rl.rl.trainer import RLConfig
+
+    base = dict(
+        output_dir=str(tmp_path / "run"),
+        rollouts_per_example=4,
+        batch_size=16,
+        micro_batch_size=8,
+        max_steps=2,
+        max_tokens=6,
+        max_seq_len=96,
+        max_prompt_len=64,
+        learning_rate=5e-3,
+        lora_rank=4,
+        lora_alpha=8,
+        use_cpu=True,
+        seed=7,
+        save_strategy="no",
+        log_completions=False,
+    )
+    return RLConfig(**{**base, **kw})
+
+
 def start(cfg: Path, *extra, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [str(BIN / "vf-rl"), "@", str(cfg), *extra],

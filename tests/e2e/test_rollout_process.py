@@ -5,7 +5,6 @@ the child as the default; the thread path keeps its own checks here."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -17,8 +16,10 @@ import pytest
 import verifiers as vf
 from datasets import Dataset
 from rl_envs import PIDS, WORDS, char_match, scorer_pid
+from runs import steps
+from runs import tiny_rl_config as _args
 
-from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+from verifiers_rl.rl.trainer import RLTrainer
 from verifiers_rl.rl.trainer.orchestrator import GenerationError
 from verifiers_rl.rl.trainer.rollout_process import trim_outputs
 from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY, REWARD_ERRORS_KEY, rollouts_from_outputs
@@ -30,28 +31,6 @@ def _env(extra_funcs=()) -> vf.SingleTurnEnv:
     funcs = [char_match, scorer_pid, *extra_funcs]
     rubric = vf.Rubric(funcs=funcs, weights=[1.0, 0.0, *([0.0] * len(extra_funcs))])
     return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows[:4]), rubric=rubric)
-
-
-def _args(tmp_path, **kw) -> RLConfig:
-    base = dict(
-        output_dir=str(tmp_path / "run"),
-        rollouts_per_example=4,
-        batch_size=16,
-        micro_batch_size=8,
-        max_steps=2,
-        max_tokens=6,
-        max_seq_len=96,
-        max_prompt_len=64,
-        learning_rate=5e-3,
-        lora_rank=4,
-        lora_alpha=8,
-        use_cpu=True,
-        seed=7,
-        save_strategy="no",
-        log_completions=False,
-    )
-    base.update(kw)
-    return RLConfig(**base)
 
 
 def _pids(path: Path) -> set[int]:
@@ -66,11 +45,6 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def _steps(run_dir) -> list[int]:
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [r["step"] for r in rows if "reward" in r]
-
-
 def test_rollouts_are_scored_in_one_child_process_that_ends_with_training(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(PIDS, str(tmp_path / "pids"))
     args = _args(tmp_path, max_async_level=1, eval_strategy="steps", eval_steps=2)
@@ -83,7 +57,7 @@ def test_rollouts_are_scored_in_one_child_process_that_ends_with_training(tiny_m
     assert _gone(child)  # train() closed it
     # the child imports verifiers and the environment's modules (here rl_envs, not this file), not torch
     assert set((tmp_path / "pids").read_text().split()) == {f"{child}:0"}
-    assert _steps(args.output_dir) == [1, 2]
+    assert steps(Path(args.output_dir)) == [1, 2]
 
 
 def test_without_rollout_process_the_trainer_scores_its_rollouts(tiny_model_dir, tmp_path, monkeypatch):
@@ -91,7 +65,7 @@ def test_without_rollout_process_the_trainer_scores_its_rollouts(tiny_model_dir,
     args = _args(tmp_path, rollout_process=False)
     RLTrainer(model=tiny_model_dir, env=_env(), args=args).train()
     assert _pids(tmp_path / "pids") == {os.getpid()}
-    assert _steps(args.output_dir) == [1, 2]
+    assert steps(Path(args.output_dir)) == [1, 2]
 
 
 def _uncopyable_env():
@@ -125,7 +99,7 @@ def test_an_environment_the_child_cannot_have_generates_in_the_trainer(tiny_mode
     warnings = [r.getMessage() for r in caplog.records if "rollouts run in the trainer's process" in r.getMessage()]
     assert len(warnings) == 1 and why in warnings[0], warnings
     assert _pids(tmp_path / "pids") == {os.getpid()}
-    assert _steps(args.output_dir) == [1, 2]
+    assert steps(Path(args.output_dir)) == [1, 2]
 
 
 @pytest.mark.faults

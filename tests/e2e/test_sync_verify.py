@@ -19,13 +19,14 @@ import torch
 from peft_models import lora_model
 from procs import run_command
 from rl_envs import reverse_env
+from runs import tiny_rl_config
 
 from verifiers_rl.errors import TrainingError
 from verifiers_rl.rl.inference.launcher import InferenceServer
 from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, plan_buckets
 from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights
 from verifiers_rl.rl.inference.transfer.verify import FAULT_ENV, SyncMismatch
-from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+from verifiers_rl.rl.trainer import RLTrainer
 from verifiers_rl.tiny import build_tiny_model
 
 BUCKET_BYTES = 16 * 1024  # the tiny model in several buckets
@@ -120,27 +121,9 @@ def test_the_cli_stops_at_the_sync_that_did_not_land_with_one_line(tiny_model_di
     assert errors[0].startswith(prefix) and "hold other bytes than were sent" in errors[0], errors[0]
 
 
-def _args(tmp_path, **kw) -> RLConfig:
-    base = dict(
-        output_dir=str(tmp_path / "run"),
-        rollouts_per_example=4,
-        batch_size=16,
-        micro_batch_size=4,
-        max_steps=4,
-        max_tokens=6,
-        max_seq_len=96,
-        max_prompt_len=64,
-        learning_rate=5e-3,
-        lora_rank=4,
-        lora_alpha=8,
-        use_cpu=True,
-        seed=3,
-        save_strategy="no",
-        max_async_level=0,
-        log_completions=False,
-        server_mode="spawn",
-    )
-    return RLConfig(**{**base, **kw})
+def _args(tmp_path, **kw):
+    geometry = dict(micro_batch_size=4, max_steps=4, seed=3, max_async_level=0, server_mode="spawn")
+    return tiny_rl_config(tmp_path, **{**geometry, **kw})
 
 
 def _train(model_dir, args) -> tuple[str | None, list[dict]]:

@@ -9,30 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from rl_envs import again_env, reverse_env
+from runs import tiny_rl_config as _args
 
 from verifiers_rl.rl.trainer import RLConfig, RLTrainer
-
-
-def _args(tmp_path, **kw) -> RLConfig:
-    base = dict(
-        output_dir=str(tmp_path / "run"),
-        rollouts_per_example=4,
-        batch_size=16,
-        micro_batch_size=8,
-        max_steps=2,
-        max_tokens=6,
-        max_seq_len=96,
-        max_prompt_len=64,
-        learning_rate=5e-3,
-        lora_rank=4,
-        lora_alpha=8,
-        use_cpu=True,
-        seed=7,
-        save_strategy="no",
-        log_completions=False,
-    )
-    base.update(kw)
-    return RLConfig(**base)
 
 
 def _metrics(run_dir) -> list[dict]:

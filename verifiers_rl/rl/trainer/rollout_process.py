@@ -186,10 +186,10 @@ class RolloutProcess:
             self.proc.wait(2)
         code = self.proc.poll()
         if code is not None and code < 0:
-            how = f"code {code}, {signal.Signals(-code).name}): it was killed (the out-of-memory killer? see dmesg)"
+            why = f", {signal.Signals(-code).name}): it was killed (the out-of-memory killer? see dmesg)"
         else:
-            how = f"code {code}): see its traceback above, on stderr"
-        self.exited = self.exited or f"the rollout process exited ({how}"
+            why = "): see its traceback above, on stderr"
+        self.exited = self.exited or f"the rollout process exited (code {code}{why}"
         self.stages.mirror([])
         self._fail_all(ProcessExited(self.exited))
 
