@@ -47,7 +47,8 @@ def write_cfg(
 
 
 def tiny_rl_config(tmp_path: Path, **kw):
-    """The RLConfig of the in-process trainer tests: the tiny model's geometry, 2 steps, no checkpoints; `kw` wins."""
+    """The RLConfig of the in-process trainer tests: the tiny model's geometry, 2 steps, no checkpoints, a server of
+    its own; `kw` wins."""
     from verifiers_rl.rl.trainer import RLConfig
 
     base = dict(
@@ -66,6 +67,9 @@ def tiny_rl_config(tmp_path: Path, **kw):
         seed=7,
         save_strategy="no",
         log_completions=False,
+        # its own server, whatever listens on port 8000 (test_users_paths starts the user's server there, and a
+        # test in another xdist worker must not train it)
+        server_mode="spawn",
     )
     return RLConfig(**{**base, **kw})
 

@@ -122,7 +122,7 @@ def test_the_cli_stops_at_the_sync_that_did_not_land_with_one_line(tiny_model_di
 
 
 def _args(tmp_path, **kw):
-    geometry = dict(micro_batch_size=4, max_steps=4, seed=3, max_async_level=0, server_mode="spawn")
+    geometry = dict(micro_batch_size=4, max_steps=4, seed=3, max_async_level=0)
     return tiny_rl_config(tmp_path, **{**geometry, **kw})
 
 

@@ -31,10 +31,10 @@ from openai import AsyncOpenAI
 from verifiers_rl.rl.trainer.policy_version import PolicyVersion
 from verifiers_rl.rl.trainer.rollout_client import ROLLOUT_KEY, RolloutClient, rollout_seed  # noqa: F401 - public here
 from verifiers_rl.rl.trainer.rollout_process import (
-    STATE_COLUMNS,
     ProcessExited,
     ProcessUnavailable,
     RolloutProcess,
+    generate,
     type_name,
     where,
 )
@@ -264,17 +264,7 @@ class Orchestrator:
                 return await process.generate(inputs, sampling_args)
             except ProcessUnavailable as e:
                 self._without_process(process, str(e))
-        quiet = lambda *a, **k: None  # noqa: E731 - the trainer draws its own progress bar
-        return await self.env.generate(
-            inputs,
-            self._client,
-            self.model_name,
-            sampling_args=sampling_args,
-            max_concurrent=self.max_concurrent,
-            state_columns=STATE_COLUMNS,
-            on_start=quiet,
-            on_progress=quiet,
-        )
+        return await generate(self.env, inputs, self._client, self.model_name, sampling_args, self.max_concurrent)
 
     def _without_process(self, process: RolloutProcess, why: str) -> None:
         """The environment did not load in the rollout process: generate here, as without one (once said)."""

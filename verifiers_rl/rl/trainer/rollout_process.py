@@ -82,6 +82,21 @@ def type_name(error: BaseException) -> str:
     return error.type_name if isinstance(error, EnvironmentRaised) else type(error).__name__
 
 
+async def generate(env, inputs: list[dict], client, model: str, sampling_args: dict, max_concurrent: int) -> dict:
+    """verifiers' `env.generate` as both the child and the orchestrator's thread call it."""
+    quiet = lambda *a, **k: None  # noqa: E731 - the trainer draws its own progress bar
+    return await env.generate(
+        inputs,
+        client,
+        model,
+        sampling_args=sampling_args,
+        max_concurrent=max_concurrent,
+        state_columns=STATE_COLUMNS,
+        on_start=quiet,
+        on_progress=quiet,
+    )
+
+
 def trim_outputs(outputs: list[dict]) -> list[dict]:
     """What `rollouts_from_outputs` reads of each verifiers output, in plain types: token data per turn, not the
     responses themselves (the pickle the trainer unpacks stays small)."""
@@ -191,7 +206,8 @@ class RolloutProcess:
             why = "): see its traceback above, on stderr"
         self.exited = self.exited or f"the rollout process exited (code {code}{why}"
         self.stages.mirror([])
-        self._fail_all(ProcessExited(self.exited))
+        # a batch sent while the child was failing to load: back to the trainer's thread, like the others
+        self._fail_all(ProcessUnavailable(self.failed) if self.failed is not None else ProcessExited(self.exited))
 
     def _fail_all(self, error: BaseException) -> None:
         for fut in list(self._pending.values()):
@@ -324,18 +340,8 @@ class _Child:
             self.loop.create_task(_quietly(old.close()))
 
     async def _generate(self, rid: int, inputs: list[dict], sampling_args: dict) -> None:
-        quiet = lambda *a, **k: None  # noqa: E731 - the trainer draws its own progress bar
         try:
-            out = await self.env.generate(
-                inputs,
-                self.client,
-                self.model,
-                sampling_args=sampling_args,
-                max_concurrent=self.max_concurrent,
-                state_columns=STATE_COLUMNS,
-                on_start=quiet,
-                on_progress=quiet,
-            )
+            out = await generate(self.env, inputs, self.client, self.model, sampling_args, self.max_concurrent)
             self.send(("done", rid, trim_outputs(out["outputs"])))
         except asyncio.CancelledError:
             pass
