@@ -2,34 +2,19 @@
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl_envs import reverse_env  # noqa: E402
+from runs import tiny_rl_config  # noqa: E402
 
-from verifiers_rl.rl.trainer import RLConfig, RLTrainer  # noqa: E402
+from verifiers_rl.rl.trainer import RLTrainer  # noqa: E402
 
 model_dir, out = sys.argv[1], sys.argv[2]
-args = RLConfig(
-    output_dir=out,
-    rollouts_per_example=4,
-    batch_size=16,
-    micro_batch_size=4,
-    max_steps=2,
-    max_tokens=6,
-    max_seq_len=96,
-    max_prompt_len=64,
-    learning_rate=5e-3,
-    lora_rank=4,
-    lora_alpha=8,
-    use_cpu=True,
-    seed=3,
-    save_strategy="no",
-    max_async_level=0,
-    log_completions=False,
-    server_mode="spawn",  # its own server, whatever listens on port 8000
-)
+# test_sync_verify's geometry: micro-batches of 4, on-policy
+args = tiny_rl_config(Path(out), output_dir=out, micro_batch_size=4, seed=3, max_async_level=0)
 trainer = RLTrainer(model=model_dir, env=reverse_env(), args=args)
 try:
     trainer.train()
