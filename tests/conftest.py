@@ -7,6 +7,7 @@ import os
 import socket
 
 import pytest
+from ports import default_port_shared
 
 # Set before anything imports huggingface_hub / transformers / wandb; inherited by child processes.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -52,3 +53,13 @@ def tiny_model_dir(tmp_path_factory):
     from verifiers_rl.tiny import save_tiny_model
 
     return str(save_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(autouse=True)
+def _default_port_shared(request):
+    """Every test but the user's-own-server ones shares port 8000's lock (tests/ports.py)."""
+    if "user_server" in request.fixturenames:  # it takes the exclusive lock itself
+        yield
+        return
+    with default_port_shared():
+        yield

@@ -16,6 +16,7 @@ import time
 
 import httpx
 import pytest
+from ports import default_port_exclusive
 from procs import BIN, ROOT, run_command, survivors
 
 from verifiers_rl.rl.inference.control_auth import read_token_file
@@ -37,7 +38,13 @@ print("TRAINED", trainer.state.global_step)
 
 @pytest.fixture
 def user_server(tiny_model_dir, tmp_path):
-    """`vf-vllm --model M` started by hand in another shell: default port 8000, no launcher."""
+    """`vf-vllm --model M` started by hand in another shell: default port 8000, no launcher. No test on another
+    pytest-xdist worker runs while it is up (tests/ports.py): their trainers would find it."""
+    with default_port_exclusive():
+        yield from _user_server(tiny_model_dir, tmp_path)
+
+
+def _user_server(tiny_model_dir, tmp_path):
     if port_in_use("127.0.0.1", 8000):
         pytest.fail("port 8000 is taken: the upstream flow needs vf-vllm's default port free")
     log = open(tmp_path / "user-server.log", "wb")
@@ -66,6 +73,7 @@ def user_server(tiny_model_dir, tmp_path):
 
 # CI runs `accelerate launch` (what upstream's docs run; it starts the same script); plain python is `-m slow`
 @pytest.mark.parametrize("launcher", [pytest.param("python", marks=pytest.mark.slow), "accelerate"])
+@pytest.mark.timeout(900)  # its setup may wait for the other xdist worker's running test (tests/ports.py)
 def test_server_the_user_started_is_the_one_trained(user_server, tiny_model_dir, tmp_path, launcher):
     script = tmp_path / "train_reverse_text.py"
     script.write_text(UPSTREAM_SCRIPT.format(model=tiny_model_dir, out=str(tmp_path / "run")))
