@@ -87,6 +87,28 @@ def test_single_turn_steps_log_sync_and_checkpoint(tiny_model_dir, tmp_path):
     assert (Path(args.output_dir) / "logs" / "inference.log").exists()
 
 
+def test_a_bf16_model_trains_with_bf16_mixed_precision(tiny_model_dir, tmp_path):
+    """What every GPU config runs: weights loaded in bf16 (get_model's CUDA default) and bf16 = true. Accelerate then
+    returns the forward's hidden states as float32 beside the bf16 head; this stopped every GPU run at step 1 (found
+    on an H200 by benchmarks/gpu_trainer_cpu_engine.py). Here the same dtypes on CPU: it trains, and the LoRA update
+    syncs into the server."""
+    from verifiers_rl.models import get_model, get_tokenizer
+
+    model = get_model(tiny_model_dir, model_kwargs={"dtype": torch.bfloat16})
+    args = _args(tmp_path, bf16=True, keep_server=True)
+    trainer = RLTrainer(model=model, processing_class=get_tokenizer(tiny_model_dir), env=reverse_env(), args=args)
+    before = _lora_b(trainer.model)
+    try:
+        trainer.train()
+        assert trainer.runtime.client.weight_version() == "2"
+    finally:
+        trainer.close()
+    assert any(not torch.equal(before[n], p) for n, p in _lora_b(trainer.model).items())
+    metrics = _metrics(args.output_dir)
+    assert len(metrics) == 2 and all(m["rollouts_errored"] == 0 for m in metrics)
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics), metrics
+
+
 def test_adapter_sync_on_the_cpu_engine_serves_the_policy(tiny_model_dir, tmp_path):
     """lora_sync='adapter' on our CPU engine: rollouts name the adapter ('policy'), each sync sends only A and B,
     and the server applies W0 + B @ A (through the slot engine's packed projections): on-policy steps show the

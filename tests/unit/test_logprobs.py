@@ -80,6 +80,20 @@ def test_low_precision_inputs_give_float32_and_grads_in_input_dtype():
     assert hidden.grad.dtype == torch.bfloat16
 
 
+def test_float32_hidden_states_meet_a_bf16_head_in_its_dtype():
+    """A bf16 model under bf16=True: accelerate hands the forward's outputs back as float32, the head stays bf16.
+    The head runs in its own dtype (as under autocast) and the gradient reaches the hidden states as float32."""
+    hidden, weight, _, targets = _inputs(dtype=torch.bfloat16)
+    wide = hidden.detach().float().requires_grad_()
+    for fn in (chunked_logprobs, full_logprobs):
+        lp, ent = fn(wide, weight, targets, chunk_size=4)
+        ref, ref_ent = fn(hidden, weight, targets, chunk_size=4)
+        torch.testing.assert_close(lp, ref)
+        torch.testing.assert_close(ent, ref_ent)
+    lp.sum().backward()
+    assert wide.grad.dtype == torch.float32 and torch.isfinite(wide.grad).all() and wide.grad.abs().sum() > 0
+
+
 def test_without_entropy_and_empty_input():
     hidden, weight, _, targets = _inputs()
     lp, ent = chunked_logprobs(hidden, weight, targets, with_entropy=False)

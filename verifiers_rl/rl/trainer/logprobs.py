@@ -38,6 +38,15 @@ def _scaled_logits(
     return logits if temperature == 1.0 else logits / temperature
 
 
+def _in_head_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The hidden states in the head's dtype, as the model's own head would take them under autocast. Needed for a
+    bf16-loaded model trained with bf16=True: accelerate's mixed precision turns the forward's outputs (these
+    hidden states) into float32 while the head's weight stays bf16 (found on an H200: every shipped GPU config, bf16
+    weights and bf16 = true, stopped at step 1). The cast's backward returns the gradient in the hidden states'
+    dtype."""
+    return hidden if hidden.dtype == weight.dtype else hidden.to(weight.dtype)
+
+
 def _entropy(logits: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
     """H = logsumexp(z) - sum softmax(z) * z, stable for very peaked distributions (`lse`: logsumexp(z) if known)."""
     lse = torch.logsumexp(logits, dim=-1) if lse is None else lse
@@ -127,6 +136,7 @@ def chunked_logprobs(
         chunk_size = auto_chunk_size(weight.shape[0])
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    hidden = _in_head_dtype(hidden, weight)
     logp, entropy = _ChunkedLogprobs.apply(hidden, weight, bias, targets, temperature, chunk_size, with_entropy)
     return logp, entropy
 
@@ -144,7 +154,7 @@ def full_logprobs(
     """The naive reference: full [N, V] float32 logits, log_softmax, gather. `chunk_size` is ignored."""
     del chunk_size
     _check_args(hidden, weight, targets, temperature)
-    logits = _scaled_logits(hidden, weight, bias, temperature)
+    logits = _scaled_logits(_in_head_dtype(hidden, weight), weight, bias, temperature)
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
