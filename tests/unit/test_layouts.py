@@ -347,3 +347,29 @@ def test_gpu_prefix_layouts_script_runs_on_cpu_and_its_h100_run_backs_the_cpu_on
     for t in h100["timings"]:
         fastest = min(("plain", "dense"), key=lambda k: t[k]["s"])
         assert t["auto_layout"] == fastest and t["span"]["s"] > t["dense"]["s"]
+
+
+def test_gpu_trainer_script_runs_on_cpu_and_its_h200_run_passed(tmp_path):
+    """benchmarks/gpu_trainer_cpu_engine.py runs one variant here (the trainer with our CPU engine, gloo sync); its
+    committed H200 run (docs/gpu-status.md) trained every variant on CUDA, bf16 weights under bf16=True included."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = root / "benchmarks" / "gpu_trainer_cpu_engine.py"
+    r = subprocess.run([sys.executable, str(script), "--cpu", "--only", "a-lora-merged-fp32", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=280)  # fmt: skip
+    assert r.returncode == 0 and "every check passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    here = json.loads((tmp_path / "gpu_trainer_cpu_engine.json").read_text())
+    assert here["variants"]["a-lora-merged-fp32"]["server_weight_version"] == "4"
+    results = root / "benchmarks" / "results"
+    first = json.loads((results / "gpu_trainer_cpu_engine_h200_before_fix.json").read_text())
+    after = json.loads((results / "gpu_trainer_cpu_engine_h200.json").read_text())
+    assert "H200" in first["info"]["gpu"] and "H200" in after["info"]["gpu"] and not after["failed"]
+    passed = {n for run in (first, after) for n, v in run["variants"].items() if all(c["ok"] for c in v["checks"])}
+    assert passed == {"a-lora-merged-fp32", "b-lora-adapter-fp32", "c-full-fp32", "d-lora-bf16", "g-full-bf16",
+                      "e-full-fp32-socket-1mb", "f-lora-merged-fp32-shm-1mb"}  # fmt: skip
+    for name in ("d-lora-bf16", "g-full-bf16"):  # the bf16 weights the fix was run for
+        v = after["variants"][name]
+        assert v["param_devices"] == ["cuda"] and "bfloat16" in v["param_dtypes"] and v["server_weight_version"] == "4"
