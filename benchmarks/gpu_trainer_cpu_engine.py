@@ -108,39 +108,33 @@ def run_variant(name: str, model_dir: str, work: str, steps: int, cpu: bool) -> 
     import torch
     import verifiers as vf
     from procs import survivors
+    from runs import tiny_rl_config
     from transformers import TrainerCallback
 
     from verifiers_rl.models import get_model
-    from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+    from verifiers_rl.rl.trainer import RLTrainer
     from verifiers_rl.rl.trainer.callbacks import read_metrics
 
     import_s = time.perf_counter() - t_import
     overrides, dtype, _ = VARIANTS[name]
     out_dir = os.path.join(work, name)
-    config = dict(
+    # the in-process trainer tests' tiny geometry (tests/runs.py), 4 synced on-policy steps, a server of our own
+    args = tiny_rl_config(
+        Path(work),
         output_dir=out_dir,
-        rollouts_per_example=4,
-        batch_size=16,
-        micro_batch_size=8,
         max_steps=steps,
         max_tokens=8,
         max_seq_len=128,
-        learning_rate=5e-3,
-        lora_rank=4,
-        lora_alpha=8,
+        max_prompt_len=None,
         use_cpu=cpu,
-        seed=7,
-        save_strategy="no",
-        log_completions=False,
         report_to="none",
-        server_mode="spawn",
         server_engine="cpu",
         sync_backend="gloo",
         max_async_level=0,
         keep_server=True,  # read the server's /weight_info after train(), then stop it here
         disable_tqdm=True,
+        **overrides,
     )
-    args = RLConfig(**{**config, **overrides})
     env = vf.load_environment(
         "reverse-text", num_train_examples=32, num_eval_examples=4, system_prompt="Reverse the text."
     )
