@@ -373,3 +373,16 @@ def test_gpu_trainer_script_runs_on_cpu_and_its_h200_run_passed(tmp_path):
     for name in ("d-lora-bf16", "g-full-bf16"):  # the bf16 weights the fix was run for
         v = after["variants"][name]
         assert v["param_devices"] == ["cuda"] and "bfloat16" in v["param_dtypes"] and v["server_weight_version"] == "4"
+
+
+def test_the_cpu_engine_beside_gpus_is_described_on_the_cpu():
+    """`vf-rl --dry-run` with `[inference] engine = "cpu"` on a GPU machine (as run on an H200, gpu-status.md): the
+    server holds its weights in host memory, so the plan does not say it shares or sits on a GPU."""
+    from verifiers_rl.rl.plan.devices import GpuPlan
+
+    gpus = GpuPlan(cuda=1, inference=[0], trainer=[0], shared=True)
+    assert gpus.describe("cpu") == "1 CUDA device(s): trainer on [0]; the CPU engine serves on the CPU (no GPU)"
+    assert "inference shares GPU 0" in gpus.describe("vllm")
+    kw = dict(mode="spawn", shared_gpu=False, lora_sync="merged", sync_backend="gloo", server_pauses=True)
+    assert ServingPlan(engine="cpu", server_gpus=(0,), **kw).describe()[0] == "engine cpu, spawned on the CPU"
+    assert ServingPlan(engine="vllm", server_gpus=(1,), **kw).describe()[0] == "engine vllm, spawned on GPU 1"

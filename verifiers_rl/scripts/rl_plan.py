@@ -255,7 +255,7 @@ def make_server(cfg: dict[str, Any], args, model: str, serving):
 def print_plan(plan: Plan) -> None:
     print("# resolved config")
     print(json.dumps(plan.cfg, indent=2, default=str))
-    print(f"\n# devices\n{plan.gpus.describe()}")
+    print(f"\n# devices\n{plan.gpus.describe(plan.engine)}")
     print(f"\n# model\n{plan.model}")
     if plan.sft:
         state = "done, reused" if plan.sft["done"] else "runs first"

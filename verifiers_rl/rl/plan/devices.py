@@ -27,9 +27,11 @@ class GpuPlan:
     tensor_parallel: int = 1
     shared: bool = False  # the server runs on the trainer's (first) GPU
 
-    def describe(self) -> str:
+    def describe(self, engine: str = "vllm") -> str:
         if not self.cuda:
             return "no CUDA devices: CPU engine for inference, trainer on CPU"
+        if engine == "cpu":
+            return f"{self.cuda} CUDA device(s): trainer on {self.trainer}; the CPU engine serves on the CPU (no GPU)"
         if self.shared:
             gpu = self.inference[0]
             return f"{self.cuda} CUDA device(s): inference shares GPU {gpu} with the trainer on {self.trainer}"

@@ -222,6 +222,8 @@ class ServingPlan:
     def describe(self) -> list[str]:
         where = "on a GPU it shares with the trainer" if self.shared_gpu else ""
         gpus = f" on GPU {','.join(map(str, self.server_gpus))}" if self.server_gpus and not self.shared_gpu else ""
+        if self.engine == "cpu":  # it holds its weights in host memory whatever GPUs its process can see
+            where, gpus = "on the CPU", ""
         lines = [f"engine {self.engine}, {self.mode}ed{gpus} {where}".rstrip()]
         how = {"nccl": "NCCL (GPU to GPU)", "gloo": "gloo (host memory)", "adapter": "gloo, LoRA A/B only"}
         lines.append(f"weight sync: {self.weights} weights over {how[self.sync_backend]}")
