@@ -102,6 +102,12 @@ def _children(pid: int) -> list[str]:
     return out
 
 
+def _error_line(e: BaseException) -> str:
+    """The exception's type and the last line of its message: what a [FAIL] line shows."""
+    last = (str(e).strip().splitlines() or [""])[-1]
+    return f"{type(e).__name__}: {last}"[:500]
+
+
 def run_variant(name: str, model_dir: str, work: str, steps: int, cpu: bool) -> dict:
     """One variant, in this process: train, then read back what the checks need. Raises what the run raised."""
     t_import = time.perf_counter()
@@ -177,8 +183,7 @@ def run_variant(name: str, model_dir: str, work: str, steps: int, cpu: bool) -> 
         res["server_weight_version"] = client.weight_version()  # GET /weight_info on the live server
     except Exception as e:  # noqa: BLE001 - reported as a failed check; what the run left is still read below
         traceback.print_exc()
-        last = (str(e).strip().splitlines() or [""])[-1]
-        res["error"] = f"{type(e).__name__}: {last}"[:500]
+        res["error"] = _error_line(e)
     finally:
         t2 = time.perf_counter()
         if trainer is not None:
@@ -218,8 +223,7 @@ def worker(a) -> int:
         res = run_variant(a.variant, a.model_dir, a.work, a.steps, a.cpu)
     except BaseException as e:  # noqa: BLE001 - the parent prints it as a failed check
         traceback.print_exc()
-        last = (str(e).strip().splitlines() or [""])[-1]
-        res = {"name": a.variant, "error": f"{type(e).__name__}: {last}"[:500]}
+        res = {"name": a.variant, "error": _error_line(e)}
     res["worker_s"] = time.perf_counter() - t0
     Path(a.result).write_text(json.dumps(res, indent=1, default=str))
     return 0

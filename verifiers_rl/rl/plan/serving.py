@@ -220,11 +220,15 @@ class ServingPlan:
         return cls(**fields)
 
     def describe(self) -> list[str]:
-        where = "on a GPU it shares with the trainer" if self.shared_gpu else ""
-        gpus = f" on GPU {','.join(map(str, self.server_gpus))}" if self.server_gpus and not self.shared_gpu else ""
         if self.engine == "cpu":  # it holds its weights in host memory whatever GPUs its process can see
-            where, gpus = "on the CPU", ""
-        lines = [f"engine {self.engine}, {self.mode}ed{gpus} {where}".rstrip()]
+            where = " on the CPU"
+        elif self.shared_gpu:
+            where = " on a GPU it shares with the trainer"
+        elif self.server_gpus:
+            where = f" on GPU {','.join(map(str, self.server_gpus))}"
+        else:
+            where = ""
+        lines = [f"engine {self.engine}, {self.mode}ed{where}"]
         how = {"nccl": "NCCL (GPU to GPU)", "gloo": "gloo (host memory)", "adapter": "gloo, LoRA A/B only"}
         lines.append(f"weight sync: {self.weights} weights over {how[self.sync_backend]}")
         lines.append("pauses: " + ("the server, inside one sync request" if self.server_pauses else "the trainer"))
