@@ -27,6 +27,7 @@ from _common import RESULTS_DIR, _fmt, machine, wait_for_quiet  # noqa: E402
 BENCHMARKS = (
     "bench_engine",
     "bench_client",
+    "bench_server_http",
     "bench_sync",
     "bench_sharded",
     "bench_train",

@@ -23,6 +23,7 @@ from verifiers_rl.rl.inference.cpu import protocol
 from verifiers_rl.rl.inference.cpu.control_routes import generation_router, weight_router
 from verifiers_rl.rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS, Engine
 from verifiers_rl.rl.inference.cpu.engines import load_engine
+from verifiers_rl.rl.inference.cpu.fast_chat import ChatFastPath
 from verifiers_rl.rl.inference.cpu.openai_routes import openai_router
 from verifiers_rl.rl.inference.cpu.slot_engine import SlotEngine
 from verifiers_rl.rl.inference.cpu.weight_receiver import WeightReceiver
@@ -53,9 +54,11 @@ def create_app(
     control_token: str | None = None,
     api_key: str | None = None,
     allow_remote_control: bool = False,
+    fast_chat: bool = True,
 ) -> FastAPI:
     """The CPU server: OpenAI routes, then vLLM's RL routes (generation control, weight sync), behind the control
-    guard and, with `api_key`, vLLM's API-key check on /v1."""
+    guard and, with `api_key`, vLLM's API-key check on /v1. `fast_chat=False` leaves chat requests to FastAPI's
+    route alone (tests compare the two)."""
     receiver = WeightReceiver(engine)
 
     @asynccontextmanager
@@ -70,6 +73,9 @@ def create_app(
     app = FastAPI(title="verifiers-rl CPU engine", lifespan=lifespan)
     app.state.engine = engine
     app.state.receiver = receiver
+    # first added = innermost: the fast path runs after the guards and FastAPI's body limit
+    if fast_chat:
+        app.add_middleware(ChatFastPath, engine=engine, served_model_name=served_model_name)
     app.add_middleware(ControlGuard, token=control_token, allow_remote=allow_remote_control)
     if api_key:
         app.add_middleware(ApiKeyGuard, api_key=api_key)
@@ -98,7 +104,11 @@ def serve(
     allow_remote_control: bool = False,
     log_level: str = "info",
     access_log: bool = True,
+    fast_chat: bool = True,
+    http: str = "auto",
 ) -> None:
+    """Load the engine and serve it with uvicorn. `fast_chat` and `http` (uvicorn's parser: auto picks httptools,
+    installed with us) exist for benchmarks/bench_server_http.py, which serves the same engine both ways."""
     import torch
     import uvicorn
 
@@ -133,10 +143,11 @@ def serve(
         control_token=control_token,
         api_key=api_key,
         allow_remote_control=allow_remote_control,
+        fast_chat=fast_chat,
     )
     uvicorn.run(
         app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
-        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S, http=http,
     )  # fmt: skip
 
 

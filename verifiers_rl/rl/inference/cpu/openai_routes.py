@@ -28,14 +28,37 @@ def failed(e: Exception) -> JSONResponse:
     return JSONResponse(protocol.error_body(f"{type(e).__name__}: {e}", 500, "InternalServerError"), 500)
 
 
+def _unknown_model(name: str | None, served_model_name: str) -> JSONResponse | None:
+    # the adapter name too: with adapter sync the trainer's rollouts name the policy adapter, as on vLLM
+    if not name or name in (served_model_name, ADAPTER_NAME):
+        return None
+    return JSONResponse(protocol.error_body(f"The model `{name}` does not exist.", 404, "NotFoundError"), 404)
+
+
+async def chat_completion(engine: Engine, served_model_name: str, req: protocol.ChatCompletionRequest) -> JSONResponse:
+    """One chat request, validated: the FastAPI route and the fast path (fast_chat.py) both answer with this."""
+    if (resp := _unknown_model(req.model, served_model_name)) is not None:
+        return resp
+    try:
+        params = req.to_sampling_params()
+        prompt_ids = protocol.render_chat(engine.tokenizer, req)
+        completions = await engine.generate(prompt_ids, params)
+    except (ValueError, TypeError) as e:
+        return bad_request(e)
+    except Exception as e:  # noqa: BLE001 - this request fails, the server does not
+        return failed(e)
+    # JSONResponse directly: FastAPI's jsonable_encoder walk over every logprob entry costs more than the dump
+    body = protocol.chat_response(
+        engine.tokenizer, req.model or served_model_name, req, params, prompt_ids, completions
+    )
+    return JSONResponse(body)
+
+
 def openai_router(engine: Engine, served_model_name: str) -> APIRouter:
     router = APIRouter()
 
     def unknown_model(name: str | None) -> JSONResponse | None:
-        # the adapter name too: with adapter sync the trainer's rollouts name the policy adapter, as on vLLM
-        if not name or name in (served_model_name, ADAPTER_NAME):
-            return None
-        return JSONResponse(protocol.error_body(f"The model `{name}` does not exist.", 404, "NotFoundError"), 404)
+        return _unknown_model(name, served_model_name)
 
     @router.get("/health")
     async def health():
@@ -56,21 +79,7 @@ def openai_router(engine: Engine, served_model_name: str) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat(req: protocol.ChatCompletionRequest):
-        if (resp := unknown_model(req.model)) is not None:
-            return resp
-        try:
-            params = req.to_sampling_params()
-            prompt_ids = protocol.render_chat(engine.tokenizer, req)
-            completions = await engine.generate(prompt_ids, params)
-        except (ValueError, TypeError) as e:
-            return bad_request(e)
-        except Exception as e:  # noqa: BLE001 - this request fails, the server does not
-            return failed(e)
-        # JSONResponse directly: FastAPI's jsonable_encoder walk over every logprob entry costs more than the dump
-        body = protocol.chat_response(
-            engine.tokenizer, req.model or served_model_name, req, params, prompt_ids, completions
-        )
-        return JSONResponse(body)
+        return await chat_completion(engine, served_model_name, req)
 
     @router.post("/v1/completions")
     async def completions(req: protocol.CompletionRequest):
