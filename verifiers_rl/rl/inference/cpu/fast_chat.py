@@ -3,7 +3,7 @@
 Why: every rollout turn is one chat request, and the server's HTTP work shares one GIL with the decode loop, so
 its CPU time is on the generation's critical path. FastAPI spends more per request than our handler does (route
 matching, its request/response wrappers, dependency solving, body parsing and validation in Python); measured
-with `benchmarks/bench_client.py`'s server-side counterpart (docs/performance.md#server-http). This ASGI layer
+by `benchmarks/bench_server_http.py` (docs/performance.md#server-http). This ASGI layer
 answers the common case, a well-formed JSON request, with the same handler the FastAPI route runs
 (`openai_routes.chat_completion`); anything else (a query string, another content type, a body that does not parse
 or validate) is replayed to the FastAPI route untouched, so every error keeps FastAPI's exact status and body.
