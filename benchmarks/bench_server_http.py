@@ -7,8 +7,9 @@ Three CPU-engine servers on the same tiny model, each `app.serve` in a process o
 chat route (`fast_chat`) and uvicorn's parser (`http`): FastAPI + h11 (baseline), fast path + h11, fast path +
 httptools (ours). Each round sends C chat requests at once to one server, as the trainer's rollouts do (RLConfig's
 sampling args, `max_tokens` tokens, logprobs and token ids), and reads that server's CPU time from /proc before and
-after; the servers take turns round by round so all three see the same machine. Reported: the median over rounds
-of server CPU per request.
+after; the servers take turns round by round so all three see the same machine. Reported: each server's CPU
+over all timed rounds per request (the kernel counts CPU time in 10 ms ticks, a sixth of a 64-request round's,
+so single rounds are too coarse to take a median of).
 
 Why it matters: the server's HTTP work holds the GIL its decode loop needs, so it is on the generation's critical
 path, and generation is the longer half of an async step on 2 cores (docs/performance.md#server-http).
@@ -26,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import finish, main_for, median, row, wait_for_quiet  # noqa: E402
+from _common import finish, main_for, row, wait_for_quiet  # noqa: E402
 
 NAME = "bench_server_http"
 MSG = [{"role": "system", "content": "Reverse the text."}, {"role": "user", "content": "the quick brown fox"}]
@@ -74,7 +75,7 @@ def measure(servers: dict, model: str, concurrency: int, rounds: int, max_tokens
     sampling = RLConfig(output_dir="unused", use_cpu=True, max_tokens=max_tokens, report_to="none").sampling_args
 
     async def go():
-        seen = {name: [] for name in servers}
+        seen = {name: [] for name in servers}  # CPU seconds per timed round
         async with aiohttp.ClientSession() as session:
 
             async def one(port: int, i: int):
@@ -91,8 +92,11 @@ def measure(servers: dict, model: str, concurrency: int, rounds: int, max_tokens
                     c0 = _cpu_s(proc.pid)
                     await asyncio.gather(*(one(port, i) for i in range(concurrency)))
                     if r:  # round 0 warms connections and caches
-                        seen[name].append((_cpu_s(proc.pid) - c0) / concurrency * 1e3)
-        return {name: {"cpu_ms_per_request": median(xs), "rounds_ms": xs} for name, xs in seen.items()}
+                        seen[name].append(_cpu_s(proc.pid) - c0)
+        return {
+            name: {"cpu_ms_per_request": sum(xs) / (len(xs) * concurrency) * 1e3, "round_cpu_s": xs}
+            for name, xs in seen.items()
+        }
 
     return asyncio.run(go())
 
@@ -102,7 +106,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     from verifiers_rl.tiny import save_tiny_model
 
     t_start = time.perf_counter()
-    concurrency, rounds, max_tokens = (16, 3, 4) if quick else (64, 15, 8)
+    concurrency, rounds, max_tokens = (16, 3, 4) if quick else (64, 30, 8)
     results: dict = {
         "name": NAME,
         "quick": quick,

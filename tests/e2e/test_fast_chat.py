@@ -85,3 +85,43 @@ def test_a_query_string_and_other_routes_pass_through(clients):
     assert a.status_code == b.status_code == 200 and _comparable(a.json()) == _comparable(b.json())
     assert fast.get("/health").json()["status"] == "ok"
     assert layer.answered == before  # FastAPI answered both
+
+
+async def _drive(layer, scope: dict, messages: list[dict]) -> list[dict]:
+    """Call the ASGI layer with these `receive` messages (then disconnects); what it sent back."""
+    sent, pending = [], list(messages)
+
+    async def receive():
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    await layer(scope, receive, send)
+    return sent
+
+
+def test_a_body_in_chunks_is_one_request_and_a_cut_one_is_left_to_fastapi(clients):
+    """The ASGI contract: a body sent in several `http.request` messages is read whole; a client gone mid-body is
+    handed on to FastAPI as it arrived (the fast path answers nothing itself)."""
+    from starlette.requests import ClientDisconnect
+
+    fast, route = clients
+    layer = _fast_layer(fast.app)
+    body = json.dumps({"model": "m", "messages": MSG, "max_tokens": 3, "temperature": 0.0}).encode()
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 8000), "scheme": "http", "http_version": "1.1", "app": fast.app}  # fmt: skip
+    n = len(body) // 3
+    parts = [body[:n], body[n : 2 * n], body[2 * n :]]
+    chunks = [{"type": "http.request", "body": b, "more_body": i < 2} for i, b in enumerate(parts)]
+    before = layer.answered
+    sent = fast.portal.call(_drive, layer, scope, chunks)
+    assert sent[0]["status"] == 200 and layer.answered == before + 1
+    expected = route.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"}).json()
+    assert _comparable(json.loads(sent[1]["body"])) == _comparable(expected)
+    try:
+        sent = fast.portal.call(_drive, layer, scope, [chunks[0], {"type": "http.disconnect"}])
+    except ClientDisconnect:  # FastAPI's own reaction to a client gone mid-body (uvicorn drops it)
+        sent = []
+    assert layer.answered == before + 1 and not any(m.get("status") == 200 for m in sent)
