@@ -3,13 +3,13 @@ parser (what the server did before) vs the chat fast path on httptools (what it 
 
     .venv/bin/python benchmarks/bench_server_http.py [--quick]
 
-Three CPU-engine servers on the same tiny model, each `app.serve` in a process of its own, differing only in the
-chat route (`fast_chat`) and uvicorn's parser (`http`): FastAPI + h11 (baseline), fast path + h11, fast path +
-httptools (ours). Each round sends C chat requests at once to one server, as the trainer's rollouts do (RLConfig's
-sampling args, `max_tokens` tokens, logprobs and token ids), and reads that server's CPU time from /proc before and
-after; the servers take turns round by round so all three see the same machine. Reported: each server's CPU
-over all timed rounds per request (the kernel counts CPU time in 10 ms ticks, a sixth of a 64-request round's,
-so single rounds are too coarse to take a median of).
+Three CPU-engine servers on the same tiny model, each `app.serve` in a process of its own (started and stopped by
+the trainer's launcher), differing only in the chat route (`fast_chat`) and uvicorn's parser (`http`): FastAPI + h11
+(baseline), fast path + h11, fast path + httptools (ours). Each round sends C chat requests at once to one server,
+as the trainer's rollouts do (RLConfig's sampling args, `max_tokens` tokens, logprobs and token ids), and reads that
+server's CPU time from /proc before and after; the servers take turns round by round so all three see the same
+machine. Reported: each server's CPU over all timed rounds per request (the kernel counts CPU time in 10 ms ticks, a
+sixth of a 64-request round's, so single rounds are too coarse to take a median of).
 
 Why it matters: the server's HTTP work holds the GIL its decode loop needs, so it is on the generation's critical
 path, and generation is the longer half of an async step on 2 cores (docs/performance.md#server-http).
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import finish, main_for, row, wait_for_quiet  # noqa: E402
+from bench_async import _pid_cpu_s  # noqa: E402
 
 NAME = "bench_server_http"
 MSG = [{"role": "system", "content": "Reverse the text."}, {"role": "user", "content": "the quick brown fox"}]
@@ -38,32 +38,22 @@ VARIANTS = {  # name -> (fast_chat, uvicorn http)
 }
 
 
-def _cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _server(model: str, work: str, fast_chat: bool, http: str):
+    """The launcher's server handling (free port, a health wait that fails fast with the log's tail, the process
+    group stopped on exit) around `app.serve` with this variant's chat route and HTTP parser, which the server's
+    command line does not offer."""
+    from verifiers_rl.rl.inference.launcher import InferenceServer
 
+    class Variant(InferenceServer):
+        def command(self) -> list[str]:
+            code = (
+                "from verifiers_rl.rl.inference.cpu.app import serve; "
+                f"serve({model!r}, port={self.port}, log_level='warning', access_log=False, fast_chat={fast_chat}, "
+                f"http={http!r})"
+            )
+            return [self.python, "-c", code]
 
-def _start(model: str, port: int, fast_chat: bool, http: str, log) -> subprocess.Popen:
-    code = (
-        "from verifiers_rl.rl.inference.cpu.app import serve; "
-        f"serve({model!r}, port={port}, log_level='warning', access_log=False, fast_chat={fast_chat}, http={http!r})"
-    )
-    return subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
-
-
-def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    import urllib.request
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server on port {port} exited with {proc.returncode}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"the server on port {port} did not answer /health in {timeout:.0f}s")
+    return Variant(model, engine="cpu", output_dir=work, startup_timeout=120.0)
 
 
 def measure(servers: dict, model: str, concurrency: int, rounds: int, max_tokens: int) -> dict:
@@ -88,11 +78,11 @@ def measure(servers: dict, model: str, concurrency: int, rounds: int, max_tokens
                     await r.read()
 
             for r in range(rounds + 1):
-                for name, (port, proc) in servers.items():
-                    c0 = _cpu_s(proc.pid)
-                    await asyncio.gather(*(one(port, i) for i in range(concurrency)))
+                for name, server in servers.items():
+                    c0 = _pid_cpu_s(server.process.pid)
+                    await asyncio.gather(*(one(server.port, i) for i in range(concurrency)))
                     if r:  # round 0 warms connections and caches
-                        seen[name].append(_cpu_s(proc.pid) - c0)
+                        seen[name].append(_pid_cpu_s(server.process.pid) - c0)
         return {
             name: {"cpu_ms_per_request": sum(xs) / (len(xs) * concurrency) * 1e3, "round_cpu_s": xs}
             for name, xs in seen.items()
@@ -102,7 +92,6 @@ def measure(servers: dict, model: str, concurrency: int, rounds: int, max_tokens
 
 
 def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
-    from verifiers_rl.rl.inference.net import free_port
     from verifiers_rl.tiny import save_tiny_model
 
     t_start = time.perf_counter()
@@ -114,25 +103,18 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         "rounds": rounds,
         "max_tokens": max_tokens,
     }
-    procs: dict = {}
-    with (
-        tempfile.TemporaryDirectory(prefix="bench_server_http_") as tmp,
-        open(os.path.join(tmp, "servers.log"), "wb") as log,
-    ):
+    servers: dict = {}
+    with tempfile.TemporaryDirectory(prefix="bench_server_http_") as tmp:
         model = str(save_tiny_model(os.path.join(tmp, "tiny"), hidden=128, layers=2))
         try:
             for name, (fast, http) in VARIANTS.items():
-                port = free_port("127.0.0.1")
-                procs[name] = (port, _start(model, port, fast, http, log))
-            for port, proc in procs.values():
-                _wait_healthy(port, proc)
+                servers[name] = _server(model, os.path.join(tmp, f"server-{len(servers)}"), fast, http)
+                servers[name].start()
             results["machine_before"] = wait_for_quiet((0 if quick else 60) if wait_quiet is None else wait_quiet)
-            results["servers"] = m = measure(procs, model, concurrency, rounds, max_tokens)
+            results["servers"] = m = measure(servers, model, concurrency, rounds, max_tokens)
         finally:
-            for _, proc in procs.values():
-                proc.terminate()
-            for _, proc in procs.values():
-                proc.wait(30)
+            for server in servers.values():
+                server.stop()
     base, fast_h11, ours = (m[n]["cpu_ms_per_request"] for n in VARIANTS)
     rows = [
         row(f"server CPU per chat request, {concurrency} in flight, {max_tokens} tokens: FastAPI + h11 vs ours "

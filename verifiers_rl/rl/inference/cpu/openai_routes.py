@@ -57,9 +57,6 @@ async def chat_completion(engine: Engine, served_model_name: str, req: protocol.
 def openai_router(engine: Engine, served_model_name: str) -> APIRouter:
     router = APIRouter()
 
-    def unknown_model(name: str | None) -> JSONResponse | None:
-        return _unknown_model(name, served_model_name)
-
     @router.get("/health")
     async def health():
         if not engine.healthy:
@@ -83,7 +80,7 @@ def openai_router(engine: Engine, served_model_name: str) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(req: protocol.CompletionRequest):
-        if (resp := unknown_model(req.model)) is not None:
+        if (resp := _unknown_model(req.model, served_model_name)) is not None:
             return resp
         try:
             params = req.to_sampling_params()
