@@ -24,9 +24,9 @@ from verifiers_rl.rl.inference.control_auth import TOKEN_ENV
 from verifiers_rl.rl.inference.errors import ServerError
 from verifiers_rl.rl.inference.layout import AdapterServing, ServerSpec
 from verifiers_rl.rl.inference.net import free_port, port_in_use
+from verifiers_rl.rl.inference.server import PARENT_ENV
 from verifiers_rl.rl.plan.devices import child_visible_devices
 
-PARENT_ENV = "VF_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
 
 

@@ -21,10 +21,13 @@ import time
 from typing import NoReturn
 
 from verifiers_rl.rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
-from verifiers_rl.rl.inference.launcher import PARENT_ENV
 from verifiers_rl.rl.inference.net import DEFAULT_PORT, is_loopback
 from verifiers_rl.rl.plan.openmp import bound_openmp_spin
 from verifiers_rl.rl.plan.serving import CPU_ENGINES, ENGINES, resolve_engine
+
+# the spawning trainer's pid (launcher.py sets it): the server stops when that process is gone (_start_watchdog); kept
+# here, not in launcher.py, so the server process does not import the launcher's HTTP client
+PARENT_ENV = "VF_PARENT_PID"
 
 logger = logging.getLogger("verifiers_rl.server")
 

@@ -8,6 +8,7 @@ import logging
 from verifiers_rl.rl.inference.cpu.cb_engine import CPUEngine
 from verifiers_rl.rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 from verifiers_rl.rl.inference.cpu.lean_forward import unsupported_reason
+from verifiers_rl.rl.inference.cpu.lean_model import load_lean_model
 from verifiers_rl.rl.inference.cpu.slot_engine import SlotEngine
 from verifiers_rl.rl.plan.serving import resolve_cpu_engine
 
@@ -37,6 +38,14 @@ def create_engine(
 
 
 def load_engine(name_or_path: str, *, impl: str = "auto", **kwargs):
+    """The engine for a model folder or hub id. The slot engine's model is built from the checkpoint without
+    transformers' modeling code where lean_model can (seconds off every start); transformers loads it otherwise."""
     from verifiers_rl.models import get_model, get_tokenizer
 
-    return create_engine(get_model(name_or_path, device="cpu"), get_tokenizer(name_or_path), impl=impl, **kwargs)
+    tokenizer = get_tokenizer(name_or_path)
+    if impl != "cb":
+        model, why = load_lean_model(name_or_path)
+        if model is not None:
+            return create_engine(model, tokenizer, impl=impl, **kwargs)
+        logger.info("CPU engine: loading %s through transformers (%s)", name_or_path, why)
+    return create_engine(get_model(name_or_path, device="cpu"), tokenizer, impl=impl, **kwargs)

@@ -31,9 +31,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def unsupported_reason(model) -> str | None:
-    """Why the lean path cannot run `model` (None when it can)."""
-    cfg = model.config
+def config_problem(cfg) -> str | None:
+    """Why the lean path cannot run a model of this config (None when the config allows it)."""
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {cfg.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
     if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -45,6 +44,14 @@ def unsupported_reason(model) -> str | None:
         return "sliding-window layers"
     if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
         return "sliding-window attention"
+    return None
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the lean path cannot run `model` (None when it can)."""
+    problem = config_problem(model.config)
+    if problem is not None:
+        return problem
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "no model.{embed_tokens, layers, norm, rotary_emb}"
