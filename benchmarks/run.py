@@ -28,6 +28,7 @@ BENCHMARKS = (
     "bench_engine",
     "bench_client",
     "bench_server_http",
+    "bench_server_start",
     "bench_sync",
     "bench_sharded",
     "bench_train",

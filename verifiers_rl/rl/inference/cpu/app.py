@@ -106,9 +106,11 @@ def serve(
     access_log: bool = True,
     fast_chat: bool = True,
     http: str = "auto",
+    lean_load: bool = True,
 ) -> None:
     """Load the engine and serve it with uvicorn. `fast_chat` and `http` (uvicorn's parser: auto picks httptools,
-    installed with us) exist for benchmarks/bench_server_http.py, which serves the same engine both ways."""
+    installed with us) exist for benchmarks/bench_server_http.py, which serves the same engine both ways;
+    `lean_load=False` (the model through transformers' from_pretrained) for benchmarks/bench_server_start.py."""
     import torch
     import uvicorn
 
@@ -121,7 +123,9 @@ def serve(
     # at batch 1, 2 threads on 2 cores: 86-106 ms/token alone, 118-184 with the main thread's team built
     # (118-147 when that thread went back to 1 thread before the loop started).
     torch.set_num_threads(1)
-    engine = load_engine(model, impl=cpu_engine, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    engine = load_engine(
+        model, impl=cpu_engine, lean=lean_load, max_model_len=max_model_len, max_num_seqs=max_num_seqs
+    )
     if isinstance(engine, SlotEngine):
         pinned = os.environ.get("OMP_NUM_THREADS")
         weight_bytes = model_weight_bytes(engine.model)

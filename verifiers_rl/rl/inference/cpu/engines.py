@@ -37,13 +37,14 @@ def create_engine(
     return CPUEngine(model, tokenizer, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
 
 
-def load_engine(name_or_path: str, *, impl: str = "auto", **kwargs):
+def load_engine(name_or_path: str, *, impl: str = "auto", lean: bool = True, **kwargs):
     """The engine for a model folder or hub id. The slot engine's model is built from the checkpoint without
-    transformers' modeling code where lean_model can (seconds off every start); transformers loads it otherwise."""
+    transformers' modeling code where lean_model can (seconds off every start); transformers loads it otherwise
+    (and always with `lean=False`, which benchmarks/bench_server_start.py compares against)."""
     from verifiers_rl.models import get_model, get_tokenizer
 
     tokenizer = get_tokenizer(name_or_path)
-    if impl != "cb":
+    if lean and impl != "cb":
         model, why = load_lean_model(name_or_path)
         if model is not None:
             return create_engine(model, tokenizer, impl=impl, **kwargs)
