@@ -107,6 +107,15 @@ def test_a_sharded_checkpoint_loads_whole(tmp_path):
     assert all(torch.equal(p, hf[n]) for n, p in lean.named_parameters())
 
 
+def test_without_generation_config_it_derives_one_as_transformers_does(tmp_path):
+    folder = _saved(tmp_path, "qwen3")
+    os.remove(os.path.join(folder, "generation_config.json"))
+    lean, why = load_lean_model(folder)
+    assert why is None
+    hf = get_model(folder, device="cpu")
+    assert lean.generation_config.eos_token_id == hf.generation_config.eos_token_id is not None
+
+
 def _rewrite_weights(folder: str, change) -> None:
     path = os.path.join(folder, "model.safetensors")
     tensors = load_file(path)
