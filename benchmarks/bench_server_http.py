@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import finish, main_for, row, wait_for_quiet  # noqa: E402
+from _common import cpu_server, finish, main_for, row, wait_for_quiet  # noqa: E402
 from bench_async import _pid_cpu_s  # noqa: E402
 
 NAME = "bench_server_http"
@@ -36,24 +36,6 @@ VARIANTS = {  # name -> (fast_chat, uvicorn http)
     "fast path + h11": (True, "h11"),
     "ours": (True, "httptools"),
 }
-
-
-def _server(model: str, work: str, fast_chat: bool, http: str):
-    """The launcher's server handling (free port, a health wait that fails fast with the log's tail, the process
-    group stopped on exit) around `app.serve` with this variant's chat route and HTTP parser, which the server's
-    command line does not offer."""
-    from verifiers_rl.rl.inference.launcher import InferenceServer
-
-    class Variant(InferenceServer):
-        def command(self) -> list[str]:
-            code = (
-                "from verifiers_rl.rl.inference.cpu.app import serve; "
-                f"serve({model!r}, port={self.port}, log_level='warning', access_log=False, fast_chat={fast_chat}, "
-                f"http={http!r})"
-            )
-            return [self.python, "-c", code]
-
-    return Variant(model, engine="cpu", output_dir=work, startup_timeout=120.0)
 
 
 def measure(servers: dict, model: str, concurrency: int, rounds: int, max_tokens: int) -> dict:
@@ -108,7 +90,9 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         model = str(save_tiny_model(os.path.join(tmp, "tiny"), hidden=128, layers=2))
         try:
             for name, (fast, http) in VARIANTS.items():
-                servers[name] = _server(model, os.path.join(tmp, f"server-{len(servers)}"), fast, http)
+                servers[name] = cpu_server(
+                    model, os.path.join(tmp, f"server-{len(servers)}"), fast_chat=fast, http=http
+                )
                 servers[name].start()
             results["machine_before"] = wait_for_quiet((0 if quick else 60) if wait_quiet is None else wait_quiet)
             results["servers"] = m = measure(servers, model, concurrency, rounds, max_tokens)

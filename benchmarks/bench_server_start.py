@@ -25,27 +25,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import finish, main_for, median, row, wait_for_quiet  # noqa: E402
+from _common import cpu_server, finish, main_for, median, row, wait_for_quiet  # noqa: E402
 from bench_async import _pid_cpu_s  # noqa: E402
 
 NAME = "bench_server_start"
 VARIANTS = {"from_pretrained": False, "ours": True}  # name -> lean_load
-
-
-def _server(model: str, work: str, lean: bool):
-    """The launcher's server handling around `app.serve` with this variant's model loading, which the server's
-    command line does not offer."""
-    from verifiers_rl.rl.inference.launcher import InferenceServer
-
-    class Variant(InferenceServer):
-        def command(self) -> list[str]:
-            code = (
-                "from verifiers_rl.rl.inference.cpu.app import serve; "
-                f"serve({model!r}, port={self.port}, log_level='warning', access_log=False, lean_load={lean})"
-            )
-            return [self.python, "-c", code]
-
-    return Variant(model, engine="cpu", output_dir=work, startup_timeout=120.0)
 
 
 def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
@@ -60,7 +44,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         results["machine_before"] = wait_for_quiet((0 if quick else 60) if wait_quiet is None else wait_quiet)
         for r in range(rounds + 1):  # round 0 warms the page cache for both
             for name, lean in VARIANTS.items():
-                server = _server(model, os.path.join(tmp, f"{name}-{r}"), lean)
+                server = cpu_server(model, os.path.join(tmp, f"{name}-{r}"), lean_load=lean)
                 t0 = time.perf_counter()
                 try:
                     server.start()

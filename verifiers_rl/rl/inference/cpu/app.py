@@ -123,9 +123,7 @@ def serve(
     # at batch 1, 2 threads on 2 cores: 86-106 ms/token alone, 118-184 with the main thread's team built
     # (118-147 when that thread went back to 1 thread before the loop started).
     torch.set_num_threads(1)
-    engine = load_engine(
-        model, impl=cpu_engine, lean=lean_load, max_model_len=max_model_len, max_num_seqs=max_num_seqs
-    )
+    engine = load_engine(model, impl=cpu_engine, lean=lean_load, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
     if isinstance(engine, SlotEngine):
         pinned = os.environ.get("OMP_NUM_THREADS")
         weight_bytes = model_weight_bytes(engine.model)
