@@ -46,7 +46,8 @@ def load_engine(name_or_path: str, *, impl: str = "auto", lean: bool = True, **k
     tokenizer = get_tokenizer(name_or_path)
     if lean and impl != "cb":
         model, why = load_lean_model(name_or_path)
-        if model is not None:
+        why = why or unsupported_reason(model)  # None by construction; continuous batching would need HF's forward
+        if why is None:
             return create_engine(model, tokenizer, impl=impl, **kwargs)
         logger.info("CPU engine: loading %s through transformers (%s)", name_or_path, why)
     return create_engine(get_model(name_or_path, device="cpu"), tokenizer, impl=impl, **kwargs)
