@@ -124,7 +124,7 @@ def _rewrite_weights(folder: str, change) -> None:
 
 
 def test_what_it_does_not_read_goes_to_transformers(tmp_path):
-    lean, why = load_lean_model("Qwen/Qwen3-0.6B")  # a hub id: transformers resolves and downloads those
+    lean, why = load_lean_model("vf-rl-tests/not-cached")  # a hub id not in the cache: transformers downloads it
     assert lean is None and "local folder" in why
 
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -148,7 +148,7 @@ def test_what_it_does_not_read_goes_to_transformers(tmp_path):
     assert load_lean_model(folder) == (None, "model.norm.weight has shape (65,), the config says (64,)")
 
     os.remove(os.path.join(folder, "model.safetensors"))
-    assert load_lean_model(folder) == (None, "no safetensors weights")
+    assert load_lean_model(folder) == (None, "no safetensors weights (or a shard missing)")
 
     folder = _saved(tmp_path, "llama3-mha")
     with open(os.path.join(folder, "config.json")) as f:
@@ -157,6 +157,32 @@ def test_what_it_does_not_read_goes_to_transformers(tmp_path):
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
     assert load_lean_model(folder) == (None, "rope_type 'dynamic'")
+
+
+def _hub_cache(tmp_path, folder: str, repo: str) -> str:
+    """`folder` laid out as huggingface_hub's cache holds a downloaded repository (refs/main -> a snapshot)."""
+    import shutil
+
+    root = tmp_path / "hub" / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text("0" * 40)
+    shutil.copytree(folder, root / "snapshots" / ("0" * 40))
+    return str(tmp_path / "hub")
+
+
+def test_a_hub_id_in_the_local_cache_loads_from_its_snapshot(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    folder = _saved(tmp_path, "qwen2", max_shard_size="40KB")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", _hub_cache(tmp_path, folder, "vf-rl-tests/tiny"))
+    lean, why = load_lean_model("vf-rl-tests/tiny")
+    assert why is None
+    hf = dict(get_model(folder, device="cpu").named_parameters())
+    assert all(torch.equal(p, hf[n]) for n, p in lean.named_parameters())
+    # part of a sharded checkpoint in the cache (an interrupted download): transformers fetches the rest
+    snapshot = tmp_path / "hub" / "models--vf-rl-tests--tiny" / "snapshots" / ("0" * 40)
+    os.remove(sorted(snapshot.glob("model-*.safetensors"))[-1])
+    assert load_lean_model("vf-rl-tests/tiny") == (None, "no safetensors weights (or a shard missing)")
 
 
 def test_load_engine_builds_the_lean_model_and_cb_keeps_transformers(tmp_path):

@@ -9,8 +9,8 @@ registration order (the weight sync writes by name and lays buckets out in `name
 and loads the safetensors into them as `from_pretrained` does on CPU: float32, tied embeddings shared.
 
 Anything this does not recognise returns None and the server loads the model through transformers as before: a
-hub id (only local folders are read here), weights not in safetensors, a tensor name it does not expect or one it
-expects and does not find, an architecture or RoPE variant the lean forward does not run.
+hub id not (wholly) in the local cache (this never uses the network), weights not in safetensors, a tensor name it
+does not expect or one it expects and does not find, an architecture or RoPE variant the lean forward does not run.
 """
 
 from __future__ import annotations
@@ -153,6 +153,21 @@ def _config_problem(config) -> str | None:
     return None
 
 
+def _local_folder(name_or_path: str) -> str | None:
+    """The folder holding the checkpoint: the path itself, or a hub id's snapshot already in the local cache
+    (as `from_pretrained` would resolve it, without the network); None for anything else."""
+    path = os.path.expanduser(str(name_or_path))
+    if os.path.exists(path):
+        return path if os.path.isfile(os.path.join(path, "config.json")) else None
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot = snapshot_download(str(name_or_path), local_files_only=True)
+    except Exception:  # noqa: BLE001 - not a hub id, or not cached: transformers resolves it (and downloads)
+        return None
+    return snapshot if os.path.isfile(os.path.join(snapshot, "config.json")) else None
+
+
 def _read_tensors(folder: str) -> dict[str, torch.Tensor] | None:
     from safetensors.torch import load_file
 
@@ -164,6 +179,8 @@ def _read_tensors(folder: str) -> dict[str, torch.Tensor] | None:
         files = [WEIGHTS]
     else:
         return None
+    if not all(os.path.isfile(os.path.join(folder, name)) for name in files):
+        return None  # a cache holding part of a sharded checkpoint: transformers fetches the rest
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         tensors.update(load_file(os.path.join(folder, name), device="cpu"))
@@ -178,9 +195,9 @@ def _biases(tensors: dict[str, torch.Tensor]) -> dict[str, bool]:
 
 def load_lean_model(name_or_path: str) -> tuple[LeanCausalLM | None, str | None]:
     """(the model, None), or (None, why transformers should load it instead)."""
-    folder = os.path.expanduser(str(name_or_path))
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        return None, "not a local folder with config.json"
+    folder = _local_folder(name_or_path)
+    if folder is None:
+        return None, "neither a local folder with config.json nor a hub id in the local cache"
     from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(folder)
@@ -189,7 +206,7 @@ def load_lean_model(name_or_path: str) -> tuple[LeanCausalLM | None, str | None]
         return None, problem
     tensors = _read_tensors(folder)
     if tensors is None:
-        return None, "no safetensors weights"
+        return None, "no safetensors weights (or a shard missing)"
     try:
         generation_config = GenerationConfig.from_pretrained(folder)
     except OSError:  # no generation_config.json: transformers derives one from the model config
