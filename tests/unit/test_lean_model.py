@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from decoders import KINDS, decoder
 from safetensors.torch import load_file, save_file
 
 from verifiers_rl.models import get_model
@@ -18,39 +19,11 @@ from verifiers_rl.rl.inference.cpu.engines import load_engine
 from verifiers_rl.rl.inference.cpu.kv_cache import SlotKVCache
 from verifiers_rl.rl.inference.cpu.lean_forward import LeanDecoder, unsupported_reason
 from verifiers_rl.rl.inference.cpu.lean_model import LeanCausalLM, load_lean_model
-from verifiers_rl.tiny import build_tiny_model, build_tokenizer
-
-COMMON = dict(vocab_size=261, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64, "rope_theta": 10000.0}  # fmt: skip
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1e6}
-LINEAR = {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}
-
-
-def _hf_model(kind: str):
-    import transformers as t
-
-    torch.manual_seed(0)
-    if kind == "qwen3":  # tied embeddings, per-head q/k norms
-        return build_tiny_model(hidden=64, layers=2)[0]
-    if kind == "qwen3-yarn-untied":
-        cfg = t.Qwen3Config(**COMMON, head_dim=32, rope_parameters=YARN, tie_word_embeddings=False)
-        return t.Qwen3ForCausalLM(cfg)
-    if kind == "qwen2":  # biases on q/k/v only
-        return t.Qwen2ForCausalLM(t.Qwen2Config(**COMMON, tie_word_embeddings=True))
-    if kind == "llama3-mha":
-        return t.LlamaForCausalLM(t.LlamaConfig(**{**COMMON, "num_key_value_heads": 4}, rope_parameters=LLAMA3))
-    if kind == "llama-linear-biases":  # attention_bias and mlp_bias: every projection has one
-        cfg = t.LlamaConfig(**COMMON, rope_parameters=LINEAR, attention_bias=True, mlp_bias=True)
-        return t.LlamaForCausalLM(cfg)
-    if kind == "mistral":
-        return t.MistralForCausalLM(t.MistralConfig(**COMMON, sliding_window=None))
-    raise ValueError(kind)
+from verifiers_rl.tiny import build_tokenizer
 
 
 def _saved(tmp_path, kind: str, **save_kwargs) -> str:
-    model = _hf_model(kind).eval()
+    model = decoder(kind)
     with torch.no_grad():  # norms initialise to ones: make every tensor distinct so a swapped name shows
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -58,9 +31,6 @@ def _saved(tmp_path, kind: str, **save_kwargs) -> str:
     model.save_pretrained(folder, **save_kwargs)
     build_tokenizer().save_pretrained(folder)
     return folder
-
-
-KINDS = ["qwen3", "qwen3-yarn-untied", "qwen2", "llama3-mha", "llama-linear-biases", "mistral"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 import torch
 import torch.nn.functional as F
+from decoders import decoder
 
 from verifiers_rl.rl.inference.cpu import lean_forward
 from verifiers_rl.rl.inference.cpu import slot_engine as se
@@ -90,31 +91,14 @@ def test_uniform_stream_depends_only_on_the_seed():
 # ------------------------------------------------------------------------------------------ lean forward vs HF
 
 
-def _model(kind: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    if kind == "qwen3":
-        return build_tiny_model(hidden=64, layers=2)[0]
-    common = dict(vocab_size=261, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
-    torch.manual_seed(0)
-    if kind == "qwen2":  # biases on q/k/v
-        return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True)).eval()
-    # llama3 rope scaling, MHA
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64, "rope_theta": 10000.0}  # fmt: skip
-    cfg = LlamaConfig(**{**common, "num_key_value_heads": 4}, rope_parameters=rope)
-    return LlamaForCausalLM(cfg).eval()
-
-
 @pytest.mark.parametrize("kernel", ["f_linear", "onednn"])
-@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama3-mha"])
 def test_prefill_and_decode_logits_match_hf(kind, kernel, monkeypatch):
     if kernel == "onednn":  # every weight through oneDNN, as a real model's large ones are
         if not lean_forward._ONEDNN:
             pytest.skip("this torch build has no oneDNN linear")
         monkeypatch.setattr(lean_forward, "ONEDNN_MIN_ELEMENTS", 0)
-    model = _model(kind)
+    model = decoder(kind)
     assert unsupported_reason(model) is None
     dec = LeanDecoder(model, 128)
     cfg = model.config

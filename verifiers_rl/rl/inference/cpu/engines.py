@@ -44,10 +44,9 @@ def load_engine(name_or_path: str, *, impl: str = "auto", lean: bool = True, **k
     from verifiers_rl.models import get_model, get_tokenizer
 
     tokenizer = get_tokenizer(name_or_path)
-    if lean and impl != "cb":
+    if lean and resolve_cpu_engine(impl, None) == "slots":
         model, why = load_lean_model(name_or_path)
-        why = why or unsupported_reason(model)  # None by construction; continuous batching would need HF's forward
-        if why is None:
-            return create_engine(model, tokenizer, impl=impl, **kwargs)
+        if model is not None:  # it has no forward of its own: only the slot engine runs it
+            return create_engine(model, tokenizer, impl="slots", **kwargs)
         logger.info("CPU engine: loading %s through transformers (%s)", name_or_path, why)
     return create_engine(get_model(name_or_path, device="cpu"), tokenizer, impl=impl, **kwargs)
