@@ -48,3 +48,19 @@ def test_modules_stay_small():
         if (n := len(p.read_text().splitlines())) > 400
     }
     assert not big, f"modules over 400 lines (split them by concept): {big}"
+
+
+def test_every_data_file_of_the_package_is_installed():
+    """A file the package reads at run time that pyproject's package-data leaves out works from the checkout (an
+    editable install) and is missing from a wheel: `vf-rl` from a wheel once failed on scripts/rlconfig_schema.json
+    (on an H200, 2026-11-28)."""
+    import fnmatch
+    import tomllib
+
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["verifiers_rl"]
+    package = ROOT / "verifiers_rl"
+    data = [p.relative_to(package).as_posix() for p in package.rglob("*")
+            if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]  # fmt: skip
+    assert "scripts/rlconfig_schema.json" in data
+    left_out = [f for f in data if not any(fnmatch.fnmatch(f, g) for g in globs)]
+    assert not left_out, f"add these to [tool.setuptools.package-data] in pyproject.toml: {left_out}"

@@ -23,7 +23,10 @@ from verifiers_rl.rl.inference.errors import ServerError, ServerLost
 logger = logging.getLogger(__name__)
 
 SETTLE_S = 3.0  # how long a process whose connections just broke may take to be gone
-_UNREACHABLE = ("APIConnectionError", "Connection reset", "Connection refused", "ServerDisconnected")
+# how a request reads when the server died before or while answering it (aiohttp's ClientPayloadError: the
+# response's body was cut off by the kill)
+_UNREACHABLE = ("APIConnectionError", "Connection reset", "Connection refused", "ServerDisconnected",
+                "ClientPayloadError")  # fmt: skip
 RUN_COMMAND_ENV = "VF_RUN_COMMAND"  # the command a user ran (vf-rl sets it for the trainer processes it starts)
 
 
