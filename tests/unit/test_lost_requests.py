@@ -15,7 +15,7 @@ LOST = [
     "Aborted rollout due to ModelError() -> ClientConnectorError('Cannot connect to host 127.0.0.1:8000 "
     "[Connection refused]')",
     # killed while the response body was on its way (CI, 2026-11-28)
-    "Aborted rollout due to ModelError() -> ClientPayloadError(\"Response payload is not completed: "
+    'Aborted rollout due to ModelError() -> ClientPayloadError("Response payload is not completed: '
     "<ContentLengthError: 400, message='Not enough data to satisfy content length header (received 0 of 1585 "
     "bytes).'>\") -> <ContentLengthError: 400, message='Not enough data to satisfy content length header "
     "(received 0 of 1585 bytes).'>",
