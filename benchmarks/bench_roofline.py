@@ -21,7 +21,9 @@ same run, and how close the trainer and the engine come to them on the Qwen3-0.6
     64-token prompt, greedy, `ignore_eos`; seconds per token = (time for 1 + N tokens - time for 1 token) / N
     (the prefill and the request's own cost cancel).
     Bound: every weight byte is read once per token, so the fastest possible token takes weight bytes / the
-    bandwidth of (b). Fraction = bound / measured. Goal >= 60 %.
+    copy bandwidth of (b), timed again right before each round (the server idle): a VM's bandwidth moves within
+    minutes, so each round is judged against the machine as it was then. Fraction = the median over rounds of
+    bound / measured. Goal >= 60 %. Reported beside it: the same against (b) timed once at the start.
     Reported beside it: the same decode against the read bandwidth of (b) measured with the engine's thread count
     (the engine cannot use bandwidth its threads cannot pull).
 Quick mode: 2 layers, 2 samples of 128 tokens, 8 tokens decoded (checks that it runs; the numbers mean little).
@@ -148,7 +150,7 @@ def trainer_step(layers: int, n: int, seq: int, repeats: int, log) -> dict:
     return {"seconds": median(secs), "all_seconds": secs, "model_flops": flops, "layers": layers, "n": n, "seq": seq}
 
 
-def engine_decode(layers: int, tokens: int, repeats: int, log) -> dict:
+def engine_decode(layers: int, tokens: int, repeats: int, log, bw_mib: int = 1024) -> dict:
     """Decode through the CPU server as users run it (its own process, its own thread rule), timed per request."""
     import httpx
 
@@ -180,17 +182,24 @@ def engine_decode(layers: int, tokens: int, repeats: int, log) -> dict:
                 return time.perf_counter() - t0
 
             gen(1 + tokens)  # warm-up: the first pass faults in the memory-mapped weights
-            pairs = [(gen(1), gen(1 + tokens)) for _ in range(repeats)]
+            pairs, copy_bw = [], []
+            for _ in range(repeats):
+                # this VM's bandwidth moves by 1.6x within minutes (34 vs 56 GB/s on 2026-11-28): each round's
+                # bound comes from a copy timed right before its decode, while the server idles
+                copy_bw.append(bandwidth(bw_mib, 3)["copy_bytes_per_s"])
+                pairs.append((gen(1), gen(1 + tokens)))
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     per_token = [(long - short) / tokens for short, long in pairs]
+    fractions = [weight_bytes / bw / s for bw, s in zip(copy_bw, per_token)]
     threads = engine_threads(weight_bytes)
     times = " ".join(f"{s * 1e3:.1f}" for s in per_token)
     log(f"engine decode, batch 1, {layers} layers, {threads} thread(s): {times} ms/token")
+    log("copy bandwidth next to each round: " + " ".join(f"{b / 1e9:.1f}" for b in copy_bw) + " GB/s")
     return {
         "seconds_per_token": median(per_token), "all": per_token, "weight_bytes": weight_bytes, "layers": layers,
-        "threads": threads,
+        "threads": threads, "copy_bytes_per_s": copy_bw, "fraction": median(fractions), "fractions": fractions,
     }  # fmt: skip
 
 
@@ -215,7 +224,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     tr = results["trainer"] = trainer_step(
         train_layers, 2 if quick else 4, 128 if quick else 512, 1 if quick else 2, log
     )
-    dec = results["decode"] = engine_decode(layers, 8 if quick else 16, 1 if quick else 3, log)
+    dec = results["decode"] = engine_decode(layers, 8 if quick else 16, 1 if quick else 5, log, 128 if quick else 1024)
     # The engine's own threads (the server's rule, cpu/app.py) may not reach the machine's bandwidth: their bound too
     torch.set_num_threads(dec["threads"])
     bw_engine = results["bandwidth_engine_threads"] = bandwidth(128 if quick else 1024, 2 if quick else 5)
@@ -223,8 +232,9 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
 
     achieved = tr["model_flops"] / tr["seconds"]
     mfu = achieved / peak["flops_per_s"]
-    bound = dec["weight_bytes"] / bw["copy_bytes_per_s"]
-    frac = bound / dec["seconds_per_token"]
+    bound = dec["weight_bytes"] / median(dec["copy_bytes_per_s"])
+    frac = dec["fraction"]  # the median over rounds of each round's own bound / its decode
+    start_bound = dec["weight_bytes"] / bw["copy_bytes_per_s"]
     shape = f"Qwen3-0.6B shape ({layers} layers, byte vocabulary)"
     rows = [
         row(
@@ -238,13 +248,23 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             unit="GFLOP/s",
         ),
         row(
-            f"engine decode, batch 1, {shape}: weight bytes / copy bandwidth ({bw['copy_bytes_per_s'] / 1e9:.1f} "
-            "GB/s) vs ours",
+            f"engine decode, batch 1, {shape}: weight bytes / copy bandwidth timed next to each round "
+            f"({median(dec['copy_bytes_per_s']) / 1e9:.1f} GB/s median) vs ours",
             bound * 1e3,
             dec["seconds_per_token"] * 1e3,
             frac,
             f">={DECODE_GOAL:.0%} of bound",
             frac >= DECODE_GOAL,
+            unit="ms/token",
+        ),
+        row(
+            "the same decode against the copy bandwidth timed at the start of the run "
+            f"({bw['copy_bytes_per_s'] / 1e9:.1f} GB/s; the goal row's method until 2026-11-28)",
+            start_bound * 1e3,
+            dec["seconds_per_token"] * 1e3,
+            start_bound / dec["seconds_per_token"],
+            "(report)",
+            None,
             unit="ms/token",
         ),
         row(
