@@ -23,9 +23,9 @@ same run, and how close the trainer and the engine come to them on the Qwen3-0.6
     Bound: every weight byte is read once per token, so the fastest possible token takes weight bytes / the
     copy bandwidth of (b), timed again right before each round (the server idle): a VM's bandwidth moves within
     minutes, so each round is judged against the machine as it was then. Fraction = the median over rounds of
-    bound / measured. Goal >= 60 %. Reported beside it: the same against (b) timed once at the start.
-    Reported beside it: the same decode against the read bandwidth of (b) measured with the engine's thread count
-    (the engine cannot use bandwidth its threads cannot pull).
+    bound / measured. Goal >= 60 %. Reported beside it: the same against (b) timed once at the start, and
+    against the read bandwidth of (b) measured with the engine's thread count (the engine cannot use bandwidth
+    its threads cannot pull).
 Quick mode: 2 layers, 2 samples of 128 tokens, 8 tokens decoded (checks that it runs; the numbers mean little).
 """
 
