@@ -84,3 +84,25 @@ def test_the_receiver_maps_only_the_trainers_file_with_its_nonce(tmp_path):
     assert SharedSlots.open(slots.path, nonce, 4096) is None  # gone
     # no room for two slots of 1 PB: declined, the sync stays on gloo
     assert SharedSlots.create(1 << 50) is None
+
+
+def test_a_padded_parameter_buffer_takes_every_path(tmp_path):
+    """A model with weights of 1 MiB or more: the engine starts those on page boundaries (cpu/memory.py), so a
+    bucket spanning a layer's norms is no longer one span of its buffer. Each tensor still lands in place (read-back
+    checksums equal the trainer's): from a shared slot, from a bucket too large for a slot, and over gloo alone."""
+    model, tok = build_tiny_model(hidden=512, layers=2, head_dim=64)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    bucket_bytes = 3 << 19  # norms share buckets with the next (padded) projection; 2 MiB MLP weights come alone
+    metas = _metas(model)
+    assert any(b.nbytes > bucket_bytes for b in plan_buckets(metas, bucket_bytes))
+    srv = InferenceServer(str(tmp_path / "m"), engine="cpu", output_dir=tmp_path / "out")
+    with srv as client:
+        for version, shared in ((1, True), (2, False)):
+            sender = client.init_weight_transfer(
+                "gloo", bucket_bytes=bucket_bytes, server_pauses=True, shared_memory=shared
+            )
+            assert sender.shared_memory == shared
+            new = build_tiny_model(hidden=512, layers=2, head_dim=64, seed=version)[0]
+            client.update_weights(new.named_parameters(), version=version)  # verified: raises if not landed
+            assert client.weight_version() == str(version)

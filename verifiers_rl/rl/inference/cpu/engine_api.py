@@ -53,7 +53,7 @@ class Engine(Protocol):
 
     def finish_update(self, version: int | None = None) -> int: ...
 
-    def placement(self, bucket) -> torch.Tensor | None: ...  # where a sync's bucket can be received in place
+    def placement(self, bucket) -> list[torch.Tensor] | None: ...  # where each of a bucket's tensors belongs
 
     def weight_checksums(self, metas) -> list[int]: ...  # what the engine holds, for a sync's report
 

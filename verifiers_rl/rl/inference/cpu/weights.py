@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from verifiers_rl.rl.inference.cpu.memory import page_aligned_offsets, weight_buffer
 from verifiers_rl.rl.inference.transfer.verify import tensor_checksum
 
 
@@ -33,44 +34,49 @@ class ServedWeights(ABC):
         self._params = dict(self.model.named_parameters())  # looked up per received tensor on every sync
 
     def flatten_parameters(self) -> None:
-        """Lay every parameter out in one flat buffer, in `named_parameters()` order, each parameter a view of it.
+        """Lay every parameter out in one buffer, in `named_parameters()` order, each parameter a view of it.
 
-        The trainer sends merged weights in that same order, bucket by bucket, so a bucket is one contiguous span
-        of this buffer and arrives there directly (`placement`), with no staging copy. The forward reads the same
-        memory (the lean decoder packs q/k/v and gate/up as views of adjacent spans). Skipped for mixed dtypes."""
+        The trainer sends merged weights in that same order, bucket by bucket, so each tensor of a bucket has its
+        own span here and arrives there directly (`placement`), with no staging copy. The forward reads the same
+        memory (the lean decoder packs q/k/v and gate/up as views of adjacent spans). The buffer is on huge pages
+        and every large weight starts on a page boundary (`memory.py` says why and what it measured); the
+        padding that costs means a bucket's tensors are no longer always end to end here. Skipped for mixed
+        dtypes."""
         params = list(self.model.named_parameters())
         dtypes = {p.dtype for _, p in params}
         if len(dtypes) != 1:
             return
+        sizes = [p.numel() * p.element_size() for _, p in params]
+        offsets, total = page_aligned_offsets(sizes)
+        arena, self.huge_pages = weight_buffer(total)
+        spans = {}
         with torch.no_grad():
-            arena = torch.cat([p.detach().reshape(-1) for _, p in params])
-            spans, offset = {}, 0
-            for name, p in params:
-                n = p.numel()
-                p.data = arena[offset : offset + n].view(p.shape)
-                spans[name] = (offset * arena.element_size(), n * arena.element_size(), p.dtype, tuple(p.shape))
-                offset += n
-        self._arena, self._spans = arena.view(torch.uint8), spans
+            for (name, p), offset, size in zip(params, offsets, sizes):
+                view = arena[offset : offset + size].view(p.dtype).view(p.shape)
+                view.copy_(p.detach())
+                p.data = view
+                spans[name] = (offset, size, p.dtype, tuple(p.shape))
+        self._arena, self._spans = arena, spans
 
-    def placement(self, bucket) -> torch.Tensor | None:
-        """Where a bucket of full tensors belongs when its tensors are consecutive spans of the flat buffer (their
-        dtype and shape as served); None otherwise (the bucket is then staged and copied by `load_weights`)."""
+    def placement(self, bucket) -> list[torch.Tensor] | None:
+        """Where each tensor of a bucket of full tensors belongs, as uint8 views of the served parameters (their
+        dtype and shape as served), in bucket order; None when any of them has no such place (the bucket is then
+        staged and copied by `load_weights`)."""
         spans = getattr(self, "_spans", None)
-        if not spans or bucket.metas[0].name not in spans:
+        if not spans:
             return None
-        start = end = spans[bucket.metas[0].name][0]
-        base = self._arena.data_ptr()
+        base, views = self._arena.data_ptr(), []
         for meta in bucket.metas:
             span = spans.get(meta.name)
-            if span is None or span[0] != end or span[2] != meta.dtype or span[3] != tuple(meta.shape):
+            if span is None or span[2] != meta.dtype or span[3] != tuple(meta.shape):
                 return None
             if self._params[meta.name].data_ptr() != base + span[0]:  # replaced since (param.data = ...): stale span
                 return None
-            end += span[1]
+            views.append(self._arena[span[0] : span[0] + span[1]])
         for meta in bucket.metas:  # as load_weights records a full-tensor copy
             if meta.name not in self._pristine:
                 self._overwritten.add(meta.name)
-        return self._arena[start:end]
+        return views
 
     def load_weights(self, named_tensors, *, lora_scaling: float | None = None) -> int:
         """Copy tensors into the model (HF names). With `lora_scaling`, `X.lora_A`/`X.lora_B` pairs become

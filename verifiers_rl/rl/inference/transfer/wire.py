@@ -107,8 +107,8 @@ def _send_shared(group: WeightGroup, buckets: list[Bucket], tensors, checksums) 
 
 
 def _receive_shared(group: WeightGroup, buckets: list[Bucket], on_bucket, place, dropped: set[int]) -> None:
-    """`receive_buckets` through shared memory: copy bucket i out of its slot (into place, or through
-    `on_bucket`), then free the slot for the trainer."""
+    """`receive_buckets` through shared memory: copy bucket i out of its slot (each tensor into its place, or
+    through `on_bucket`), then free the slot for the trainer."""
     shm, pg = group.shm, group.pg
     freed: list = []
     n_shared = 0
@@ -116,23 +116,44 @@ def _receive_shared(group: WeightGroup, buckets: list[Bucket], on_bucket, place,
         keep = i not in dropped
         dest = place(bucket) if place is not None and keep else None
         if not shm.fits(bucket.nbytes):
-            staged = dest is None
-            if staged:
-                dest = group.staging(bucket.nbytes)[0][: bucket.nbytes]
-            broadcast(group, dest)
-            if staged and keep:
-                on_bucket(unpack(bucket, dest))
+            one = end_to_end(bucket, dest)
+            view = one if one is not None else group.staging(bucket.nbytes)[0][: bucket.nbytes]
+            broadcast(group, view)
+            if one is None and dest is not None:
+                scatter(bucket, view, dest)
+            elif one is None and keep:
+                on_bucket(unpack(bucket, view))
             continue
         slot, n_shared = n_shared % 2, n_shared + 1
         shm.recv(pg, 0, i, READY).wait()
         view = shm.slot(slot, bucket.nbytes)
         if dest is not None:
-            dest.copy_(view)
+            scatter(bucket, view, dest)
         elif keep:
             on_bucket(unpack(bucket, view))
         freed.append(shm.send(pg, 0, i, FREE))
     for work in freed:
         work.wait()
+
+
+def scatter(bucket: Bucket, buf: torch.Tensor, dest: list[torch.Tensor]) -> None:
+    """Copy each tensor's bytes out of a received bucket into its place."""
+    for meta, off, d in zip(bucket.metas, bucket.offsets, dest):
+        d.copy_(buf[off : off + meta.nbytes])
+
+
+def end_to_end(bucket: Bucket, dest: list[torch.Tensor] | None) -> torch.Tensor | None:
+    """The places of a bucket's tensors as one uint8 tensor, when they lie end to end at the bucket's offsets in
+    one storage (a bucket can then be received straight there); None otherwise."""
+    if not dest:
+        return None
+    first = dest[0]
+    storage, start = first.untyped_storage(), first.data_ptr()
+    for d, off in zip(dest, bucket.offsets):
+        if d.data_ptr() != start + off or d.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+    begin = start - storage.data_ptr()
+    return torch.empty(0, dtype=torch.uint8).set_(storage, begin, (bucket.nbytes,))
 
 
 def in_place(bucket: Bucket, ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -156,9 +177,10 @@ def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket, place=
     """Receiver side: bucket i+1 arrives into one staging buffer while `on_bucket` copies bucket i out of the
     other. `on_bucket` gets [(name, view into the staging buffer)] and must copy what it keeps.
 
-    `place(bucket)` may return where a bucket's bytes belong (a uint8 view of the destination itself, e.g. the
-    engine's parameters laid out in the bucket's order): such a bucket is received there, with no copy, and
-    `on_bucket` is not called for it."""
+    `place(bucket)` may return where each of a bucket's tensors belongs (uint8 views of the destination itself,
+    e.g. the engine's parameters): such a bucket lands there and `on_bucket` is not called for it. Where those
+    places lie end to end as the bucket lays them out, the bucket is received straight into them, no copy;
+    otherwise it is staged and each tensor copied to its place."""
     if not buckets:
         return
     bufs: list[torch.Tensor] = []
@@ -169,18 +191,21 @@ def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket, place=
 
     def post(i: int):
         dest = place(buckets[i]) if place is not None and i not in dropped else None
-        if dest is None:
-            if not bufs:
-                bufs.extend(group.staging(max(b.nbytes for b in buckets)))
-            dest = bufs[i % 2][: buckets[i].nbytes]
-            return broadcast_async(group, dest), dest
-        return broadcast_async(group, dest), None
+        one = end_to_end(buckets[i], dest)
+        if one is not None:
+            return broadcast_async(group, one), None, None
+        if not bufs:
+            bufs.extend(group.staging(max(b.nbytes for b in buckets)))
+        staged = bufs[i % 2][: buckets[i].nbytes]
+        return broadcast_async(group, staged), staged, dest
 
     pending = post(0)
     for i, bucket in enumerate(buckets):
-        work, staged = pending
+        work, staged, dest = pending
         work.wait()
         if i + 1 < len(buckets):
             pending = post(i + 1)
-        if staged is not None and i not in dropped:
+        if staged is not None and dest is not None:
+            scatter(bucket, staged, dest)
+        elif staged is not None and i not in dropped:
             on_bucket(unpack(bucket, staged))
