@@ -8,7 +8,6 @@ import asyncio
 import os
 
 import pytest
-
 import torch
 import torch.nn.functional as F
 from decoders import decoder
