@@ -115,8 +115,8 @@ def _receive_shared(group: WeightGroup, buckets: list[Bucket], on_bucket, place,
     for i, bucket in enumerate(buckets):
         keep = i not in dropped
         dest = place(bucket) if place is not None and keep else None
+        one = end_to_end(bucket, dest)  # places end to end: one copy (or one broadcast) for the whole bucket
         if not shm.fits(bucket.nbytes):
-            one = end_to_end(bucket, dest)
             view = one if one is not None else group.staging(bucket.nbytes)[0][: bucket.nbytes]
             broadcast(group, view)
             if one is None and dest is not None:
@@ -127,7 +127,9 @@ def _receive_shared(group: WeightGroup, buckets: list[Bucket], on_bucket, place,
         slot, n_shared = n_shared % 2, n_shared + 1
         shm.recv(pg, 0, i, READY).wait()
         view = shm.slot(slot, bucket.nbytes)
-        if dest is not None:
+        if one is not None:
+            one.copy_(view)
+        elif dest is not None:
             scatter(bucket, view, dest)
         elif keep:
             on_bucket(unpack(bucket, view))
@@ -143,17 +145,9 @@ def scatter(bucket: Bucket, buf: torch.Tensor, dest: list[torch.Tensor]) -> None
 
 
 def end_to_end(bucket: Bucket, dest: list[torch.Tensor] | None) -> torch.Tensor | None:
-    """The places of a bucket's tensors as one uint8 tensor, when they lie end to end at the bucket's offsets in
-    one storage (a bucket can then be received straight there); None otherwise."""
-    if not dest:
-        return None
-    first = dest[0]
-    storage, start = first.untyped_storage(), first.data_ptr()
-    for d, off in zip(dest, bucket.offsets):
-        if d.data_ptr() != start + off or d.untyped_storage().data_ptr() != storage.data_ptr():
-            return None
-    begin = start - storage.data_ptr()
-    return torch.empty(0, dtype=torch.uint8).set_(storage, begin, (bucket.nbytes,))
+    """The places of a bucket's tensors (uint8 views) as one uint8 tensor, when `in_place` finds them end to end
+    at the bucket's offsets (a bucket can then be received straight there); None otherwise."""
+    return in_place(bucket, [d.view(m.dtype) for d, m in zip(dest, bucket.metas)]) if dest else None
 
 
 def in_place(bucket: Bucket, ts: list[torch.Tensor]) -> torch.Tensor | None:
