@@ -88,14 +88,24 @@ def test_the_receiver_maps_only_the_trainers_file_with_its_nonce(tmp_path):
 
 def test_a_padded_parameter_buffer_takes_every_path(tmp_path):
     """A model with weights of 1 MiB or more: the engine starts those on page boundaries (cpu/memory.py), so a
-    bucket spanning a layer's norms is no longer one span of its buffer. Each tensor still lands in place (read-back
-    checksums equal the trainer's): from a shared slot, from a bucket too large for a slot, and over gloo alone."""
-    model, tok = build_tiny_model(hidden=512, layers=2, head_dim=64)
+    bucket holding the 259-row embedding and the first q_proj is no longer one span of its buffer. Each tensor
+    still lands in place (read-back checksums equal the trainer's): from a shared slot, from a bucket too large for
+    a slot, and over gloo alone."""
+    from verifiers_rl.rl.inference.cpu.memory import page_aligned_offsets
+
+    shape = dict(hidden=512, layers=2, head_dim=64, intermediate_size=1536)
+    model, tok = build_tiny_model(**shape)
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
-    bucket_bytes = 3 << 19  # norms share buckets with the next (padded) projection; 2 MiB MLP weights come alone
+    bucket_bytes = 2 << 20  # embedding + q_proj share a bucket across a gap; the 3 MiB MLP weights come alone
     metas = _metas(model)
-    assert any(b.nbytes > bucket_bytes for b in plan_buckets(metas, bucket_bytes))
+    buckets = plan_buckets(metas, bucket_bytes)
+    assert any(b.nbytes > bucket_bytes for b in buckets)
+    placed = dict(zip((m.name for m in metas), page_aligned_offsets([m.nbytes for m in metas])[0]))
+    gaps = [
+        b for b in buckets if any(placed[m.name] - placed[b.metas[0].name] != o for m, o in zip(b.metas, b.offsets))
+    ]
+    assert gaps  # some bucket is not end to end in the engine's buffer: copied tensor by tensor
     srv = InferenceServer(str(tmp_path / "m"), engine="cpu", output_dir=tmp_path / "out")
     with srv as client:
         for version, shared in ((1, True), (2, False)):
@@ -103,6 +113,6 @@ def test_a_padded_parameter_buffer_takes_every_path(tmp_path):
                 "gloo", bucket_bytes=bucket_bytes, server_pauses=True, shared_memory=shared
             )
             assert sender.shared_memory == shared
-            new = build_tiny_model(hidden=512, layers=2, head_dim=64, seed=version)[0]
+            new = build_tiny_model(**shape, seed=version)[0]
             client.update_weights(new.named_parameters(), version=version)  # verified: raises if not landed
             assert client.weight_version() == str(version)
