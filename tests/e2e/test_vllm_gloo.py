@@ -614,8 +614,8 @@ def test_base_weights_never_move(lora, tiny_model_dir):
 
 def test_in_flight_request_survives_an_adapter_sync(lora):
     client, peft = lora["client"], lora["peft"]
-    # Eight streamed requests of 500 tokens (they fill the 512-token context); the sync starts once one has streamed
-    # a token. A fixed sleep raced their start, and vLLM's gauges (/metrics) lagged seconds behind the engine under
+    # Eight streamed requests of 500 tokens (they fill the 512-token context); the sync starts once one is seen
+    # mid-stream. A fixed sleep raced their start, and vLLM's gauges (/metrics) lagged seconds behind the engine under
     # load, so requests could end before the gauges read running; under load some requests also start only after
     # others have ended, so the test does not wait for all eight.
     n, length = 8, 500
@@ -626,11 +626,18 @@ def test_in_flight_request_survives_an_adapter_sync(lora):
             for i in range(n)
         ]
         deadline = time.monotonic() + 120
-        while not any(g[0] for g in got) and time.monotonic() < deadline and not any(f.done() for f in futs):
-            time.sleep(0.005)
+
+        def mid_stream() -> list[int]:
+            return [i for i, g in enumerate(got) if 0 < g[0] < length]
+
+        # Poll until one is seen mid-stream, not just until the first token: on a loaded CI machine a reader thread
+        # can be starved while its request runs, then parse all 500 buffered tokens in one go (seen: two requests
+        # went 0 -> 500 between polls while six had not streamed yet).
+        while not mid_stream() and time.monotonic() < deadline and not all(f.done() for f in futs):
+            time.sleep(0.002)
         # the sync starts mid-generation: some request has streamed tokens and has more to come. (Whether one is still
         # generating when it returns is up to the machine: under load, all finished during the sync's buckets.)
-        running = [i for i, g in enumerate(got) if 0 < g[0] < length]
+        running = mid_stream()
         assert running, (got, [f.result() for f in futs if f.done()])
         _set_step(peft, 3)
         client.update_weights(_adapter_weights(peft), version=3)
