@@ -119,23 +119,28 @@ def _receive_shared(group: WeightGroup, buckets: list[Bucket], on_bucket, place,
         if not shm.fits(bucket.nbytes):
             view = one if one is not None else group.staging(bucket.nbytes)[0][: bucket.nbytes]
             broadcast(group, view)
-            if one is None and dest is not None:
-                scatter(bucket, view, dest)
-            elif one is None and keep:
-                on_bucket(unpack(bucket, view))
+            if one is None:
+                _land(bucket, view, dest, keep, on_bucket)
             continue
         slot, n_shared = n_shared % 2, n_shared + 1
         shm.recv(pg, 0, i, READY).wait()
         view = shm.slot(slot, bucket.nbytes)
         if one is not None:
             one.copy_(view)
-        elif dest is not None:
-            scatter(bucket, view, dest)
-        elif keep:
-            on_bucket(unpack(bucket, view))
+        else:
+            _land(bucket, view, dest, keep, on_bucket)
         freed.append(shm.send(pg, 0, i, FREE))
     for work in freed:
         work.wait()
+
+
+def _land(bucket: Bucket, buf: torch.Tensor, dest: list[torch.Tensor] | None, keep: bool, on_bucket) -> None:
+    """A bucket received into `buf` (staging or a shared-memory slot) to where it goes: each tensor to its place,
+    else through `on_bucket`; nowhere for a dropped bucket."""
+    if dest is not None:
+        scatter(bucket, buf, dest)
+    elif keep:
+        on_bucket(unpack(bucket, buf))
 
 
 def scatter(bucket: Bucket, buf: torch.Tensor, dest: list[torch.Tensor]) -> None:
@@ -199,7 +204,5 @@ def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket, place=
         work.wait()
         if i + 1 < len(buckets):
             pending = post(i + 1)
-        if staged is not None and dest is not None:
-            scatter(bucket, staged, dest)
-        elif staged is not None and i not in dropped:
-            on_bucket(unpack(bucket, staged))
+        if staged is not None:
+            _land(bucket, staged, dest, i not in dropped, on_bucket)
