@@ -62,7 +62,8 @@ def matmul_peak(sizes=(1024, 2048, 3072), repeats: int = 5) -> dict:
 
 def bandwidth(mib: int = 1024, repeats: int = 5) -> dict:
     """Copy and read bandwidth of `mib` MiB fp32 buffers, on ordinary pages and on the huge pages the engine's
-    weights live on (cpu/memory.py); the bound is the better of the two (huge pages copy up to 10 % faster here)."""
+    weights live on (cpu/memory.py); the bound is the better of the two (huge pages copy 3 % faster here at the
+    median, up to 18 % in a round)."""
     size, out = mib << 20, {}
     for kind in ("4k", "huge"):
         src, dst = _buffer(size, kind == "huge"), _buffer(size, kind == "huge")  # written: pages faulted in

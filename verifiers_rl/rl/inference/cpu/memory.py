@@ -9,7 +9,8 @@ measured on the 2-core AMD EPYC VM (Qwen3-0.6B shape, 28 layers, medians of 30 i
   same weights each starting on a page boundary (the cores' stream prefetchers stop at page boundaries, and a
   misaligned 4 KiB row crosses one);
 - the page size: the same aligned weights on 2 MiB pages decoded another 4 % faster (fewer TLB misses), and a
-  plain copy ran 3 % faster (up to 10 % while the VM's memory was fast).
+  plain copy ran 3 % faster (a median of 20 paired rounds; in single rounds while the VM's memory was fast,
+  up to 18 %).
 
 Linux backs anonymous memory with huge pages only where asked (`/sys/kernel/mm/transparent_hugepage/enabled`
 is `madvise` on most distributions), and torch's allocator asks only under THP_MEM_ALLOC_ENABLE, read once per
