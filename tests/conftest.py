@@ -55,6 +55,29 @@ def tiny_model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
+@pytest.fixture(scope="session")
+def qwen_model_dir(tmp_path_factory):
+    """The tiny Qwen kit on disk (Qwen's BPE, Qwen3's added tokens and rows, the Qwen3-style template), built once
+    per session: converting the ranks and writing 151,936 embedding rows takes seconds."""
+    from verifiers_rl.tiny.qwen import save_qwen_model
+
+    return str(save_qwen_model(tmp_path_factory.mktemp("tiny-qwen") / "model"))
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    """The kit's tokenizer, built once per session without a model (tests only read it)."""
+    from verifiers_rl.tiny.qwen import build_qwen_tokenizer
+
+    return build_qwen_tokenizer()
+
+
+@pytest.fixture(params=["bytes", "qwen"])
+def kit_model_dir(request):
+    """Each tiny kit's model folder in turn: the byte-level one and the Qwen one."""
+    return request.getfixturevalue("tiny_model_dir" if request.param == "bytes" else "qwen_model_dir")
+
+
 @pytest.fixture(autouse=True)
 def _default_port_shared(request):
     """Every test but the user's-own-server ones shares port 8000's lock (tests/ports.py)."""

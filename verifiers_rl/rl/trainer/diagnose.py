@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from verifiers_rl.errors import TrainingError
-from verifiers_rl.rl.trainer.prompts import prompt_length, tools_for
+from verifiers_rl.rl.trainer.prompts import prompt_length, template_kwargs, tools_for
 from verifiers_rl.rl.trainer.rollouts import Rollout
 
 logger = logging.getLogger(__name__)
@@ -35,12 +35,12 @@ def first_error(rollouts: list[Rollout], kind: str) -> str | None:
     return next((r.error for r in rollouts if r.error_kind == kind), None)
 
 
-def _longest_context(rollouts: list[Rollout], tokenizer, env) -> int | None:
+def _longest_context(rollouts: list[Rollout], tokenizer, env, chat_template_kwargs: dict) -> int | None:
     lengths = []
     for r in rollouts:
         if r.error_kind == "rejected" and r.context:
             try:
-                lengths.append(prompt_length(tokenizer, r.context, tools_for(env)))
+                lengths.append(prompt_length(tokenizer, r.context, tools_for(env), chat_template_kwargs))
             except Exception:  # noqa: BLE001 - a diagnosis must never mask the cause it reports
                 continue
     return max(lengths) if lengths else None
@@ -54,7 +54,8 @@ def explain_empty_step(
     n = len(rollouts)
     rejected, errored = counts.get("rollouts_rejected", 0), counts.get("rollouts_errored", 0)
     if n and rejected == n:
-        longest = _longest_context(rollouts, tokenizer, env) if tokenizer is not None else None
+        kwargs = template_kwargs(args.sampling_args)
+        longest = _longest_context(rollouts, tokenizer, env, kwargs) if tokenizer is not None else None
         limit = context_limit or args.server_max_len
         if longest is not None and longest + (args.max_tokens or 1) > limit:
             fix = "raise max_seq_len"

@@ -1,7 +1,10 @@
-"""Prompt lengths as the server sees them: chat template applied, the environment's tool schemas included.
+"""Prompt lengths as the server sees them: chat template applied with the run's template arguments, the
+environment's tool schemas included.
 
 A length check that ignores tool schemas lets through prompts the server then rejects (HTTP 400) on every
-request of a step, so the dataset filter and the empty-step diagnosis both measure through here.
+request of a step, so the dataset filter and the empty-step diagnosis both measure through here. The request's
+`chat_template_kwargs` change the rendering too (Qwen3's enable_thinking=false adds an empty think block: 4 tokens
+to every prompt).
 """
 
 from __future__ import annotations
@@ -37,10 +40,20 @@ def tools_for(env, row: dict | None = None) -> list[dict] | None:
     return openai_tools(getattr(env, "tool_defs", None))
 
 
-def prompt_length(tokenizer, prompt, tools: list[dict] | None = None) -> int:
+def template_kwargs(sampling_args: dict | None) -> dict:
+    """The `chat_template_kwargs` a request with these sampling_args carries (vLLM's field; extra_body is merged
+    over the top-level fields, as the OpenAI SDK sends it)."""
+    args = sampling_args or {}
+    extra = args.get("extra_body") or {}
+    return {**(args.get("chat_template_kwargs") or {}), **(extra.get("chat_template_kwargs") or {})}
+
+
+def prompt_length(tokenizer, prompt, tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> int:
     if isinstance(prompt, str):
         return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    ids = tokenizer.apply_chat_template(list(prompt), tools=tools, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        list(prompt), tools=tools, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {})
+    )
     return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -52,14 +65,15 @@ def filter_prompts(
     *,
     fix: str = "raise max_seq_len (or server_max_model_len), or lower max_tokens / max_prompt_len",
     context: tuple[int, int | None] | None = None,
+    chat_template_kwargs: dict | None = None,
 ):
-    """Drop rows whose rendered prompt (with tool schemas) exceeds max_prompt_len tokens, once, up front;
-    return (rows, dropped). Every row dropped is a TrainingError that says how long the prompts are and `fix`.
-    `context`: (the server's context, max_tokens), to say up front when a multi-turn environment's later turns
-    cannot fit."""
+    """Drop rows whose rendered prompt (with tool schemas and the run's `chat_template_kwargs`) exceeds
+    max_prompt_len tokens, once, up front; return (rows, dropped). Every row dropped is a TrainingError that says how
+    long the prompts are and `fix`. `context`: (the server's context, max_tokens), to say up front when a multi-turn
+    environment's later turns cannot fit."""
     if max_prompt_len is None or dataset is None or "prompt" not in dataset.column_names:
         return dataset, 0
-    lengths = [prompt_length(tokenizer, row["prompt"], tools_for(env, row)) for row in dataset]
+    lengths = [prompt_length(tokenizer, row["prompt"], tools_for(env, row), chat_template_kwargs) for row in dataset]
     keep_idx = [i for i, n in enumerate(lengths) if n <= max_prompt_len]
     dropped = len(dataset) - len(keep_idx)
     if dropped and not keep_idx:

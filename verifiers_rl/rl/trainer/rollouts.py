@@ -22,6 +22,9 @@ class Turn:
     completion_ids: list[int]
     completion_mask: list[int]
     completion_logprobs: list[float]
+    # where this turn's assistant message sits in its rollout's `messages`; None when the rollout's messages do not
+    # line up with its turns (an environment that rewrites its own history)
+    message_index: int | None = None
 
 
 @dataclass
@@ -40,6 +43,8 @@ class Rollout:
     error_kind: str | None = None
     context: list | None = None  # prompt + completion messages of a rejected rollout, to say how long it was
     context_full: bool = False  # a later turn outgrew the server's context: the rollout ended there, truncated
+    # prompt + completion as plain chat messages: where each turn's environment messages begin (samples.py)
+    messages: list[dict] | None = None
 
 
 PROMPT_TOO_LONG = "the server rejected the prompt as longer than its context (max_model_len)"
@@ -91,7 +96,10 @@ def rollouts_from_outputs(outputs: list[dict], groups: list[int], policy_version
     rollouts = []
     for out, group in zip(outputs, groups):
         turns = []
-        for turn in out.get("trajectory") or []:
+        messages = _messages(out)
+        trajectory = out.get("trajectory") or []
+        replies = assistant_positions(out, len(trajectory))
+        for step, turn in enumerate(trajectory):
             tokens = turn.get("tokens")
             if tokens is None:
                 continue
@@ -101,6 +109,7 @@ def rollouts_from_outputs(outputs: list[dict], groups: list[int], policy_version
                     list(tokens["completion_ids"]),
                     list(tokens["completion_mask"]),
                     list(tokens["completion_logprobs"]),
+                    message_index=replies[step] if replies else None,
                 )
             )
         versions = [int(v) for v in out.get(POLICY_VERSIONS_KEY) or [] if v is not None]
@@ -118,11 +127,29 @@ def rollouts_from_outputs(outputs: list[dict], groups: list[int], policy_version
                 prompt_text=_text(out.get("prompt")),
                 completion_text=_text(out.get("completion")),
                 error_kind=kind,
-                context=_messages(out) if kind == "rejected" else None,
+                context=messages if kind == "rejected" else None,
                 context_full=context_full(out),
+                messages=messages,
             )
         )
     return rollouts
+
+
+def assistant_positions(out: dict, steps: int) -> list[int] | None:
+    """Index in prompt + completion of each trajectory step's assistant message, or None when they do not pair up.
+
+    A verifiers multi-turn rollout's completion is its turns' assistant messages with the environment's messages
+    between them (MultiTurnEnv.render_completion), one assistant message per trajectory step."""
+    prompt, completion = out.get("prompt"), out.get("completion")
+    if not isinstance(completion, list):
+        return None
+    start = len(prompt) if isinstance(prompt, list) else 0
+    found = [start + i for i, m in enumerate(completion) if _role(m) == "assistant"]
+    return found if len(found) == steps else None
+
+
+def _role(message) -> str | None:
+    return message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
 
 
 def _messages(out: dict) -> list[dict]:

@@ -15,7 +15,7 @@ from verifiers_rl.rl.trainer.core_handoff import CoreHandoff
 from verifiers_rl.rl.trainer.metrics import rollout_metrics
 from verifiers_rl.rl.trainer.orchestrator import GenerationError, Orchestrator, RolloutBatch
 from verifiers_rl.rl.trainer.policy_sync import PolicySync
-from verifiers_rl.rl.trainer.prompts import filter_prompts
+from verifiers_rl.rl.trainer.prompts import filter_prompts, template_kwargs
 from verifiers_rl.rl.trainer.rollout_process import RolloutProcess, start_rollout_process
 from verifiers_rl.rl.trainer.rollouts import Rollout
 from verifiers_rl.rl.trainer.server_recovery import ServerRecovery
@@ -196,7 +196,10 @@ class InferenceRuntime:
             return rows, 0
         most = min(args.prompt_limit, room_for_prompt(limit, args.max_tokens))
         fix = f"start the server with a larger --max-model-len (it has {limit}), or lower max_tokens"
-        return filter_prompts(rows, tokenizer, most, self.env, fix=fix, context=(limit, args.max_tokens))
+        kwargs = template_kwargs(args.sampling_args)
+        return filter_prompts(
+            rows, tokenizer, most, self.env, fix=fix, context=(limit, args.max_tokens), chat_template_kwargs=kwargs
+        )
 
     def submit_ahead(self, global_step: int) -> None:
         if self.orchestrator is None:  # stopped: the server was lost after this step
@@ -278,7 +281,8 @@ class InferenceRuntime:
         it: see `RLTrainer.evaluate`, where every rank takes part in a sharded sync)."""
         args = self.args
         rows = self.env.get_eval_dataset(n=args.num_eval_examples or -1)
-        rows, _ = filter_prompts(rows, tokenizer, args.prompt_limit, self.env)
+        kwargs = template_kwargs(args.sampling_args)
+        rows, _ = filter_prompts(rows, tokenizer, args.prompt_limit, self.env, chat_template_kwargs=kwargs)
         rows, _ = self.fitting_rows(rows, tokenizer)
         orch = self.orchestrator or self._orchestrator(
             rows, rollouts_per_example=args.eval_rollouts_per_example, prompts_per_batch=1

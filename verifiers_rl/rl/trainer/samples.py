@@ -11,8 +11,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from verifiers_rl.rl.trainer.advantages import compute_advantages
+from verifiers_rl.rl.trainer.env_tokens import environment_tokens, extends
 from verifiers_rl.rl.trainer.metrics import rollout_metrics
-from verifiers_rl.rl.trainer.rollouts import Rollout
+from verifiers_rl.rl.trainer.prompts import template_kwargs
+from verifiers_rl.rl.trainer.rollouts import Rollout, Turn
 
 
 @dataclass
@@ -64,11 +66,16 @@ def build_samples(
     overlong_policy: str = "truncate",
     mask_env_responses: bool = True,
     mask_truncated_completions: bool = False,
+    tokenizer=None,
+    chat_template_kwargs: dict | None = None,
 ) -> tuple[list[Sample], Counter]:
     """One `Sample` per turn, and why rollouts and samples were left out.
 
     `sampler_logprobs` is NaN where no sampler logprob exists (environment tokens trained when
-    mask_env_responses=False); the loss then treats those tokens as on-policy (ratio 1).
+    mask_env_responses=False); the loss then treats those tokens as on-policy (ratio 1). Where a later turn's
+    prompt re-renders the history (it does not extend the previous turn's prompt + completion), the environment's
+    tokens are found by rendering its messages with `tokenizer`'s chat template and the run's
+    `chat_template_kwargs` (env_tokens.py); a turn where that does not match the server's prompt trains none.
     """
     samples, counts = [], Counter()
     for idx, (r, adv, ok) in enumerate(zip(rollouts, advantages, valid)):
@@ -81,16 +88,18 @@ def build_samples(
         if mask_truncated_completions and r.is_truncated:
             counts["rollouts_masked_truncated"] += 1
             continue
-        prev_end = 0
         for k, turn in enumerate(r.turns):
             p, c = turn.prompt_ids, turn.completion_ids
             loss_mask = [False] * len(p) + [bool(m) for m in turn.completion_mask]
             logps = [0.0] * len(p) + [float(x) for x in turn.completion_logprobs]
-            if not mask_env_responses and k > 0 and prev_end < len(p):
-                # tokens the environment added since the previous turn's completion
-                for t in range(prev_end, len(p)):
-                    loss_mask[t], logps[t] = True, math.nan
-            prev_end = len(p) + len(c)
+            if k > 0:
+                rerendered = not extends(p, r.turns[k - 1].prompt_ids + r.turns[k - 1].completion_ids)
+                counts["turns_history_rerendered"] += rerendered
+                if not mask_env_responses:
+                    start = env_start(r, k, rerendered, tokenizer, chat_template_kwargs)
+                    counts["turns_env_unmatched"] += start is None
+                    for t in range(len(p) if start is None else start, len(p)):
+                        loss_mask[t], logps[t] = True, math.nan
             ids = p + c
             if len(ids) > max_seq_len:
                 if overlong_policy == "drop" or len(p) >= max_seq_len:
@@ -106,7 +115,33 @@ def build_samples(
     return samples, counts
 
 
-def prepare_batch(rollouts: list[Rollout], args, current_version: int) -> PreparedBatch:
+def env_start(r: Rollout, k: int, rerendered: bool, tokenizer, chat_template_kwargs: dict | None) -> int | None:
+    """Where the environment's tokens begin in turn k's prompt (they run to its end); None when not found."""
+    turn, previous = r.turns[k], r.turns[k - 1]
+    if not rerendered:  # the prompt extends what was sampled: what follows it is the environment's
+        return len(previous.prompt_ids) + len(previous.completion_ids)
+    if tokenizer is None or not r.messages or not _paired(turn, previous):
+        return None
+    n = environment_tokens(
+        tokenizer,
+        r.messages[: turn.message_index],
+        previous.message_index,
+        turn.prompt_ids,
+        previous.completion_ids,
+        chat_template_kwargs,
+    )
+    return None if n is None else len(turn.prompt_ids) - n
+
+
+def _paired(turn: Turn, previous: Turn) -> bool:
+    return (
+        previous.message_index is not None
+        and turn.message_index is not None
+        and previous.message_index < turn.message_index
+    )
+
+
+def prepare_batch(rollouts: list[Rollout], args, current_version: int, tokenizer=None) -> PreparedBatch:
     """Advantages from rewards grouped by prompt, samples with masks, and the step's rollout metrics."""
     rewards = effective_rewards(rollouts, args.zero_truncated_completions)
     adv = compute_advantages(rewards, [r.group for r in rollouts], scale=args.scale_rewards)
@@ -118,6 +153,8 @@ def prepare_batch(rollouts: list[Rollout], args, current_version: int) -> Prepar
         overlong_policy=args.overlong_policy,
         mask_env_responses=args.mask_env_responses,
         mask_truncated_completions=args.mask_truncated_completions,
+        tokenizer=tokenizer,
+        chat_template_kwargs=template_kwargs(args.sampling_args),
     )
     metrics = rollout_metrics(rollouts)
     metrics.update(
@@ -131,6 +168,10 @@ def prepare_batch(rollouts: list[Rollout], args, current_version: int) -> Prepar
             "samples": float(len(samples)),
             "samples_overlong_truncated": float(counts["samples_overlong_truncated"]),
             "samples_overlong_dropped": float(counts["samples_overlong_dropped"]),
+            # later turns whose prompt re-rendered the history (e.g. Qwen3 dropping earlier <think> blocks), and of
+            # those trained with mask_env_responses=False, the ones whose environment tokens were not found
+            "turns_history_rerendered": float(counts["turns_history_rerendered"]),
+            "turns_env_unmatched": float(counts["turns_env_unmatched"]),
             "async_lag": float(current_version - min((r.policy_version for r in rollouts), default=current_version)),
         }
     )

@@ -40,7 +40,7 @@ from verifiers_rl.rl.trainer.diagnose import EmptySteps, report_failures
 from verifiers_rl.rl.trainer.hooks import StartInference, SubmitRollouts, SyncWeights
 from verifiers_rl.rl.trainer.policy_step import run_microbatches
 from verifiers_rl.rl.trainer.preemption import PreemptionGuard, StepAbandoned, StopOnSignal
-from verifiers_rl.rl.trainer.prompts import filter_prompts
+from verifiers_rl.rl.trainer.prompts import filter_prompts, template_kwargs
 from verifiers_rl.rl.trainer.reward_checks import check_dataset, check_reward_inputs, guard_rewards, training_dataset
 from verifiers_rl.rl.trainer.runtime import InferenceRuntime
 from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch
@@ -115,7 +115,12 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         check_reward_inputs(env, dataset)
         guard_rewards(env)
         self.train_rows, self.prompts_filtered = filter_prompts(
-            dataset, processing_class, args.prompt_limit, env, context=(args.server_max_len, args.max_tokens)
+            dataset,
+            processing_class,
+            args.prompt_limit,
+            env,
+            context=(args.server_max_len, args.max_tokens),
+            chat_template_kwargs=template_kwargs(args.sampling_args),
         )
         self.runtime = InferenceRuntime(args, model_path, env)
         self.resume_from: str | None = None
@@ -294,7 +299,9 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         if self.is_world_process_zero():
             with self._guard.waiting_for_rollouts() if self._guard else contextlib.nullcontext():
                 batch = self.runtime.next_batch(self.state.global_step)
-            prepared = prepare_batch(batch.rollouts, args, current_version=self.state.global_step)
+            prepared = prepare_batch(
+                batch.rollouts, args, current_version=self.state.global_step, tokenizer=self.processing_class
+            )
             iteration = self.state.global_step % args.num_iterations  # > 0: a batch trained again (num_iterations)
             prepared.metrics["timing/generation_s"] = 0.0 if iteration else batch.generation_seconds
             prepared.metrics["batch_iteration"] = float(iteration)
