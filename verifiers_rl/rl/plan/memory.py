@@ -13,18 +13,25 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
+
+from verifiers_rl.errors import ConfigError
 
 GIB = 1 << 30
 CUDA_CONTEXT = int(0.6 * GIB)  # per process: CUDA context + allocator slack
 VLLM_RESERVE = int(1.5 * GIB)  # vLLM's activations at warm-up, sampler and graph buffers (enforce-eager: less)
-LOGPROB_CHUNKS = 2 * (64 << 20)  # chunked_logprobs' logits budget, forward and backward
+LOGPROB_CHUNKS = 2 * (64 << 20)  # chunked_logprobs' logits budget, forward and backward (the old planner's figure)
+CHUNK_LOGITS_BYTES = 64 << 20  # logprobs.CHUNK_LOGITS_BYTES (that module imports torch; this one must not)
 LORA_TARGETS = 7  # q, k, v, o, gate, up, down
-# Activation bytes per token and layer, in units of (bytes per element x hidden) and (x intermediate), fitted to
-# full fine-tuning peaks on an H100 (Qwen3-0.6B shape, bf16, SDPA); peft's LoRA layers keep ~1.55x that (their
-# float32 adapter path), measured the same way.
-ACT_HIDDEN, ACT_INTERMEDIATE, LORA_ACTIVATIONS = 12.0, 6.0, 1.55
+FLOAT32 = 4
+# Bytes per token outside the decoder layers, in units of (bytes per element x hidden): the embedding output, the
+# final norm, the trained positions' hidden states handed to the head, and the backward's transient gradients of
+# one layer. Fitted to CPU peaks of Qwen3-0.6B's layer shape in bf16 with SDPA (tests/unit/test_plan_memory.py).
+ACT_FIXED = 10.0
+Layout = Literal["ddp", "zero3", "fsdp2"]
+Measure = Literal["activation_checkpointing", "micro_batch_tokens"]
 
 
 @dataclass(frozen=True)
@@ -94,25 +101,104 @@ def lora_params(shape: ModelShape, rank: int) -> int:
     return shape.layers * rank * per_layer
 
 
+def layer_activation_bytes(shape: ModelShape, *, use_lora: bool, lora_rank: int, param_bytes: int = 2) -> int:
+    """Bytes one decoder layer keeps for backward, per token: the tensors autograd saves in a Llama/Qwen-style
+    layer under SDPA, counted from what the layer computes (and checked against measured peaks on CPU):
+
+    - each RMSNorm keeps its float32 input, and, when its weight trains, its cast back and the scaled output;
+    - attention keeps q and k after their norms (float32 input, and the cast when the norm weight trains), after
+      RoPE, v, k and v repeated to all heads (packed rows carry a mask, and with a mask transformers repeats them
+      instead of using SDPA's GQA), and the attention output;
+    - the MLP keeps gate, up, silu(gate) and, when down_proj trains, its input;
+    - peft's LoRA layers keep a float32 copy of each adapted projection's input (the adapter runs in float32) and
+      the rank-r output of A, while the frozen base projections keep nothing.
+    """
+    b, h, i = param_bytes, shape.hidden, shape.intermediate
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    attention = FLOAT32 * (q + kv) + b * (4 * q + 2 * kv)
+    if use_lora:
+        norms = 2 * FLOAT32 * h
+        adapters = FLOAT32 * ((3 * h) + q + (2 * h) + i + LORA_TARGETS * lora_rank)  # q/k/v, o, gate/up, down
+        return norms + attention + adapters + 3 * b * i
+    return 2 * (FLOAT32 * h + 2 * b * h) + attention + b * (q + kv) + 4 * b * i
+
+
+def activation_bytes(shape: ModelShape, *, use_lora: bool, lora_rank: int, micro_batch_tokens: int,
+                     max_seq_len: int | None, activation_checkpointing: bool,
+                     param_bytes: int = 2) -> int:  # fmt: skip
+    """One micro-batch's activations at their peak (the start of backward). Packing bounds a micro-batch by its
+    token budget, so this is linear in `micro_batch_tokens`; SDPA's mask over packed rows as wide as the longest
+    sample (`max_seq_len` at worst) adds rows x width^2 = tokens x width per layer, in the weights' dtype as torch
+    converts a boolean mask. With checkpointing each layer keeps only its input, and one layer is recomputed at a
+    time."""
+    per_layer = layer_activation_bytes(shape, use_lora=use_lora, lora_rank=lora_rank, param_bytes=param_bytes)
+    width = min(max_seq_len or micro_batch_tokens, micro_batch_tokens)
+    per_layer += width * param_bytes
+    fixed = ACT_FIXED * param_bytes * shape.hidden
+    if activation_checkpointing:
+        per_token = shape.layers * param_bytes * shape.hidden + per_layer + fixed
+    else:
+        per_token = shape.layers * per_layer + fixed
+    return int(micro_batch_tokens * per_token)
+
+
+def chunk_rows(vocab: int) -> int:
+    """logprobs.auto_chunk_size: rows whose float32 logits take ~CHUNK_LOGITS_BYTES."""
+    return max(32, min(4096, CHUNK_LOGITS_BYTES // (FLOAT32 * max(vocab, 1))))
+
+
+def logprob_bytes(shape: ModelShape, *, trains_head: bool, param_bytes: int = 2) -> int:
+    """chunked_logprobs never holds the micro-batch's logits: one chunk's float32 logits in forward, their
+    softmax (float32) and its cast in backward; when the head trains, backward accumulates its [V, H] gradient
+    in a buffer of its own before autograd adds it to the weight's gradient."""
+    chunk = chunk_rows(shape.vocab) * shape.vocab * (2 * FLOAT32 + param_bytes)
+    return chunk + (shape.vocab * shape.hidden * param_bytes if trains_head else 0)
+
+
+def rank_parts(shape: ModelShape, *, layout: Layout, ranks: int, use_lora: bool, lora_rank: int,
+               micro_batch_tokens: int, max_seq_len: int | None, activation_checkpointing: bool,
+               param_bytes: int = 2) -> dict[str, int]:  # fmt: skip
+    """One trainer rank's peak by part. ZeRO-3 and FSDP2 divide parameters, gradients and optimizer state by the
+    number of ranks; DDP keeps them whole on every rank; activations are per rank either way. A LoRA adapter
+    trains in float32 (peft's default): weight 4 bytes, gradient 4, two AdamW moments 8."""
+    shard = ranks if layout in ("zero3", "fsdp2") else 1
+    if use_lora:
+        trainable, grad_bytes, optim_bytes = lora_params(shape, lora_rank), FLOAT32, 2 * FLOAT32
+        adapter = trainable * FLOAT32
+    else:
+        trainable, grad_bytes, optim_bytes, adapter = shape.params, param_bytes, 2 * param_bytes, 0
+    parts = {
+        "parameters": shape.params * param_bytes // shard + adapter,
+        "gradients": trainable * grad_bytes // shard,
+        "optimizer": trainable * optim_bytes // shard,
+        "activations": activation_bytes(
+            shape,
+            use_lora=use_lora,
+            lora_rank=lora_rank,
+            micro_batch_tokens=micro_batch_tokens,
+            max_seq_len=max_seq_len,
+            activation_checkpointing=activation_checkpointing,
+            param_bytes=param_bytes,
+        ),  # fmt: skip
+        "logprobs": logprob_bytes(shape, trains_head=not use_lora, param_bytes=param_bytes),
+        "cuda_context": CUDA_CONTEXT,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
 def trainer_bytes(shape: ModelShape, *, use_lora: bool, lora_rank: int, micro_batch_tokens: int,
-                  gradient_checkpointing: bool, param_bytes: int = 2) -> dict[str, int]:  # fmt: skip
-    """The trainer's peak, by part: weights, trainable state, activations of one micro-batch, logprob chunks,
-    CUDA context."""
+                  gradient_checkpointing: bool, param_bytes: int = 2,
+                  max_seq_len: int | None = None) -> dict[str, int]:  # fmt: skip
+    """One process's peak, by part, in the old planner's names (weights, trainable_state, activations, logprobs,
+    cuda_context, total): `rank_parts` for a single DDP rank."""
+    p = rank_parts(
+        shape, layout="ddp", ranks=1, use_lora=use_lora, lora_rank=lora_rank, micro_batch_tokens=micro_batch_tokens,
+        max_seq_len=max_seq_len, activation_checkpointing=gradient_checkpointing, param_bytes=param_bytes,
+    )  # fmt: skip
     weights = shape.params * param_bytes
-    if use_lora:
-        # peft keeps adapter weights in float32: weight + gradient + two AdamW moments
-        state = lora_params(shape, lora_rank) * 16
-    else:
-        state = shape.params * (param_bytes + 2 * param_bytes)  # gradient + AdamW moments in the weights' dtype
-    per_layer = param_bytes * (ACT_HIDDEN * shape.hidden + ACT_INTERMEDIATE * shape.intermediate)
-    if use_lora:
-        per_layer *= LORA_ACTIVATIONS
-    if gradient_checkpointing:  # each layer's input is kept; one layer is recomputed at a time
-        acts = micro_batch_tokens * (shape.layers * param_bytes * shape.hidden + per_layer)
-    else:
-        acts = micro_batch_tokens * shape.layers * per_layer
-    parts = {"weights": weights, "trainable_state": state, "activations": int(acts), "logprobs": LOGPROB_CHUNKS,
-             "cuda_context": CUDA_CONTEXT}  # fmt: skip
+    parts = {"weights": weights, "trainable_state": p["parameters"] - weights + p["gradients"] + p["optimizer"],
+             "activations": p["activations"], "logprobs": p["logprobs"], "cuda_context": p["cuda_context"]}  # fmt: skip
     parts["total"] = sum(parts.values())
     return parts
 
@@ -166,3 +252,185 @@ def plan_shared_gpu(shape: ModelShape, gpu_bytes: int, *, use_lora: bool, lora_r
         )
     utilization = int(100 * vllm_budget / gpu_bytes) / 100
     return SharedGpuPlan(gpu_bytes, trainer, vllm_weights, kv, kv // per_token, utilization)
+
+
+PART_NAMES = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer",
+              "activations": "activations", "logprobs": "logprob chunks", "cuda_context": "CUDA context"}  # fmt: skip
+_HOW = {"ddp": "whole on every rank", "zero3": "ZeRO-3 shards", "fsdp2": "FSDP2 shards"}
+TOKEN_STEP = 256  # a chosen micro_batch_tokens is a multiple of this (and at least max_seq_len)
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """The memory plan of a run: one trainer rank's peak by part, what the planner changed to make it fit (RLConfig
+    fields and values, to apply before launch) and why, and vLLM's share of a GPU it shares with the trainer."""
+
+    layout: Layout
+    ranks: int
+    gpu_bytes: int
+    parts: dict[str, int]  # one trainer rank's peak by part (rank_parts), plus "total"
+    measures: dict[str, object] = field(default_factory=dict)  # {} when the run fits as configured
+    reasons: list[str] = field(default_factory=list)  # one line per measure: what and why
+    gpu_memory_utilization: float | None = None  # vLLM's fraction of a GPU shared with the trainer, else None
+    vllm: dict[str, int] | None = None  # shared GPU: vLLM's weights, reserve, kv_cache and kv_tokens
+
+    def describe(self) -> list[str]:
+        p = self.parts
+        terms = " + ".join(f"{name} {p[key] / GIB:.2f}" for key, name in PART_NAMES.items())
+        lines = [
+            f"each of {self.ranks} trainer rank(s) ({_HOW[self.layout]}): {terms} = ~{p['total'] / GIB:.1f} GiB "
+            f"of {self.gpu_bytes / GIB:.1f} GiB"
+        ]
+        lines += [f"  chose {reason}" for reason in self.reasons]
+        if self.vllm is not None and self.gpu_memory_utilization is not None:
+            v = self.vllm
+            lines.append(
+                f"  vLLM --gpu-memory-utilization {self.gpu_memory_utilization:.2f} on the same GPU = weights "
+                f"{v['weights'] / GIB:.1f} + reserve {v['reserve'] / GIB:.1f} + KV cache {v['kv_cache'] / GIB:.1f} "
+                f"GiB (~{v['kv_tokens']:,} tokens in flight)"
+            )
+        return lines
+
+
+def fit_training(shape: ModelShape, gpu_bytes: int, *, layout: Layout, ranks: int, use_lora: bool, lora_rank: int,
+                 micro_batch_size: int, max_seq_len: int, micro_batch_tokens: int | None,
+                 activation_checkpointing: bool | None, shared_with_server: bool,
+                 gpu_memory_utilization: float | None = None, param_bytes: int = 2,
+                 headroom: float = 0.1) -> MemoryFit:  # fmt: skip
+    """Plan one trainer rank's memory, and vLLM's share when it shares the GPU.
+
+    `micro_batch_tokens` and `activation_checkpointing` are None when the user did not set them: the planner may
+    then choose them. The run as configured is tried first; if it does not fit, the cheapest measure that does:
+    activation checkpointing (costs one extra forward per layer), then the largest token budget per micro-batch
+    that fits (>= max_seq_len, so one full sample always fits). A GPU shared with the server must also hold vLLM's
+    weights, a reserve and the KV cache of one full sequence, plus `headroom` on the trainer's estimate; a
+    `gpu_memory_utilization` the user wrote is kept and the trainer must fit beside it. A ConfigError (one line)
+    names what to change when nothing fits, never a setting that is already so.
+    """
+    vllm_fixed = shape.params * param_bytes + VLLM_RESERVE
+    one_sequence = kv_bytes_per_token(shape, param_bytes) * max_seq_len
+    if not shared_with_server:
+        budget = gpu_bytes
+    elif gpu_memory_utilization is not None:
+        budget = int((gpu_bytes - gpu_memory_utilization * gpu_bytes) / (1 + headroom))
+    else:
+        budget = int((gpu_bytes - CUDA_CONTEXT - vllm_fixed - one_sequence) / (1 + headroom))
+
+    def parts(tokens: int, checkpointing: bool) -> dict[str, int]:
+        return rank_parts(
+            shape, layout=layout, ranks=ranks, use_lora=use_lora, lora_rank=lora_rank, micro_batch_tokens=tokens,
+            max_seq_len=max_seq_len, activation_checkpointing=checkpointing, param_bytes=param_bytes,
+        )  # fmt: skip
+
+    tokens = micro_batch_tokens or micro_batch_size * max_seq_len
+    checkpointing = bool(activation_checkpointing)
+    configured = chosen = parts(tokens, checkpointing)
+    measures: dict[str, object] = {}
+    reasons: list[str] = []
+    if chosen["total"] > budget and activation_checkpointing is None:
+        checkpointing, before = True, chosen
+        chosen = parts(tokens, checkpointing)
+        measures["activation_checkpointing"] = True
+        reasons.append(
+            f"activation_checkpointing = true: activations {before['activations'] / GIB:.1f} -> "
+            f"{chosen['activations'] / GIB:.1f} GiB for {tokens:,} tokens a micro-batch "
+            f"(one rank ~{before['total'] / GIB:.1f} GiB, {budget / GIB:.1f} GiB available)"
+        )
+    if chosen["total"] > budget and micro_batch_tokens is None:
+        fit = _largest_budget(lambda t: parts(t, checkpointing)["total"] <= budget, max_seq_len, tokens)
+        if fit is None:  # what one full sample alone needs, for the refusal
+            chosen = parts(max_seq_len, checkpointing)
+        else:
+            before, chosen = chosen, parts(fit, checkpointing)
+            measures["micro_batch_tokens"] = fit
+            reasons.append(
+                f"micro_batch_tokens = {fit}: the worst case micro_batch_size x max_seq_len = {tokens:,} tokens "
+                f"needs ~{before['total'] / GIB:.1f} GiB a rank, {budget / GIB:.1f} GiB available; packing "
+                f"bounds a micro-batch by this budget (activations {chosen['activations'] / GIB:.1f} GiB)"
+            )
+    if chosen["total"] > budget:
+        raise ConfigError(
+            _refusal(
+                configured,
+                chosen,
+                budget,
+                gpu_bytes,
+                layout,
+                use_lora,
+                checkpointing,
+                micro_batch_tokens,
+                max_seq_len,
+                shared_with_server,
+                gpu_memory_utilization,
+            )  # fmt: skip
+        )
+    if not shared_with_server:
+        return MemoryFit(layout, ranks, gpu_bytes, chosen, measures, reasons)
+    if gpu_memory_utilization is None:
+        vllm_budget = gpu_bytes - int(chosen["total"] * (1 + headroom)) - CUDA_CONTEXT
+        gpu_memory_utilization = int(100 * vllm_budget / gpu_bytes) / 100
+    kv = int(gpu_memory_utilization * gpu_bytes) - vllm_fixed
+    if kv < one_sequence:
+        raise ConfigError(
+            f"[inference.args] gpu_memory_utilization = {gpu_memory_utilization} gives vLLM "
+            f"{gpu_memory_utilization * gpu_bytes / GIB:.1f} GiB of {gpu_bytes / GIB:.1f}, less than its weights and "
+            f"reserve ({vllm_fixed / GIB:.1f} GiB) plus the KV cache of one {max_seq_len}-token sequence "
+            f"({one_sequence / GIB:.2f} GiB): raise it, or leave it unset and the planner splits the GPU"
+        )
+    vllm = {"weights": shape.params * param_bytes, "reserve": VLLM_RESERVE, "kv_cache": kv,
+            "kv_tokens": kv // kv_bytes_per_token(shape, param_bytes)}  # fmt: skip
+    return MemoryFit(layout, ranks, gpu_bytes, chosen, measures, reasons, gpu_memory_utilization, vllm)
+
+
+def _largest_budget(fits, low: int, high: int) -> int | None:
+    """The largest token budget in [low, high] (a multiple of TOKEN_STEP above `low`) for which `fits` holds;
+    None when even `low` does not. Memory grows with the budget, so a bisection finds it."""
+    if not fits(low):
+        return None
+    lo, hi = 0, (high - low) // TOKEN_STEP  # candidate k: low rounded up to the step, plus k steps
+    base = -(-low // TOKEN_STEP) * TOKEN_STEP
+    if base > high or not fits(base):
+        return low
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if base + mid * TOKEN_STEP <= high and fits(base + mid * TOKEN_STEP):
+            lo = mid
+        else:
+            hi = mid - 1
+    return base + lo * TOKEN_STEP
+
+
+def _refusal(configured: dict[str, int], best: dict[str, int], budget: int, gpu_bytes: int, layout: Layout,
+             use_lora: bool, checkpointing: bool, micro_batch_tokens: int | None, max_seq_len: int,
+             shared: bool, gpu_memory_utilization: float | None) -> str:  # fmt: skip
+    """One line: what one rank needs at best, what it has, and only the settings whose change would help."""
+    if layout == "ddp":  # every rank holds the whole model: more ranks do not help, sharding does
+        fixes = ["shard the model over the trainer GPUs (trainer.accelerate_config with DeepSpeed ZeRO-3 or FSDP2)"]
+    else:
+        fixes = ["more trainer GPUs ([trainer] gpus, or more nodes)"]
+    if not use_lora:
+        fixes.append("LoRA (use_lora = true)")
+    if not checkpointing:
+        fixes.append("activation_checkpointing = true")
+    if micro_batch_tokens is not None and micro_batch_tokens > max_seq_len:
+        fixes.append(f"a smaller micro_batch_tokens (now {micro_batch_tokens})")
+    fixes.append(f"a shorter max_seq_len (now {max_seq_len})")
+    if shared and gpu_memory_utilization is None:
+        fixes.append("a GPU of its own for the server ([inference] gpus = 1)")
+    terms = ", ".join(f"{name} {best[key] / GIB:.2f}" for key, name in PART_NAMES.items())
+    at_best = f"~{best['total'] / GIB:.1f} GiB ({terms})"
+    if best is not configured:
+        at_best += (
+            f" even at the smallest setting the planner may choose (as configured ~{configured['total'] / GIB:.1f})"
+        )
+    if shared and gpu_memory_utilization is not None:
+        room = (
+            f"the {gpu_bytes / GIB:.1f} GiB GPU less vLLM's gpu_memory_utilization = {gpu_memory_utilization} "
+            f"({gpu_memory_utilization * gpu_bytes / GIB:.1f} GiB) leaves {budget / GIB:.1f} GiB"
+        )
+        fixes.insert(0, "a smaller [inference.args] gpu_memory_utilization (or unset, for the planner to split)")
+    elif shared:
+        room = f"the {gpu_bytes / GIB:.1f} GiB GPU it shares with vLLM leaves {budget / GIB:.1f} GiB"
+    else:
+        room = f"its GPU has {gpu_bytes / GIB:.1f} GiB"
+    return f"one trainer rank needs {at_best}, {room}: change to fit: {', '.join(fixes)}"

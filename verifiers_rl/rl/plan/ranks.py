@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verifiers_rl.errors import ConfigError
-from verifiers_rl.rl.plan.memory import CUDA_CONTEXT, GIB, LOGPROB_CHUNKS, ModelShape, lora_params, trainer_bytes
+from verifiers_rl.rl.plan.memory import GIB, ModelShape, rank_parts
 
 LAYOUTS = ("ddp", "zero3", "fsdp2")
 
@@ -78,26 +78,14 @@ class RankMemory:
 
 def rank_memory(shape: ModelShape, *, layout: str, ranks: int, use_lora: bool, lora_rank: int,
                 micro_batch_tokens: int, gradient_checkpointing: bool, param_bytes: int = 2) -> RankMemory:  # fmt: skip
-    """One trainer rank's peak by part (the same constants as the one-GPU planner, `memory.trainer_bytes`)."""
-    parts = trainer_bytes(
-        shape, use_lora=use_lora, lora_rank=lora_rank, micro_batch_tokens=micro_batch_tokens,
-        gradient_checkpointing=gradient_checkpointing, param_bytes=param_bytes,
+    """One trainer rank's peak by part (memory.rank_parts, which fit_training plans with)."""
+    p = rank_parts(
+        shape, layout=layout, ranks=ranks, use_lora=use_lora, lora_rank=lora_rank,
+        micro_batch_tokens=micro_batch_tokens, max_seq_len=None, activation_checkpointing=gradient_checkpointing,
+        param_bytes=param_bytes,
     )  # fmt: skip
-    shard = ranks if layout in ("zero3", "fsdp2") else 1
-    if use_lora:  # float32 adapter: gradient 4 bytes, two AdamW moments 8
-        trainable, grad_bytes, optim_bytes = lora_params(shape, lora_rank), 4, 8
-        adapter = trainable * 4
-    else:  # gradient and moments in the weights' dtype
-        trainable, grad_bytes, optim_bytes, adapter = shape.params, param_bytes, 2 * param_bytes, 0
-    return RankMemory(
-        layout=layout,
-        ranks=ranks,
-        parameters=parts["weights"] // shard + adapter,
-        gradients=trainable * grad_bytes // shard,
-        optimizer=trainable * optim_bytes // shard,
-        activations=parts["activations"],
-        other=LOGPROB_CHUNKS + CUDA_CONTEXT,
-    )
+    return RankMemory(layout, ranks, p["parameters"], p["gradients"], p["optimizer"], p["activations"],
+                      p["logprobs"] + p["cuda_context"])  # fmt: skip
 
 
 def check_fits(memory: RankMemory, gpu_bytes: int) -> None:
