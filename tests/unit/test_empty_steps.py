@@ -6,7 +6,7 @@ import pytest
 
 from verifiers_rl.errors import TrainingError
 from verifiers_rl.rl.inference.limits import request_fits, room_for_prompt
-from verifiers_rl.rl.trainer.diagnose import EmptySteps, configuration_error, summarize
+from verifiers_rl.rl.trainer.diagnose import EmptySteps, configuration_error, explain_empty_step, summarize
 from verifiers_rl.rl.trainer.rollouts import Rollout
 from verifiers_rl.rl.trainer.samples import PreparedBatch
 
@@ -29,6 +29,17 @@ def test_one_configuration_error_in_every_rollout_is_recognised():
     assert configuration_error([_rollout(key, "errored"), _rollout(module, "errored")]) is None
     assert configuration_error([_rollout(key, "errored"), _rollout()]) is None
     assert configuration_error([]) is None
+
+
+def test_every_rollout_failing_on_a_bug_of_its_own_code_is_not_blamed_on_keys():
+    def cause(error: str) -> str:
+        return explain_empty_step([_rollout(error, "errored")] * 8, Counter(rollouts_errored=8), args=None)
+
+    bug = cause("reward function has_vowel raised NameError: name 're' is not defined")
+    assert "a NameError is a bug in the environment's own code" in bug and "API keys" not in bug
+    assert "UnboundLocalError is a bug" in cause("UnboundLocalError(\"cannot access local variable 'x'\")")
+    for requirement in ("SandboxCreationError(APIError('No API key configured.'))", "ValueError: judge unreachable"):
+        assert "check the environment's requirements (API keys" in cause(requirement)
 
 
 def test_a_configuration_error_stops_at_its_step_and_empty_steps_after_the_limit():

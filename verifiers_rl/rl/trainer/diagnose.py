@@ -9,6 +9,7 @@ error (a missing API key or module), and at the end of a run that trained nothin
 from __future__ import annotations
 
 import logging
+import re
 
 from verifiers_rl.errors import TrainingError
 from verifiers_rl.rl.trainer.prompts import prompt_length, template_kwargs, tools_for
@@ -68,6 +69,13 @@ def explain_empty_step(
         return f"all {n} requests were rejected by the server (first: {first_error(rollouts, 'rejected')})"
     if n and rejected + errored == n:
         cause = first_error(rollouts, "errored") or first_error(rollouts, "rejected")
+        bug = code_error(cause)
+        if bug is not None:
+            return (
+                f"every rollout failed ({errored} errored, {rejected} rejected; first: {cause}); a {bug} is a bug in "
+                "the environment's own code (a reward function, parser or environment method), not a missing key or "
+                "extra: call that code on one completion in your own process"
+            )
         return (
             f"every rollout failed ({errored} errored, {rejected} rejected; first: {cause}); check the environment's "
             "requirements (API keys of judges or sandboxes, installed extras) with `vf-eval`"
@@ -86,6 +94,16 @@ def explain_empty_step(
     if counts.get("rollouts_nonfinite_reward", 0):
         return "every reward was NaN or infinite: check the environment's reward functions"
     return f"no rollout produced a trained token ({dict(counts)})"
+
+
+# exceptions no API key or installed extra fixes: the code itself is wrong (a missing module stays a requirement)
+_CODE_ERRORS = re.compile(r"\b(NameError|UnboundLocalError|AttributeError|TypeError|SyntaxError)\b")
+
+
+def code_error(cause: str | None) -> str | None:
+    """The exception type in an error text when it is a fault of the code that raised it."""
+    found = _CODE_ERRORS.search(cause or "")
+    return found.group(1) if found else None
 
 
 # what a configuration error says, whoever raised it: a missing key or credential, a missing module or extra

@@ -9,13 +9,18 @@ versions, the no-sync-inside-a-batch rule, checkpoints); the child only runs `en
 sent and sends back the parts of each output the trainer reads.
 
 The environment object crosses with dill (verifiers' parsers hold lambdas, and a notebook's reward functions live
-in `__main__`, neither of which the standard pickle takes); one that cannot be copied, or that fails to load in the
-child, is generated in the trainer's process as before, with a log line saying why. Protocol, over a socket pair
-with `multiprocessing.connection` framing (pickled tuples):
+in `__main__`, neither of which the standard pickle takes). The child's `__main__` is this module, not the user's
+script or notebook: a function of the user's `__main__` crosses by value together with the globals it reads (its
+imports, helpers, constants, compiled patterns, classes), each function with its own copy of them (`copy_of`).
+One that cannot be copied, or that fails to load in the child, is generated in the trainer's process as before,
+with a log line saying why; so is one whose reward functions fail in the child, on the first training example,
+where they do not in the trainer's process (`reward_failures`, run there first, here only if it found any).
+Protocol, over a socket pair with `multiprocessing.connection` framing (pickled tuples):
 
     trainer -> child: ("init", sys_path, env_bytes) ("connect", base_url, model, api_key, timeout, seed,
-                      max_concurrent) ("generate", id, inputs, sampling_args) ("cancel", id) ("close",)
-    child -> trainer: ("ready",) ("failed", why) ("done", id, outputs) ("error", id, type, message, where)
+                      max_concurrent) ("generate", id, inputs, sampling_args) ("check", id, input) ("cancel", id)
+                      ("close",)
+    child -> trainer: ("ready",) ("failed", why) ("done", id, outputs | failures) ("error", id, type, message, where)
                       ("stages", [(stage, function, since), ...])
 
 The child is a `python -m` subprocess, not a multiprocessing "spawn" one: spawn re-runs the user's `__main__`,
@@ -29,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import inspect
+import io
 import itertools
 import logging
 import os
@@ -39,6 +46,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from multiprocessing.connection import Connection
 
 from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY, REWARD_ERRORS_KEY
@@ -118,6 +126,81 @@ def _plain(messages):
     return [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
 
 
+def copy_of(env) -> bytes:
+    """`env` as dill bytes the child can load. dill copies a function of `__main__` (a training script, a notebook's
+    cells) by value but leaves its globals behind: in the child they would be this module's, and the function's first
+    use of `re` or of a helper of the script is a NameError. Such functions take the globals they read along
+    (dill's `recurse`, followed into the helpers they call); functions of importable modules keep crossing by
+    reference, with their module's own globals, as before."""
+    import dill  # datasets' own pickler: it ships with every install of ours
+
+    class ScriptPickler(dill.Pickler):
+        def save(self, obj, save_persistent_id=True):
+            if isinstance(obj, types.FunctionType):
+                self._recurse = obj.__module__ == "__main__"  # dill reads it once, as it starts on a function
+            super().save(obj, save_persistent_id)
+
+    buffer = io.BytesIO()
+    ScriptPickler(buffer).dump(env)
+    return buffer.getvalue()
+
+
+async def reward_failures(env, row: dict, client, model: str) -> list[str]:
+    """Every reward function of `env` on one training example, answered with its own `answer`: how each one that
+    fails does ("reward function NAME raised TYPE: message"). The same example in both processes tells code that does
+    not run in the rollout process (a name its copy lacks) from code that fails wherever it runs."""
+    from verifiers_rl.rl.trainer.reward_checks import _rubrics
+
+    try:
+        state = await env.init_state(row, client, model)
+    except Exception as e:  # noqa: BLE001 - compared between the processes, not raised
+        return [f"the environment's init_state raised {type(e).__name__}: {e}"]
+    state["completion"] = _answer_of(row, state.get("answer"))
+    failures = []
+    for rubric in _rubrics(env.rubric):
+        for func in getattr(rubric, "funcs", None) or []:
+            recorded = len(state.get(REWARD_ERRORS_KEY) or [])
+            try:
+                await _score(rubric, func, state)
+            except Exception as e:  # noqa: BLE001 - a metric's error: guarded reward functions record theirs
+                name = getattr(func, "__name__", repr(func))
+                failures.append(f"reward function {name} raised {type(e).__name__}: {e}")
+            failures.extend((state.get(REWARD_ERRORS_KEY) or [])[recorded:])
+    return failures
+
+
+def _answer_of(row: dict, answer):
+    """A completion that gives the example's answer, in the example's format."""
+    from verifiers.utils.message_utils import normalize_messages
+
+    text = answer if isinstance(answer, str) else ""
+    if isinstance(row.get("prompt"), str):
+        return text
+    return normalize_messages([{"role": "assistant", "content": text}])
+
+
+async def _score(rubric, func, state) -> None:
+    """`func` called as verifiers' Rubric calls it (the arguments it names, or all of them), its errors raised."""
+    objects = rubric.group_score_objects([state]) if rubric._is_group_func(func) else rubric.score_objects(state)
+    params = inspect.signature(func).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        objects = {k: v for k, v in objects.items() if k in params}
+    value = func(**objects)
+    if inspect.isawaitable(value):
+        await value
+
+
+def only_in_child(there: list[str], here: list[str]) -> str | None:
+    """The first failure of the child's that the trainer's process does not have: the same function failing with
+    another exception counts (a NameError there, the example's own KeyError here)."""
+    kinds = {_kind(f) for f in here}
+    return next((f for f in there if _kind(f) not in kinds), None)
+
+
+def _kind(failure: str) -> str:
+    return failure.split(":", 1)[0]  # "reward function NAME raised TYPE"
+
+
 # ---------------------------------------------------------------------------------------------- trainer side
 
 
@@ -127,9 +210,7 @@ class RolloutProcess:
     blocked by it."""
 
     def __init__(self, env):
-        import dill  # datasets' own pickler: it ships with every install of ours
-
-        payload = dill.dumps(env)  # before the child starts: an environment that cannot be copied costs nothing
+        payload = copy_of(env)  # before the child starts: an environment that cannot be copied costs nothing
         ours, theirs = socket.socketpair()
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
@@ -163,6 +244,13 @@ class RolloutProcess:
             self._send(("connect", base_url, model, api_key, timeout, seed, max_concurrent))
 
     async def generate(self, inputs: list[dict], sampling_args: dict) -> dict:
+        return {"outputs": await self._ask("generate", inputs, sampling_args)}
+
+    async def reward_failures(self, row: dict) -> list[str]:
+        """`reward_failures` of the child's copy of the environment on `row`."""
+        return await self._ask("check", row)
+
+    async def _ask(self, kind: str, *payload):
         if self.failed is not None:
             raise ProcessUnavailable(self.failed)
         if self.exited is not None:
@@ -170,8 +258,8 @@ class RolloutProcess:
         rid = next(self._ids)
         fut = self._pending[rid] = concurrent.futures.Future()
         try:
-            self._send(("generate", rid, inputs, sampling_args))
-            return {"outputs": await asyncio.wrap_future(fut)}
+            self._send((kind, rid, *payload))
+            return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             with contextlib.suppress(OSError):
                 self._send(("cancel", rid))
@@ -321,6 +409,9 @@ class _Child:
         elif kind == "generate":
             rid = message[1]
             self.tasks[rid] = self.loop.create_task(self._generate(*message[1:]))
+        elif kind == "check":
+            rid = message[1]
+            self.tasks[rid] = self.loop.create_task(self._check(*message[1:]))
         elif kind == "cancel":
             task = self.tasks.pop(message[1], None)
             if task is not None:
@@ -346,6 +437,16 @@ class _Child:
         except asyncio.CancelledError:
             pass
         except BaseException as e:  # noqa: BLE001 - the trainer reports it, naming the environment's frame
+            self.send(("error", rid, type(e).__name__, str(e), where(e)))
+        finally:
+            self.tasks.pop(rid, None)
+
+    async def _check(self, rid: int, row: dict) -> None:
+        try:
+            self.send(("done", rid, await reward_failures(self.env, row, self.client, self.model)))
+        except asyncio.CancelledError:
+            pass
+        except BaseException as e:  # noqa: BLE001 - as a batch's error
             self.send(("error", rid, type(e).__name__, str(e), where(e)))
         finally:
             self.tasks.pop(rid, None)
