@@ -116,3 +116,40 @@ def test_card_facts_come_from_the_run_history(tmp_path):
 def test_secrets_never_reach_a_card():
     cfg = {"trainer": {"args": {"hub_token": "hf_x", "server_api_key": "k", "learning_rate": 1e-3}}, "model": "m"}
     assert without_secrets(cfg) == {"trainer": {"args": {"learning_rate": 1e-3}}, "model": "m"}
+
+
+def test_export_keeps_the_checkpoints_use_cache_and_tokenizer(kit_model_dir, tmp_path):
+    """A Trainer sets config.use_cache = False on the model it trains; the export writes what the checkpoint had
+    (a plain generate() on it then uses its KV cache) and the tokenizer as it was (ids, template, added tokens)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(kit_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(kit_model_dir)
+    assert model.config.use_cache is True
+    model.config.use_cache = False  # what transformers.Trainer.__init__ does (TrainingArguments.use_cache)
+    out = export_model(wrap_lora(model, lora_config(4, 8)), tokenizer, tmp_path / "final", kind="merged")
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True
+    assert model.config.use_cache is False  # the training run keeps its own setting
+    exported = AutoTokenizer.from_pretrained(out)
+    messages = [
+        {"role": "user", "content": "Hello world"},
+        {"role": "assistant", "content": "<think>\nx\n</think>\n\ny"},
+    ]
+    assert exported.apply_chat_template(messages, tokenize=False) == tokenizer.apply_chat_template(
+        messages, tokenize=False
+    )
+    assert (
+        len(exported) == len(tokenizer)
+        and exported("Hello world")["input_ids"] == tokenizer("Hello world")["input_ids"]
+    )
+
+
+def test_a_checkpoint_saved_without_a_cache_exports_as_it_was(tmp_path):
+    model, tokenizer = build_tiny_model()
+    model.config.use_cache = False
+    model.save_pretrained(tmp_path / "base")
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    out = export_model(loaded, tokenizer, tmp_path / "final", kind="merged")
+    assert json.loads((out / "config.json").read_text())["use_cache"] is False

@@ -55,8 +55,34 @@ def write_merged(model, folder: Path, weights: Iterable[tuple[str, torch.Tensor]
     and index when large, config, generation config)."""
     inner = model.get_base_model() if is_lora(model) else model
     state = dict(merged_weights(model) if weights is None else weights)
-    with _as_one_process(inner):
+    with _as_one_process(inner), _as_checkpoint(inner.config):
         inner.save_pretrained(folder, state_dict=state)
+
+
+def checkpoint_use_cache(config) -> bool:
+    """`use_cache` as the model's own checkpoint has it (its config.json, when it is a local folder), else as its
+    config class defaults it (True for causal LMs)."""
+    path = Path(getattr(config, "_name_or_path", "") or "") / "config.json"
+    try:
+        return bool(json.loads(path.read_text())["use_cache"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        return bool(type(config)().use_cache)
+    except Exception:  # noqa: BLE001 - a config class that needs arguments: every causal LM's default
+        return True
+
+
+@contextlib.contextmanager
+def _as_checkpoint(config):
+    """transformers' Trainer sets the trained model's `config.use_cache` to TrainingArguments.use_cache (False): a
+    training setting that, saved, makes a plain `generate()` on the export run without a KV cache."""
+    trained = config.use_cache
+    config.use_cache = checkpoint_use_cache(config)
+    try:
+        yield
+    finally:
+        config.use_cache = trained
 
 
 @contextlib.contextmanager
