@@ -20,13 +20,15 @@ def test_trainer_estimate_covers_measured_peaks_without_wasting_the_gpu():
     rows = json.loads(MEASURED.read_text())["trainer"]
     assert len(rows) >= 5
     for r in rows:
-        est = trainer_bytes(
+        parts = trainer_bytes(
             shape,
             use_lora=r["use_lora"],
             lora_rank=16,
             micro_batch_tokens=r["tokens"],
             gradient_checkpointing=r["checkpointing"],
-        )["total"]
+            max_seq_len=1024,  # the benchmark's rows: 1024 tokens each
+        )
+        est = parts["total"] - parts["cuda_context"]  # torch.cuda.max_memory_allocated does not see the context
         ratio = est / GIB / r["peak_gib"]
         assert 1.0 <= ratio <= 1.25, (r, ratio)  # never below the peak, at most a quarter above
 

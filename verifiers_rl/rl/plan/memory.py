@@ -28,7 +28,10 @@ LORA_TARGETS = 7  # q, k, v, o, gate, up, down
 FLOAT32 = 4
 # Bytes per token outside the decoder layers, in units of (bytes per element x hidden): the embedding output, the
 # final norm, the trained positions' hidden states handed to the head, and the backward's transient gradients of
-# one layer. Fitted to CPU peaks of Qwen3-0.6B's layer shape in bf16 with SDPA (tests/unit/test_plan_memory.py).
+# one layer. Checked with the per-layer counts against peaks measured on CPU (Qwen3-0.6B's layer shape, bf16,
+# SDPA as the trainer runs it; tests/unit/test_memory_measured.py): within 7 %. The old per-layer constants
+# (12 x hidden + 6 x intermediate elements, x1.55 under LoRA), fitted to whole-model peaks on an H100, are
+# replaced by `layer_activation_bytes`, which counts the saved tensors and so follows each model's q/kv widths.
 ACT_FIXED = 10.0
 Layout = Literal["ddp", "zero3", "fsdp2"]
 Measure = Literal["activation_checkpointing", "micro_batch_tokens"]
@@ -147,11 +150,12 @@ def chunk_rows(vocab: int) -> int:
     return max(32, min(4096, CHUNK_LOGITS_BYTES // (FLOAT32 * max(vocab, 1))))
 
 
-def logprob_bytes(shape: ModelShape, *, trains_head: bool, param_bytes: int = 2) -> int:
+def logprob_bytes(shape: ModelShape, *, trains_head: bool, param_bytes: int = 2, tokens: int | None = None) -> int:
     """chunked_logprobs never holds the micro-batch's logits: one chunk's float32 logits in forward, their
-    softmax (float32) and its cast in backward; when the head trains, backward accumulates its [V, H] gradient
-    in a buffer of its own before autograd adds it to the weight's gradient."""
-    chunk = chunk_rows(shape.vocab) * shape.vocab * (2 * FLOAT32 + param_bytes)
+    softmax (float32) and its cast in backward (a chunk has at most `tokens` rows); when the head trains, backward
+    accumulates its [V, H] gradient in a buffer of its own before autograd adds it to the weight's gradient."""
+    rows = min(chunk_rows(shape.vocab), tokens or chunk_rows(shape.vocab))
+    chunk = rows * shape.vocab * (2 * FLOAT32 + param_bytes)
     return chunk + (shape.vocab * shape.hidden * param_bytes if trains_head else 0)
 
 
@@ -180,7 +184,7 @@ def rank_parts(shape: ModelShape, *, layout: Layout, ranks: int, use_lora: bool,
             activation_checkpointing=activation_checkpointing,
             param_bytes=param_bytes,
         ),  # fmt: skip
-        "logprobs": logprob_bytes(shape, trains_head=not use_lora, param_bytes=param_bytes),
+        "logprobs": logprob_bytes(shape, trains_head=not use_lora, param_bytes=param_bytes, tokens=micro_batch_tokens),
         "cuda_context": CUDA_CONTEXT,
     }
     parts["total"] = sum(parts.values())
