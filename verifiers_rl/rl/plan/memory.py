@@ -1,11 +1,13 @@
 """One GPU for both: how much of it the trainer needs, and what vLLM may take (`--gpu-memory-utilization`).
 
-Pure functions of the model's shape and the run's settings, so `vf-rl --dry-run --gpus 1` can print the split
-and the reasons before anything loads. The trainer's side is an estimate (weights, trainable state, activations
-per micro-batch token, logprob chunks, CUDA context); its constants were checked against measured peaks on an
-H100 (benchmarks/shared_gpu_memory.py, results in benchmarks/results/shared_gpu_memory.json). vLLM's side is
-what vLLM itself accounts within its utilization fraction: weights, a warm-up/activation reserve and the KV
-cache, of which at least one full sequence must fit.
+Pure functions of the model's shape and the run's settings, so `vf-rl --dry-run` can print the plan and its
+reasons before anything loads. `fit_training` plans one trainer rank (any layout, a GPU of its own or shared with
+vLLM) and, when the run as configured does not fit, chooses activation checkpointing and then a token budget per
+micro-batch. The trainer's side counts what a step holds (weights, trainable state, the tensors each layer saves
+for backward, chunked logprobs, CUDA context), checked against peaks measured on CPU
+(tests/unit/test_memory_measured.py) and on an H100 (benchmarks/shared_gpu_memory.py). vLLM's side is what vLLM
+itself accounts within its utilization fraction: weights, a warm-up/activation reserve and the KV cache, of which
+at least one full sequence must fit.
 """
 
 from __future__ import annotations
