@@ -24,7 +24,6 @@ from verifiers_rl.errors import ConfigError
 GIB = 1 << 30
 CUDA_CONTEXT = int(0.6 * GIB)  # per process: CUDA context + allocator slack
 VLLM_RESERVE = int(1.5 * GIB)  # vLLM's activations at warm-up, sampler and graph buffers (enforce-eager: less)
-LOGPROB_CHUNKS = 2 * (64 << 20)  # chunked_logprobs' logits budget, forward and backward (the old planner's figure)
 CHUNK_LOGITS_BYTES = 64 << 20  # logprobs.CHUNK_LOGITS_BYTES (that module imports torch; this one must not)
 LORA_TARGETS = 7  # q, k, v, o, gate, up, down
 FLOAT32 = 4
