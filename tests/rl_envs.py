@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -37,6 +38,15 @@ def scorer_pid(completion, **kwargs) -> float:
     with open(os.environ[PIDS], "a") as f:
         f.write(f"{os.getpid()}:{int('torch' in sys.modules)}\n")
     return 0.0
+
+
+MADE_AT_RUN_TIME = "vf_rl_test_made_at_run_time"
+
+
+def only_where_made(completion, **kwargs) -> float:
+    """Scores only in a process that made the module MADE_AT_RUN_TIME at run time (a test's trainer process):
+    code that works in the trainer's process and fails in the rollout process."""
+    return importlib.import_module(MADE_AT_RUN_TIME).score(completion)
 
 
 def length_bonus(completion, **kwargs) -> float:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import verifiers as vf
 from datasets import Dataset
-from rl_envs import PIDS, WORDS, char_match, scorer_pid
+from rl_envs import MADE_AT_RUN_TIME, PIDS, WORDS, char_match, only_where_made, scorer_pid
 from runs import steps
 from runs import tiny_rl_config as _args
 
@@ -99,6 +99,30 @@ def test_an_environment_the_child_cannot_have_generates_in_the_trainer(tiny_mode
     warnings = [r.getMessage() for r in caplog.records if "rollouts run in the trainer's process" in r.getMessage()]
     assert len(warnings) == 1 and why in warnings[0], warnings
     assert _pids(tmp_path / "pids") == {os.getpid()}
+    assert steps(Path(args.output_dir)) == [1, 2]
+
+
+@pytest.mark.faults
+def test_reward_functions_that_fail_only_in_the_child_are_scored_in_the_trainer(tiny_model_dir, tmp_path, monkeypatch,
+                                                                               caplog):  # fmt: skip
+    # the child loads the environment, then fails on its first call: checked once, on the first example, before the
+    # first batch (not three failed steps that blame API keys)
+    monkeypatch.setenv(PIDS, str(tmp_path / "pids"))
+    module = types.ModuleType(MADE_AT_RUN_TIME)
+    module.score = lambda completion: 0.5
+    monkeypatch.setitem(sys.modules, MADE_AT_RUN_TIME, module)
+    args = _args(tmp_path)
+    with caplog.at_level("WARNING"):
+        RLTrainer(model=tiny_model_dir, env=_env(extra_funcs=[only_where_made]), args=args).train()
+    warnings = [r.getMessage() for r in caplog.records if "rollouts run in the trainer's process" in r.getMessage()]
+    assert warnings == [
+        "rollouts run in the trainer's process: the environment's code fails in the rollout process but not in the "
+        "trainer's, on the first training example (reward function only_where_made raised ModuleNotFoundError: No "
+        f"module named '{MADE_AT_RUN_TIME}')"
+    ]
+    scorers = (tmp_path / "pids").read_text().split()
+    assert set(scorers[1:]) == {f"{os.getpid()}:1"}  # the check once more, and every rollout: here
+    assert scorers[0] != scorers[1]  # the child scored only the check
     assert steps(Path(args.output_dir)) == [1, 2]
 
 
