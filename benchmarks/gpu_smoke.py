@@ -69,17 +69,18 @@ def check_plan(path: Path, gpus: int) -> list[tuple[str, bool]]:
     """The planned processes, read back as tests/unit/test_layouts.py reads them."""
     import tomllib
 
+    from verifiers_rl.rl.plan.run import probe_machine
     from verifiers_rl.scripts.rl_plan import build_plan, trainer_env
     from verifiers_rl.scripts.toml_config import validate
 
     cfg = validate(tomllib.loads(path.read_text()), "vf-rl")
-    plan = build_plan(cfg, str(path), [], dry_run=True, cuda=gpus, gpu_memory_gib=80)
-    server, env = plan.server_cmd, trainer_env(plan, "token")
+    plan = build_plan(cfg, str(path), [], probe_machine(gpus, 80), dry_run=True)
+    server, env = plan.server.command(), trainer_env(plan, "token")
     backend = server[server.index("--weight-transfer-backend") + 1] if "--weight-transfer-backend" in server else None
     server_devs, trainer_devs = set(plan.gpus.inference), set(plan.gpus.trainer)
     return [
-        (f"server backend {backend} = trainer backend {plan.trainer_overrides['sync_backend']}",
-         backend == plan.trainer_overrides["sync_backend"]),
+        (f"server backend {backend} = the plan's {plan.serving.server_weight_backend}",
+         backend == plan.serving.server_weight_backend),
         (f"trainer in its own process(es) on CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}",
          bool(plan.trainer_cmd) and env["CUDA_VISIBLE_DEVICES"] == plan.visible(plan.gpus.trainer)),
         ("no NCCL rank on a server GPU",

@@ -12,7 +12,8 @@ import textwrap
 import pytest
 
 from verifiers_rl.rl.plan.devices import child_visible_devices
-from verifiers_rl.rl.plan.serving import PLAN_ENV, ServingPlan, plan_serving
+from verifiers_rl.rl.plan.run import PLAN_ENV, probe_machine
+from verifiers_rl.rl.plan.serving import ServingPlan, plan_serving
 from verifiers_rl.scripts.rl_plan import build_plan, trainer_env
 from verifiers_rl.scripts.toml_config import rl_config, validate
 
@@ -50,7 +51,7 @@ def _layout(tmp_path, gpus: int, trainers: int, policy: str):
     import tomllib
 
     cfg = validate(tomllib.loads(path.read_text()), "vf-rl")
-    return build_plan(cfg, str(path), [], dry_run=True, cuda=gpus, gpu_memory_gib=80)
+    return build_plan(cfg, str(path), [], probe_machine(gpus, 80), dry_run=True)
 
 
 LAYOUTS = [
@@ -62,11 +63,11 @@ LAYOUTS = [
 def test_planned_processes_agree(tmp_path, monkeypatch, gpus, trainers, policy):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     plan = _layout(tmp_path, gpus, trainers, policy)
-    serving, server = plan.serving, plan.server_cmd
+    serving, server = plan.serving, plan.server.command()
     env = trainer_env(plan, token="t")
 
     # one backend on both sides: the server's receiver is the trainer's sender
-    trainer_backend = plan.trainer_overrides["sync_backend"]
+    trainer_backend = serving.server_weight_backend
     assert _flag(server, "--weight-transfer-backend") == trainer_backend
     assert serving.sync_backend in (trainer_backend, "adapter")
 
@@ -93,10 +94,12 @@ def test_planned_processes_agree(tmp_path, monkeypatch, gpus, trainers, policy):
     assert ("--enable-lora" in server) == adapter
     assert (_flag(server, "--lora-modules") or "").startswith("policy=") == adapter
 
-    # the trainer follows vf-rl's plan: the one in its environment, and the one its pinned config resolves to
-    handed = ServingPlan.from_json(env[PLAN_ENV])
-    assert handed.sync_backend == serving.sync_backend and handed.lora_sync == serving.lora_sync
-    args = rl_config(plan.cfg, cuda=False, quiet=True, **plan.trainer_overrides)
+    # the trainer follows vf-rl's plan, handed over once in its environment: the serving plan and the values the
+    # memory fit chose, which its own config then carries
+    handed = json.loads(env[PLAN_ENV])
+    assert ServingPlan.from_json(json.dumps(handed["serving"])) == serving
+    args = rl_config(plan.cfg, cuda=False, quiet=True, **handed["measures"])
+    assert all(getattr(args, k) == v for k, v in handed["measures"].items())
     mine = tuple(f"cuda:{i}" for i in plan.gpus.trainer)
     again = plan_serving(
         args, mode="connect", engine="vllm", cuda_count=trainers, server_uuids=serving.server_uuids, trainer_uuids=mine
@@ -252,7 +255,7 @@ def test_multi_node_plan_prints_every_machine(tmp_path):
     assert "node 0" in server_node and "--allow-remote-control" in server and "--data-parallel-size 8" in server
     assert server.startswith("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 vf-vllm")
     assert "--num_machines 1" in trainer and "--machine_rank 0" in trainer and "--num_processes 8" in trainer
-    assert "--inference.host $NODE0" in trainer and "--trainer.args.server_mode connect" in trainer
+    assert "--trainer.args.vllm_server_host $NODE0" in trainer and "--trainer.args.server_mode connect" in trainer
     assert "--config_file configs/accelerate/zero3.yaml" in trainer and "VF_CONTROL_TOKEN" in trainer
     cfg["inference"]["args"] = {"enforce_eager": True, "enable_prefix_caching": False, "gpu_memory_utilization": 0.8}
     (_, server), _ = node_commands(cfg, str(tmp_path / "c.toml"), [], 2, 8)

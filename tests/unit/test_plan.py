@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from verifiers_rl.rl.plan.devices import assign_gpus, planned_uuids
+from verifiers_rl.rl.plan.devices import assign_gpus
+from verifiers_rl.rl.plan.run import Machine, plan_run
 from verifiers_rl.rl.plan.serving import (
     ServingPlan,
     cpu_thread_split,
@@ -156,21 +157,22 @@ def test_engine_mode_and_lora_sync_rules():
 
 
 def test_vf_rl_and_the_runtime_make_the_same_plan_for_a_shared_gpu_on_two_gpus():
-    """[inference] gpus = 0 on a 2-GPU host: vf-rl's device split says shared; the plan the trainer follows is
-    the same object, so its sync backend and LoRA sync agree with the server vf-rl starts."""
-    gpus = assign_gpus({"inference": {"gpus": 0}, "trainer": {"gpus": 1}}, 2)
-    args = _cfg(server_engine="vllm")
-    names = planned_uuids(gpus.inference, real=False), planned_uuids(gpus.trainer, real=False)
-    plan = plan_serving(
-        args, mode="spawn", engine="vllm", cuda_count=2, server_uuids=names[0], trainer_uuids=names[1],
-        server_gpus=gpus.inference,
-    )  # fmt: skip
-    assert gpus.shared and plan.shared_gpu
+    """[inference] gpus = 0 on a 2-GPU host: the device split says shared; the plan the trainer follows is the
+    same object, so its sync backend and LoRA sync agree with the server vf-rl starts."""
+    from verifiers_rl.rl.plan.run import Layout
+
+    assert assign_gpus(2, 0, 1).shared
+    machine = Machine(2, 80 << 30, ("cuda:0", "cuda:1"), vllm=True, real=False)
+    # the user's share of the GPU for vLLM: the plan keeps it (the model's shape is not needed then)
+    args = _cfg(server_engine="vllm", server_args=["--gpu-memory-utilization", "0.5"])
+    run = plan_run(args, "Qwen/Qwen3-0.6B", machine, Layout(inference_gpus=0, trainer_gpus=1))
+    plan = run.serving
+    assert run.gpus.shared and plan.shared_gpu
     assert (plan.lora_sync, plan.sync_backend, plan.server_weight_backend) == ("adapter", "adapter", "gloo")
-    pinned = _cfg(**plan.trainer_args(use_lora=True))  # a trainer process's own config, built from the pins
-    again = plan_serving(pinned, mode="connect", engine="vllm", cuda_count=2, trainer_uuids=["cuda:1"])
-    assert (again.lora_sync, again.sync_backend) == (plan.lora_sync, plan.sync_backend)
-    assert ServingPlan.from_json(plan.to_json()) == ServingPlan(**{**plan.__dict__, "memory": None})
+    assert run.server.command().count("--gpu-memory-utilization") == 1
+    again = plan_serving(_cfg(), mode="connect", engine="vllm", cuda_count=2, trainer_uuids=["cuda:1"])
+    assert (again.sync_backend, again.lora_sync) == ("nccl", "merged")  # a server elsewhere: what it reports decides
+    assert ServingPlan.from_json(plan.to_json()) == plan
 
 
 def test_full_fine_tuning_on_a_shared_gpu_starts_the_server_with_the_trainers_backend():

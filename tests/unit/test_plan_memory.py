@@ -63,11 +63,11 @@ def test_plan_that_does_not_fit_says_what_to_change():
 
 
 def test_one_visible_gpu_is_shared_not_refused():
-    one = assign_gpus({}, 1)
+    one = assign_gpus(1, 1, 1)
     assert one.shared and one.inference == [0] and one.trainer == [0]
-    explicit = assign_gpus({"inference": {"gpus": 0}, "trainer": {"gpus": 2}}, 2)
+    explicit = assign_gpus(2, 0, 2)
     assert explicit.shared and explicit.inference == [0] and explicit.trainer == [0, 1]
-    two = assign_gpus({}, 2)
+    two = assign_gpus(2, 1, 1)
     assert not two.shared and two.inference == [0] and two.trainer == [1]
 
 

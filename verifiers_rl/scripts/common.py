@@ -8,22 +8,68 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from verifiers_rl.scripts.toml_config import ConfigError, resolve_path
+from verifiers_rl.scripts.toml_config import ConfigError, flags_from_args, resolve_path  # noqa: F401 - re-exported
 
 TINY_CACHE = Path("outputs") / "tiny-models"
 
 
+USAGE = {
+    "vf-rl": """usage: vf-rl @ CONFIG.toml [--dry-run [--gpus N] [--gpu-memory GIB] [--nodes N]] [--KEY VALUE ...]
+       vf-rl setup [DIR] [--force]
+       vf-rl export CHECKPOINT OUT [--merge | --adapter] [--base MODEL] [--force]
+
+Train with RL in one command: the inference server (vLLM on GPUs, the CPU engine otherwise) and the trainer,
+as CONFIG.toml says (docs/configuration.md lists every key).
+
+  @ CONFIG.toml          the run's config: model, [env], [inference], [trainer], [trainer.args] (RLConfig)
+  --dry-run              print the plan (GPUs, memory, the server's and the trainer's commands); start nothing
+  --gpus N               with --dry-run: plan for a machine with N GPUs
+  --gpu-memory GIB       with --dry-run --gpus: GiB of each of those GPUs (default 80)
+  --nodes N              with --dry-run --gpus: the commands of a run over N machines of --gpus GPUs each
+  --KEY VALUE            override a config key (SECTION.KEY), e.g. --trainer.args.learning_rate 1e-4
+  setup                  lay out a workspace here: configs, environments/AGENTS.md, endpoints (offline)
+  export                 a checkpoint as a model to serve and share (merged weights or the LoRA adapter)
+  -h, --help             this text""",
+    "vf-train": """usage: vf-train @ CONFIG.toml [--dry-run] [--SECTION.KEY VALUE ...]
+
+The trainer alone, against an inference server that already runs (vf-vllm, or the one vf-rl started) at
+[inference] host/port (8000 when unset); its control token from $VF_CONTROL_TOKEN.
+
+  --dry-run              say what would be trained against which server; start nothing
+  --SECTION.KEY VALUE    override a config key, e.g. --trainer.args.learning_rate 1e-4
+  -h, --help             this text""",
+    "vf-sft": """usage: vf-sft @ CONFIG.toml [--dry-run] [--SECTION.KEY VALUE ...]
+
+Supervised warm-start (TRL's SFTTrainer, LoRA or full) that writes <output_dir>/final, a model an RL config can
+use (`model = ...` or `[sft] config = ...`).
+
+  --dry-run              print the resolved config; train nothing
+  --SECTION.KEY VALUE    override a config key, e.g. --trainer.args.learning_rate 1e-4
+  -h, --help             this text""",
+}
+
+
+class HelpRequested(Exception):
+    """-h / --help anywhere on a command line: print the usage and start nothing."""
+
+
+def wants_help(argv: list[str]) -> bool:
+    return any(a in ("-h", "--help") for a in argv)
+
+
 def split_argv(argv: list[str], prog: str) -> tuple[str, list[str], set[str]]:
     """`@ cfg.toml --dry-run --trainer.args.x 1` -> (path, overrides, flags)."""
+    if wants_help(argv):
+        raise HelpRequested(prog)
     if argv and argv[0].startswith("@") and argv[0] != "@":
         argv = ["@", argv[0][1:], *argv[1:]]
     if len(argv) < 2 or argv[0] != "@":
-        raise ConfigError(f"usage: {prog} @ path/to/config.toml [--dry-run] [--section.key value ...]")
+        raise ConfigError(USAGE[prog].splitlines()[0] + f" (see {prog} --help)")
     flags: set[str] = set()
     rest: list[str] = []
     args = iter(argv[2:])
     for a in args:
-        if a in ("--dry-run", "--help", "-h"):
+        if a == "--dry-run":
             flags.add(a)
         elif a == "--gpus" or a.startswith("--gpus="):  # plan for a machine with N CUDA devices
             value = a.split("=", 1)[1] if "=" in a else next(args, "")
@@ -59,10 +105,12 @@ def resolve_model(cfg: dict[str, Any], config_path: str | Path | None = None, dr
     spec = {"hidden": 64, "layers": 2, "seed": 0, "head_dim": 32, **cfg.get("tiny", {})}
     path = TINY_CACHE / f"h{spec['hidden']}-l{spec['layers']}-d{spec['head_dim']}-s{spec['seed']}"
     if not dry_run and not (path / "config.json").exists():
+        from verifiers_rl.rl.trainer.checkpoints import staged
         from verifiers_rl.tiny import save_tiny_model
 
         try:
-            save_tiny_model(path, **spec)
+            with staged(path) as tmp:  # an interrupted build leaves nothing a later run would take as the model
+                save_tiny_model(tmp, **spec)
         except ValueError as e:
             raise ConfigError(f"[tiny] {e}") from None
     return str(path)
@@ -149,27 +197,6 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
     return 0
 
 
-def flags_from_args(args: dict[str, Any]) -> list[str]:
-    """[inference.args] -> command-line flags: {enforce_eager = true, max_model_len = 4096} ->
-    --enforce-eager --max-model-len 4096 (false drops the flag; lists repeat the value)."""
-    out: list[str] = []
-    for key, value in args.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            out.append(flag)
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, list):
-            out += [flag, *[str(v) for v in value]]
-        elif isinstance(value, dict):
-            import json
-
-            out += [flag, json.dumps(value)]
-        else:
-            out += [flag, str(value)]
-    return out
-
-
 def _actionable(e: Exception) -> bool:
     """Errors whose message is the whole story. Their classes are looked up lazily: importing them up front would
     import torch before a config typo could be reported."""
@@ -194,6 +221,9 @@ def run_cli(prog: str, body: Callable[[], int]) -> int:
     bound_openmp_spin()  # before torch loads, here and in every process the command starts
     try:
         return body()
+    except HelpRequested:
+        print(USAGE[prog])
+        return 0
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

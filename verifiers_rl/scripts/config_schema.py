@@ -61,11 +61,13 @@ def build_schema() -> dict[str, dict[str, Any]]:
     from verifiers_rl.rl.trainer.config import RLConfig
 
     hints = typing.get_type_hints(RLConfig)
-    return {
-        f.name: {"kinds": _kinds(hints.get(f.name, Any)), "default": _default(f)}
-        for f in dataclasses.fields(RLConfig)
-        if f.init
-    }
+    schema = {}
+    for f in dataclasses.fields(RLConfig):
+        if f.init:
+            schema[f.name] = {"kinds": _kinds(hints.get(f.name, Any)), "default": _default(f)}
+            if f.metadata.get("toml"):  # the same setting's key outside [trainer.args]
+                schema[f.name]["toml"] = f.metadata["toml"]
+    return schema
 
 
 def load_schema() -> dict[str, dict[str, Any]]:

@@ -30,6 +30,21 @@ def install_hint(env_id: str) -> str:
     return f"`vf-install {env_id}` (or `pip install -e path/to/environments/{module_name(env_id)}`)"
 
 
+def environment_status(env_id: str) -> str:
+    """One line for `--dry-run`: is the environment installed here, and if not, how to install it (found without
+    importing it: a dry run plans, it runs none of the environment's code)."""
+    import importlib.util
+
+    name = module_name(env_id)
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return f"{env_id} (module {name}, installed)"
+    return f"{env_id}: NOT installed here (no module {name!r}); install it with {install_hint(env_id)}"
+
+
 def _root_cause(error: BaseException) -> BaseException:
     while error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__):
         error = error.__cause__ or error.__context__

@@ -12,14 +12,15 @@ server is stopped on every exit path.
 from __future__ import annotations
 
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 from typing import NoReturn
 
 from verifiers_rl.errors import ConfigError
+from verifiers_rl.rl.plan.run import probe_machine
 from verifiers_rl.scripts.common import (
+    USAGE,
     evaluate_base,
     load_env,
     resolve_model,
@@ -27,7 +28,7 @@ from verifiers_rl.scripts.common import (
     split_argv,
     train_and_evaluate,
 )
-from verifiers_rl.scripts.rl_plan import Plan, build_plan, print_plan, trainer_env
+from verifiers_rl.scripts.rl_plan import SERVER_PORT, Plan, build_plan, render, trainer_env
 from verifiers_rl.scripts.toml_config import (
     apply_overrides,
     load,
@@ -51,7 +52,6 @@ def run(plan: Plan) -> int:
 
         run_sft(plan.sft["cfg"], plan.sft["config_path"])
     server = plan.server
-    pinned = plan.trainer_overrides
     if server.spec.adapter is not None:
         from verifiers_rl.rl.trainer.lora import write_zero_adapter
 
@@ -60,20 +60,14 @@ def run(plan: Plan) -> int:
     with server:
         if plan.trainer_cmd:
             return _run_trainer_processes(plan, server)
-        args = rl_config(
-            cfg,
-            server_mode="connect",
-            vllm_server_host=server.host,
-            vllm_server_port=server.port,
-            server_control_token=server.token,
-            **pinned,
-        )
+        args = plan.args
+        args.server_mode, args.vllm_server_port, args.server_control_token = "connect", server.port, server.token
         return train_and_evaluate(plan.model, env, args, cfg, server, plan.serving, base)
 
 
 def _run_trainer_processes(plan: Plan, server) -> int:
-    cmd = [str(server.port) if a == "<server port>" else a for a in plan.trainer_cmd]
-    print(f"vf-rl: {shlex.join(cmd)}", flush=True)
+    cmd = [str(server.port) if a == SERVER_PORT else a for a in plan.trainer_cmd]
+    print(f"vf-rl: {plan.trainer_line(server.port)}", flush=True)
     trainer = subprocess.Popen(cmd, env={**os.environ, **trainer_env(plan, server.token)})
     return supervise(trainer, server, plan.args.server_restarts)
 
@@ -105,6 +99,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
 def run_command(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE["vf-rl"], file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
     if argv[:1] == ["setup"]:
         from verifiers_rl.scripts.setup import run_setup
 
@@ -130,9 +127,9 @@ def run_command(argv: list[str] | None = None) -> int:
 
             print_nodes(cfg, path, overrides, nodes, gpus)
             return 0
-        plan = build_plan(cfg, path, overrides, dry_run=dry, cuda=gpus, gpu_memory_gib=memory)
+        plan = build_plan(cfg, path, overrides, probe_machine(gpus, memory), dry_run=dry)
         if dry:
-            print_plan(plan)
+            print(render(plan))
             return 0
         code = run(plan)
         out = Path(plan.output_dir)

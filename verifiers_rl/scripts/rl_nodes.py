@@ -15,10 +15,11 @@ import shlex
 from pathlib import Path
 
 from verifiers_rl.errors import ConfigError
-from verifiers_rl.scripts.common import flags_from_args, resolve_model
+from verifiers_rl.rl.inference.layout import flag_value
+from verifiers_rl.rl.inference.net import DEFAULT_PORT
+from verifiers_rl.scripts.common import resolve_model
 from verifiers_rl.scripts.toml_config import resolve_path, rl_config
 
-PORT = 8000
 RENDEZVOUS_PORT = 29500
 
 
@@ -27,17 +28,17 @@ def node_commands(cfg: dict, config_path: str, overrides: list[str], nodes: int,
     secret, exported on every node)."""
     if nodes < 2:
         raise ConfigError("--nodes plans a run over several machines: give 2 or more")
-    inf = cfg.get("inference", {})
-    n_inf = int(inf.get("gpus", 1)) or gpus
+    n_inf = int(cfg.get("inference", {}).get("gpus", 1)) or gpus
     if n_inf > gpus:
         raise ConfigError(f"inference.gpus={n_inf} exceeds the {gpus} GPUs of node 0 (--gpus is per node)")
-    tp = int(inf.get("args", {}).get("tensor_parallel_size", 1))
+    model, args = _model(cfg, config_path), rl_config(cfg, cuda=False, quiet=True)
+    tp = int(flag_value(args.server_args or [], "tensor-parallel-size") or 1)
     if n_inf % tp:
         raise ConfigError(f"inference.gpus={n_inf} is not a multiple of inference.args.tensor_parallel_size={tp}")
-    model, args = _model(cfg, config_path), rl_config(cfg, cuda=False, quiet=True)
-    server = ["vf-vllm", "--model", model, "--host", "0.0.0.0", "--port", str(PORT), "--allow-remote-control"]
+    port = str(args.vllm_server_port or DEFAULT_PORT)
+    server = ["vf-vllm", "--model", model, "--host", "0.0.0.0", "--port", port, "--allow-remote-control"]
     server += ["--max-model-len", str(args.server_max_len), "--data-parallel-size", str(n_inf // tp)]
-    server += flags_from_args(inf.get("args", {}))  # as the one-machine launch writes them (false drops a flag)
+    server += args.server_args or []  # as the one-machine launch writes them
     devices = ",".join(map(str, range(n_inf)))
     out = [("node 0 (inference)", f"CUDA_VISIBLE_DEVICES={devices} {shlex.join(server)}")]
     machines, per_node = nodes - 1, gpus
@@ -51,7 +52,8 @@ def node_commands(cfg: dict, config_path: str, overrides: list[str], nodes: int,
         cmd = [*launch, "--num_processes", str(machines * per_node), "--num_machines", str(machines)]
         cmd += ["--machine_rank", str(rank), "--main_process_ip", "$NODE1", "--main_process_port", str(RENDEZVOUS_PORT)]
         cmd += ["-m", "verifiers_rl.scripts.train", "@", str(config_path), *overrides]
-        cmd += ["--trainer.args.server_mode", "connect", "--inference.host", "$NODE0", "--inference.port", str(PORT)]
+        cmd += ["--trainer.args.server_mode", "connect", "--trainer.args.vllm_server_host", "$NODE0"]
+        cmd += ["--trainer.args.vllm_server_port", port]
         line = " ".join(a if a.startswith("$") else shlex.quote(a) for a in cmd)
         out.append((f"node {rank + 1} (trainer, {per_node} GPUs)", f"VF_CONTROL_TOKEN=$VF_CONTROL_TOKEN {line}"))
     return out

@@ -1,8 +1,6 @@
-"""`vf-rl`'s plan: what a run will start and how, computed before anything starts (`--dry-run` prints it).
-
-The model (the tiny one built, the SFT warm-start's output), the GPUs of each process (`rl.plan.devices`), the
-serving plan (`rl.plan.serving`: engine, shared GPU, LoRA sync, backend, memory split), the server's command, and
-the trainer's: in vf-rl's process on a CPU, in processes of its own on GPUs.
+"""`vf-rl`'s plan: the run plan (`rl.plan.run.plan_run`) plus what only a command has: the SFT warm-start, the
+config file's model, and the trainer's own command on GPUs. `--dry-run` prints `render(plan)`; `vf-rl` launches
+`plan.server` and `plan.trainer_cmd`, the same objects.
 """
 
 from __future__ import annotations
@@ -15,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from verifiers_rl.errors import ConfigError
-from verifiers_rl.rl.plan.devices import assign_gpus, child_visible_devices, plan_memory, planned_uuids
-from verifiers_rl.rl.plan.serving import PLAN_ENV
-from verifiers_rl.scripts.common import flags_from_args, resolve_model
+from verifiers_rl.rl.plan.devices import child_visible_devices
+from verifiers_rl.rl.plan.run import PLAN_ENV, Layout, Machine, RunPlan, plan_run
+from verifiers_rl.scripts.common import resolve_model
 from verifiers_rl.scripts.toml_config import resolve_path, rl_config
+
+SERVER_PORT = "<server port>"  # in the trainer's command until the server has one
 
 
 @dataclass
@@ -26,33 +26,30 @@ class Plan:
     cfg: dict[str, Any]
     config_path: str
     overrides: list[str]
-    model: str
-    gpus: Any  # plan.devices.GpuPlan
-    serving: Any  # plan.serving.ServingPlan
-    args: Any  # the trainer's RLConfig as planned (the pinned values applied), checked once here
-    server: Any  # InferenceServer, not started
+    run: RunPlan
     sft: dict[str, Any] | None = None
-    trainer_cmd: list[str] = field(default_factory=list)
-    trainer_overrides: dict[str, Any] = field(default_factory=dict)  # [trainer.args] values the plan pins
-    elsewhere: bool = False  # planned for GPUs this machine does not have (`--gpus N`): indices as they are there
-    accelerate_config: str | None = None  # [trainer] accelerate_config, resolved
-    ranks: Any = None  # plan.ranks.RankMemory of one trainer rank (None: the model's shape is unknown here)
+    trainer_cmd: list[str] = field(default_factory=list)  # empty: the trainer runs in vf-rl's process (CPU)
 
-    @property
-    def output_dir(self) -> str:
-        return self.args.output_dir
+    # the run plan's parts, by the names the launcher and the tests use
+    model = property(lambda self: self.run.model)
+    gpus = property(lambda self: self.run.gpus)
+    serving = property(lambda self: self.run.serving)
+    args = property(lambda self: self.run.args)
+    server = property(lambda self: self.run.server)
+    engine = property(lambda self: self.run.engine)
+    output_dir = property(lambda self: self.run.args.output_dir)
 
     def visible(self, indices: list[int]) -> str:
         """CUDA_VISIBLE_DEVICES of a process that gets `indices` of the GPUs vf-rl sees."""
-        return ",".join(map(str, indices)) if self.elsewhere else child_visible_devices(indices)
+        return ",".join(map(str, indices)) if not self.run.machine.real else child_visible_devices(indices)
 
-    @property
-    def engine(self) -> str:
-        return self.serving.engine
+    def server_line(self) -> str:
+        dev = f"CUDA_VISIBLE_DEVICES={self.visible(self.gpus.inference)} " if self.gpus.inference else ""
+        return dev + shlex.join(self.server.command())
 
-    @property
-    def server_cmd(self) -> list[str]:
-        return self.server.command()
+    def trainer_line(self, port: int | str = SERVER_PORT) -> str:
+        cmd = [str(port) if a == SERVER_PORT else a for a in self.trainer_cmd]
+        return f"CUDA_VISIBLE_DEVICES={self.visible(self.gpus.trainer)} {shlex.join(cmd)}"
 
 
 def check_model(model: str, dry_run: bool) -> None:
@@ -68,24 +65,8 @@ def check_model(model: str, dry_run: bool) -> None:
         raise ConfigError(f"model = {model!r}: {e}") from None
 
 
-def _cuda_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001 - a broken CUDA setup means CPU here
-        return 0
-
-
-def build_plan(
-    cfg: dict[str, Any],
-    config_path: str,
-    overrides: list[str],
-    dry_run: bool,
-    cuda: int | None = None,
-    gpu_memory_gib: float | None = None,
-) -> Plan:
-    from verifiers_rl.rl.plan.serving import plan_serving, resolve_engine
+def build_plan(cfg: dict[str, Any], config_path: str, overrides: list[str], machine: Machine, dry_run: bool) -> Plan:
+    from verifiers_rl.rl.plan.memory import shape_of
     from verifiers_rl.scripts.sft import sft_plan
 
     sft = None
@@ -94,46 +75,39 @@ def build_plan(
         model = sft["final_dir"]
     else:
         model = resolve_model(cfg, config_path, dry_run=dry_run)
-        check_model(model, dry_run)
-    real_cuda = _cuda_count()
-    cuda = real_cuda if cuda is None else cuda
-    gpus = assign_gpus(cfg, cuda)
-    inf = cfg.get("inference", {})
-    # planning for GPUs this machine does not have (--gpus N): assume the GPU machine has vLLM
-    engine = resolve_engine(inf.get("engine", "auto"), cuda=cuda > 0, vllm=True if cuda > real_cuda else None)
-    if engine == "vllm" and not cuda:
-        raise ConfigError("inference.engine='vllm' needs CUDA devices; none are visible (use engine = \"cpu\")")
+        if not (dry_run and cfg["model"] == "tiny"):  # a dry run builds nothing; the tiny model is built offline
+            check_model(model, dry_run)
     # validates [trainer.args] now, before anything starts (precision checks need the real hardware)
-    args = rl_config(cfg, cuda=cuda > 0 and real_cuda > 0, quiet=cuda > real_cuda, server_engine=engine)
-    gpu_bytes = int((gpu_memory_gib or _gpu_gib(real_cuda, (gpus.inference or [0])[0])) * (1 << 30))
-    serving = plan_serving(
-        args,
-        mode="spawn",
-        engine=engine,
-        cuda_count=cuda,
-        server_uuids=planned_uuids(gpus.inference, real=cuda <= real_cuda) if cuda else None,
-        trainer_uuids=planned_uuids(gpus.trainer, real=cuda <= real_cuda),
-        server_gpus=gpus.inference or None,
-        data_parallel=gpus.data_parallel,
-        memory=lambda: plan_memory(cfg, args, model, gpu_bytes, base=sft["cfg"]["model"] if sft else None),
+    args = rl_config(cfg, cuda=machine.gpus > 0 and machine.real, quiet=not machine.real)
+    layout = Layout(
+        inference_gpus=cfg.get("inference", {}).get("gpus", 1),
+        trainer_gpus=cfg.get("trainer", {}).get("gpus", 1),
+        accelerate_config=_accelerate_config(cfg, config_path),
     )
-    pinned = serving.trainer_args(args.use_lora)
-    args = rl_config(cfg, cuda=cuda > 0 and real_cuda > 0, quiet=True, **pinned)
-    procs = gpus.trainer_processes
+    shape = shape_of(model) or (shape_of(sft["cfg"]["model"]) if sft else None) or _tiny_shape(cfg)
+    user_set = frozenset(cfg.get("trainer", {}).get("args", {}))
+    run = plan_run(args, model, machine, layout, shape=shape, user_set=user_set)
+    procs = run.gpus.trainer_processes
     if args.batch_size % (args.micro_batch_size * procs):
         raise ConfigError(
             f"trainer.args.batch_size={args.batch_size} must be divisible by micro_batch_size * trainer processes "
             f"= {args.micro_batch_size} * {procs} (trainer.gpus)"
         )
-    server = make_server(cfg, args, model, serving)
-    plan = Plan(cfg, config_path, overrides, model, gpus, serving, args, server, sft)
-    plan.trainer_overrides, plan.elsewhere = pinned, cuda > real_cuda
-    plan.accelerate_config = _accelerate_config(cfg, config_path)
-    if gpus.trainer:  # every GPU layout: the trainer in processes of its own, on its own GPUs (see trainer_command)
-        plan.ranks = _rank_memory(plan, args, gpu_bytes)
-        launch = launcher_args(len(gpus.trainer), plan.accelerate_config)
-        plan.trainer_cmd = trainer_command(config_path, overrides, pinned, launch, inf.get("host"))
+    plan = Plan(cfg, config_path, overrides, run, sft)
+    if run.gpus.trainer:  # every GPU layout: the trainer in processes of its own, on its own GPUs
+        launch = launcher_args(len(run.gpus.trainer), layout.accelerate_config)
+        plan.trainer_cmd = trainer_command(config_path, overrides, launch, args.vllm_server_host)
     return plan
+
+
+def _tiny_shape(cfg: dict[str, Any]):
+    """The offline tiny model's shape, from its spec, before it is built."""
+    if cfg.get("model") != "tiny":
+        return None
+    from verifiers_rl.rl.plan.memory import ModelShape
+    from verifiers_rl.tiny import TinySpec, build_config, build_tokenizer
+
+    return ModelShape.from_config(build_config(build_tokenizer(), TinySpec(**cfg.get("tiny", {}))))
 
 
 def _accelerate_config(cfg: dict[str, Any], config_path: str) -> str | None:
@@ -141,49 +115,23 @@ def _accelerate_config(cfg: dict[str, Any], config_path: str) -> str | None:
     return str(Path(resolve_path(path, config_path)).resolve()) if path else None
 
 
-def _rank_memory(plan: Plan, args, gpu_bytes: int):
-    """One trainer rank's memory for the accelerate config's layout; a plan that cannot fit is refused (a GPU it
-    shares with the server is planned by the shared-GPU planner instead)."""
-    from verifiers_rl.rl.plan.memory import shape_of
-    from verifiers_rl.rl.plan.ranks import check_fits, rank_memory, read_accelerate_config, training_layout
-
-    config = read_accelerate_config(plan.accelerate_config) if plan.accelerate_config else None
-    shape = shape_of(plan.model) or (shape_of(plan.sft["cfg"]["model"]) if plan.sft else None)
-    if shape is None:
-        return None
-    memory = rank_memory(
-        shape, layout=training_layout(config), ranks=len(plan.gpus.trainer), use_lora=args.use_lora,
-        lora_rank=args.lora_rank, micro_batch_tokens=args.token_budget,
-        gradient_checkpointing=bool(args.activation_checkpointing),
-    )  # fmt: skip
-    if not plan.serving.shared_gpu:
-        check_fits(memory, gpu_bytes)
-    return memory
-
-
 def launcher_args(processes: int, accelerate_config: str | None = None) -> list[str]:
     """How the trainer's processes start: one plain process, or `accelerate launch` (the user's accelerate config,
     e.g. DeepSpeed ZeRO-3 or FSDP2, or plain multi-GPU data parallel)."""
     if accelerate_config:
-        return [
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            accelerate_config,
-            "--num_processes",
-            str(processes),
-        ]
+        return ["-m", "accelerate.commands.launch", "--config_file", accelerate_config, "--num_processes",
+                str(processes)]  # fmt: skip
     if processes > 1:
         return ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes)]
     return []
 
 
-def trainer_command(config_path: str, overrides: list[str], pinned: dict, launch: list[str], host: str | None):
+def trainer_command(config_path: str, overrides: list[str], launch: list[str], host: str) -> list[str]:
     """The trainer's command on GPUs: `vf-train` for one process, under `accelerate launch` for several or for an
     accelerate config (`launcher_args`). Never in vf-rl's own process, which sees every GPU: CUDA_VISIBLE_DEVICES
     must narrow the trainer to its GPUs before CUDA starts (one process with several visible GPUs would take
     cuda:0, the server's, and Trainer would spread it with nn.DataParallel). vf-rl runs it with
-    CUDA_VISIBLE_DEVICES, the control token and the plan set (`trainer_env`); "<server port>" becomes the port the
+    CUDA_VISIBLE_DEVICES, the control token and the plan set (`trainer_env`); SERVER_PORT becomes the port the
     server got."""
     return [
         sys.executable,
@@ -193,85 +141,43 @@ def trainer_command(config_path: str, overrides: list[str], pinned: dict, launch
         "@",
         str(Path(config_path).resolve()),
         *overrides,
-        *[a for key, value in pinned.items() for a in (f"--trainer.args.{key}", str(value))],
-        "--inference.host",
-        host or "127.0.0.1",
-        "--inference.port",
-        "<server port>",
+        "--trainer.args.vllm_server_host",
+        host,
+        "--trainer.args.vllm_server_port",
+        SERVER_PORT,
     ]
 
 
 def trainer_env(plan: Plan, token: str) -> dict[str, str]:
-    """What the trainer processes get besides vf-rl's environment: their GPUs, the server's control token, the
-    serving plan (they follow it instead of making their own)."""
+    """What the trainer processes get besides vf-rl's environment: their GPUs, the server's control token, and
+    the plan, once (they follow it instead of making their own)."""
     from verifiers_rl.rl.trainer.server_recovery import RUN_COMMAND_ENV
 
     return {
         RUN_COMMAND_ENV: shlex.join(["vf-rl", *sys.argv[1:]]),  # what a trainer that must stop says to run again
         "VF_CONTROL_TOKEN": token,
         "CUDA_VISIBLE_DEVICES": plan.visible(plan.gpus.trainer),
-        PLAN_ENV: plan.serving.to_json(),
+        PLAN_ENV: plan.run.for_ranks(),
     }
 
 
-def _gpu_gib(real_cuda: int, gpu: int = 0) -> float:
-    """GiB of the server's GPU, or 80 (an H100) when planning for GPUs this machine does not have (--gpu-memory)."""
-    if real_cuda:
-        import torch
+def render(plan: Plan) -> str:
+    """What `vf-rl --dry-run` prints: the plan that `vf-rl` launches, from the same object."""
+    out = ["# resolved config", json.dumps(plan.cfg, indent=2, default=str)]
+    from verifiers_rl.scripts.environments import environment_status
 
-        return torch.cuda.get_device_properties(gpu).total_memory / (1 << 30)
-    return 80.0
-
-
-def make_server(cfg: dict[str, Any], args, model: str, serving):
-    """The inference server of a vf-rl run, as its serving plan says (one definition for the plan and the run)."""
-    from verifiers_rl.rl.inference.launcher import InferenceServer
-    from verifiers_rl.rl.inference.layout import ADAPTER_NAME, AdapterServing
-    from verifiers_rl.rl.trainer.lora import lora_ranks
-
-    inf = cfg.get("inference", {})
-    adapter = None
-    if serving.engine == "vllm" and serving.lora_sync == "adapter":
-        # vLLM serves the policy as a LoRA adapter registered at startup: vf-rl writes a zero one of the trainer's
-        # layout before the start (`run`), and the trainer's first sync fills it
-        adapter = AdapterServing(ADAPTER_NAME, str(Path(args.output_dir) / "adapter_step0"), lora_ranks(args))
-    return InferenceServer(
-        model,
-        engine=serving.engine,
-        host=inf.get("host", "127.0.0.1"),
-        port=inf.get("port"),
-        output_dir=args.output_dir,
-        gpus=list(serving.server_gpus) if serving.server_gpus else None,
-        max_model_len=args.server_max_len,
-        data_parallel_size=serving.data_parallel,
-        extra_args=serving.server_args(flags_from_args(inf.get("args", {}))),
-        startup_timeout=inf.get("startup_timeout", args.vllm_server_timeout),
-        env=serving.server_env(),
-        adapter=adapter,
-        weight_backend=serving.server_weight_backend,
-    )
-
-
-def print_plan(plan: Plan) -> None:
-    print("# resolved config")
-    print(json.dumps(plan.cfg, indent=2, default=str))
-    print(f"\n# devices\n{plan.gpus.describe(plan.engine)}")
-    print(f"\n# model\n{plan.model}")
+    out += ["", "# devices", plan.gpus.describe(plan.engine), "", "# model", plan.model]
+    out += ["", "# environment", environment_status(plan.cfg["env"]["id"])]
     if plan.sft:
         state = "done, reused" if plan.sft["done"] else "runs first"
-        print(f"\n# SFT warm-start ({state})\nvf-sft @ {plan.sft['config_path']}  ->  {plan.sft['final_dir']}")
-    print("\n# serving plan\n" + "\n".join(plan.serving.describe()))
-    dev = f"CUDA_VISIBLE_DEVICES={plan.visible(plan.gpus.inference)} " if plan.gpus.inference else ""
-    print(f"\n# inference server (engine: {plan.engine})\n{dev}{shlex.join(plan.server_cmd)}")
-    decided = ", ".join(f"{k} = {v!r}" for k, v in sorted(plan.trainer_overrides.items()))
-    print(f"\n# the plan pins\n[trainer.args] {decided}")
-    if plan.ranks is not None:
-        print(f"\n# trainer memory\n{plan.ranks.describe()}")
+        out += ["", f"# SFT warm-start ({state})", f"vf-sft @ {plan.sft['config_path']}  ->  {plan.sft['final_dir']}"]
+    out += ["", "# serving plan", *plan.run.describe()]
+    out += ["", f"# inference server (engine: {plan.engine})", plan.server_line()]
     if plan.trainer_cmd:
         n = len(plan.gpus.trainer)
-        dev = f"CUDA_VISIBLE_DEVICES={plan.visible(plan.gpus.trainer)} "
-        print(f"\n# trainer ({n} process{'es' if n > 1 else ''}, the serving plan in ${PLAN_ENV})")
-        print(f"{dev}{shlex.join(plan.trainer_cmd)}")
+        out += ["", f"# trainer ({n} process{'es' if n > 1 else ''}, the run plan in ${PLAN_ENV})", plan.trainer_line()]
     else:
-        print("\n# trainer\nin this process, on the CPU (RLTrainer, connected to the server above)")
-    print(f"\n# outputs\n{plan.output_dir} (final/ = the trained model, metrics.jsonl, reward_curve.png, checkpoints)")
+        out += ["", "# trainer", "in this process, on the CPU (RLTrainer, connected to the server above)"]
+    out += ["", "# outputs", f"{plan.output_dir} (final/ = the trained model, metrics.jsonl, reward_curve.png, "
+            "checkpoints)"]  # fmt: skip
+    return "\n".join(out)

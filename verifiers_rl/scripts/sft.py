@@ -160,8 +160,11 @@ def run_sft(cfg: dict[str, Any], config_path: str) -> str:
     model = trainer.model
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
-    model.save_pretrained(final)
-    tokenizer.save_pretrained(final)
+    from verifiers_rl.rl.trainer.checkpoints import staged
+
+    with staged(final) as tmp:  # `final/config.json` marks the warm-start done: it appears with the weights
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     print(f"vf-sft: wrote {final} (use it as `model` in an RL config)", flush=True)
     return str(final)
 

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from verifiers_rl.errors import ConfigError
-from verifiers_rl.rl.plan.serving import ENGINES
 
 SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "": {"model": str, "output_dir": str, "run_name": str},
     "env": {"id": str, "args": dict},
+    # host, port, startup_timeout, engine and args are RLConfig fields' TOML spelling (`fold_aliases`)
     "inference": {"gpus": int, "engine": str, "host": str, "port": int, "args": dict, "startup_timeout": (int, float)},
-    "trainer": {"gpus": int, "args": dict, "accelerate_config": str},
+    "trainer": {"gpus": int, "args": dict, "accelerate_config": str, "run_name": str},
     "sft": {"config": str},
     "tiny": {"hidden": int, "layers": int, "seed": int, "head_dim": int},
     "eval": {
@@ -95,8 +95,16 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def apply_overrides(cfg: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+class Settings(dict):
+    """A loaded config; `from_command_line` holds the dotted keys an override set (they win over the file's other
+    spelling of the same setting, `fold_aliases`)."""
+
+    from_command_line: frozenset[str] = frozenset()
+
+
+def apply_overrides(cfg: dict[str, Any], overrides: list[str]) -> Settings:
     """`--section.key value` pairs (or `--section.key=value`) onto the loaded config."""
+    cfg, seen = Settings(cfg), set()
     it = iter(overrides)
     for arg in it:
         if not arg.startswith("--") or len(arg) == 2:
@@ -113,7 +121,65 @@ def apply_overrides(cfg: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if not isinstance(node, dict):
                 raise ConfigError(f"override --{dotted}: {part!r} is not a section")
         node[parts[-1]] = parse_value(value)
+        seen.add(dotted)
+    cfg.from_command_line = frozenset(seen)
     return cfg
+
+
+def aliases() -> dict[str, str]:
+    """{TOML key outside [trainer.args]: the RLConfig field it spells}, from the fields' own metadata (the
+    generated schema), plus upstream's `[trainer] run_name`."""
+    from verifiers_rl.scripts.config_schema import load_schema
+
+    table = {entry["toml"]: name for name, entry in load_schema().items() if entry.get("toml")}
+    return {**table, "trainer.run_name": "run_name"}
+
+
+def fold_aliases(cfg: dict[str, Any]) -> dict[str, str]:
+    """One setting, one home: `[inference] host/port/startup_timeout/engine/args` (upstream vf-rl's spelling) move
+    into `[trainer.args]` under their RLConfig names, so vf-rl, vf-train and `RLConfig(...)` read one value. Two
+    different values for one setting stop here with one line naming both keys; a command-line override beats the
+    file's other spelling. Returns {field: the key the file spelled it with}, for error messages."""
+    cli, spelled = getattr(cfg, "from_command_line", frozenset()), {}
+    args = cfg.setdefault("trainer", {}).setdefault("args", {})
+    for alias, name in aliases().items():
+        section, key = alias.split(".")
+        if key not in cfg.get(section, {}):
+            continue
+        value = cfg[section].pop(key)
+        if key == "args":  # a table of vLLM flags: RLConfig keeps them as the command line vLLM gets
+            value = flags_from_args(value)
+        target, home = (cfg, "run_name") if name == "run_name" else (args, f"trainer.args.{name}")
+        if name in target and target[name] != value:
+            if (home in cli) == (alias in cli):
+                raise ConfigError(
+                    f"{alias}={value!r} and {home}={target[name]!r} are one setting with two values: keep one"
+                )
+            if home in cli:
+                continue
+        target[name], spelled[name] = value, alias
+    return spelled
+
+
+def flags_from_args(args: dict[str, Any]) -> list[str]:
+    """[inference.args] -> command-line flags: {enforce_eager = true, max_model_len = 4096} ->
+    --enforce-eager --max-model-len 4096 (false drops the flag; lists repeat the value)."""
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            out += [flag, *[str(v) for v in value]]
+        elif isinstance(value, dict):
+            import json
+
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
 
 
 def foreign_format(cfg: dict[str, Any]) -> str | None:
@@ -160,18 +226,16 @@ def validate(cfg: dict[str, Any], command: str = "vf-rl") -> dict[str, Any]:
         if key not in node:
             where = f"[{section}] {key}" if section else key
             raise ConfigError(f"missing required key {where} in the config")
-    engine = cfg.get("inference", {}).get("engine", "auto")
-    if engine not in ENGINES:
-        raise ConfigError(f"inference.engine={engine!r}; allowed: {', '.join(ENGINES)}")
-    port = cfg.get("inference", {}).get("port")
-    if port is not None and not 0 < port < 65536:
-        raise ConfigError(f"inference.port={port}: expected a TCP port in 1..65535")
     for section in ("inference", "trainer"):
         gpus = cfg.get(section, {}).get("gpus")
         if gpus is not None and gpus < 0:
             raise ConfigError(f"{section}.gpus={gpus}: must be >= 0")
     if command != "vf-sft":
-        _check_trainer_args(cfg.get("trainer", {}).get("args", {}))
+        spelled = {
+            name: alias for alias, name in aliases().items() if alias.split(".")[1] in cfg.get(alias.split(".")[0], {})
+        }
+        fold_aliases(cfg)
+        _check_trainer_args(cfg.get("trainer", {}).get("args", {}), spelled)
     return cfg
 
 
@@ -196,8 +260,9 @@ def _check_key(section: str, key: str, value: Any) -> None:
         raise ConfigError(f"{_key(section, key)}={value!r}: expected {names}")
 
 
-def _check_trainer_args(args: dict) -> None:
-    """Keys, types and RLConfig's rules, from the generated schema: no torch or transformers import yet."""
+def _check_trainer_args(args: dict, spelled: dict[str, str] | None = None) -> None:
+    """Keys, types and RLConfig's rules, from the generated schema: no torch or transformers import yet. `spelled`:
+    fields the file wrote under another key ([inference] port), named that way in errors."""
     import warnings
 
     from verifiers_rl.rl.trainer.legacy import translate_legacy_kwargs
@@ -218,7 +283,10 @@ def _check_trainer_args(args: dict) -> None:
             )
     errors = type_errors(args, schema) or rule_errors(args, schema)
     if errors:
-        raise ConfigError("; ".join(errors))
+        text = "; ".join(errors)
+        for name, alias in (spelled or {}).items():
+            text = text.replace(f"trainer.args.{name}=", f"{alias}=")
+        raise ConfigError(text)
 
 
 def rl_config(cfg: dict[str, Any], cuda: bool | None = None, quiet: bool = False, **overrides):
@@ -228,6 +296,7 @@ def rl_config(cfg: dict[str, Any], cuda: bool | None = None, quiet: bool = False
     failing, so one config serves a GPU box and a laptop."""
     from verifiers_rl.rl.trainer.config import RLConfig
 
+    fold_aliases(cfg)  # a config that skipped validate() still has one value per setting
     args = dict(cfg.get("trainer", {}).get("args", {}))
     if cuda is None:
         import torch

@@ -1,6 +1,7 @@
 """`vf-train @ cfg.toml [--section.key value ...]`: the trainer only, against a server that already runs
-(`vf-vllm`, or the one `vf-rl` started). Server address from [inference] host/port; control token from
-$VF_CONTROL_TOKEN. Also the per-process entry point when `vf-rl` runs the trainer under `accelerate launch`.
+(`vf-vllm`, or the one `vf-rl` started). Server address from [inference] host/port (or [trainer.args]
+vllm_server_host/port; 8000 when unset); control token from $VF_CONTROL_TOKEN. Also the per-process entry point
+when `vf-rl` runs the trainer under `accelerate launch`.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
+from verifiers_rl.rl.inference.net import DEFAULT_PORT
+from verifiers_rl.rl.plan.run import from_ranks_env
 from verifiers_rl.scripts.common import load_env, resolve_model, run_cli, split_argv, train_and_evaluate
 from verifiers_rl.scripts.rl_plan import check_model
 from verifiers_rl.scripts.toml_config import apply_overrides, load, resolve_path, rl_config, validate
@@ -33,18 +36,12 @@ def run_command(argv: list[str] | None = None) -> int:
         if model is None:
             model = resolve_model(cfg, path)
             check_model(model, dry_run="--dry-run" in flags)
-        inf = cfg.get("inference", {})
-        args = rl_config(
-            cfg,
-            server_mode="connect",
-            vllm_server_host=inf.get("host", "127.0.0.1"),
-            vllm_server_port=inf.get("port", 8000),
-            server_engine=inf.get("engine", "auto"),
-        )
+        # a trainer process vf-rl started follows vf-rl's plan, including the settings its memory fit chose
+        args = rl_config(cfg, server_mode="connect", **from_ranks_env()[1])
         if "--dry-run" in flags:
             print(
                 f"vf-train: would train {model} on {cfg['env']['id']} against "
-                f"http://{args.vllm_server_host}:{args.vllm_server_port} -> {args.output_dir}"
+                f"http://{args.vllm_server_host}:{args.vllm_server_port or DEFAULT_PORT} -> {args.output_dir}"
             )
             return 0
         return train_and_evaluate(model, load_env(cfg), args, cfg)

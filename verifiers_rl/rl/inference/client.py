@@ -17,6 +17,7 @@ import httpx
 
 from verifiers_rl.rl.inference.control_auth import ADAPTER_ROUTES, CONTROL_ROUTES, TOKEN_HEADER
 from verifiers_rl.rl.inference.errors import ServerError
+from verifiers_rl.rl.inference.net import LOOPBACK
 from verifiers_rl.rl.inference.transfer.backends import create_sender
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats, WeightSender
 
@@ -24,12 +25,14 @@ logger = logging.getLogger(__name__)
 # What a request meets on a keep-alive connection the server has closed since its last answer (vLLM closes it
 # after a 500): an idempotent request is sent once more, on a new connection.
 STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+# A listener that answers /health with anything but 200 or 503 this long is not a server that is starting.
+FOREIGN_AFTER_S = 5.0
 
 
 class InferenceClient:
     def __init__(
         self,
-        host: str = "127.0.0.1",
+        host: str = LOOPBACK,
         port: int = 8000,
         *,
         base_url: str | None = None,
@@ -91,17 +94,40 @@ class InferenceClient:
         return self.get("/v1/models")["data"]
 
     def health(self, timeout: float = 5.0) -> bool:
-        try:
-            return self._http.get("/health", timeout=timeout).status_code == 200
-        except httpx.TransportError:
-            return False
+        return self.answer("/health", timeout) == "200"
 
-    def wait_for_health(self, timeout: float | None = None) -> None:
-        """Poll /health until it answers 200, or raise ServerError after `timeout` seconds."""
+    def answer(self, path: str, timeout: float = 5.0) -> str | None:
+        """What answers GET `path`: "200", another status with the server's name ("404 from SimpleHTTP/0.6"), a
+        listener that does not speak HTTP, or None when nothing listens (yet)."""
+        try:
+            r = self._http.get(path, timeout=timeout)
+        except (httpx.ConnectError, httpx.TimeoutException):  # nothing listens yet, or a busy server: wait on
+            return None
+        except httpx.TransportError as e:  # something listens, but not an HTTP server (or it broke the reply)
+            return f"a listener that does not answer HTTP ({type(e).__name__})"
+        if r.status_code == 200:
+            return "200"
+        server = r.headers.get("server")
+        return f"{r.status_code}" + (f" from {server}" if server else "")
+
+    def wait_for_health(self, timeout: float | None = None, foreign_after: float = FOREIGN_AFTER_S) -> None:
+        """Poll /health until it answers 200, or raise ServerError after `timeout` seconds. A listener that
+        keeps answering something else for `foreign_after` seconds is named at once: it is not an inference
+        server starting up (vLLM and our engine listen only once they serve; 503 is a server still loading)."""
         timeout = self.connection_timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        while not self.health():
-            if time.monotonic() > deadline:
+        start = time.monotonic()
+        deadline, odd_since = start + timeout, None
+        while (answer := self.answer("/health")) != "200":
+            now = time.monotonic()
+            foreign = answer is not None and not answer.startswith("503")
+            odd_since = (odd_since or now) if foreign else None
+            if odd_since is not None and now - odd_since >= foreign_after:
+                raise ServerError(
+                    f"{self.base_url} is not an inference server: GET /health answered {answer} for "
+                    f"{now - odd_since:.0f}s; point the trainer at the server (vllm_server_host / vllm_server_port, "
+                    "[inference] host / port) or stop what listens there"
+                )
+            if now > deadline:
                 raise ServerError(f"inference server at {self.base_url} not healthy after {timeout:.0f}s")
             time.sleep(0.25)
 
@@ -152,7 +178,7 @@ class InferenceClient:
         self,
         backend: str = "gloo",
         *,
-        host: str = "127.0.0.1",
+        host: str = LOOPBACK,
         bucket_bytes: int | None = None,
         timeout_s: float | None = None,
         server_pauses: bool = False,

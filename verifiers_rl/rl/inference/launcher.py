@@ -23,7 +23,7 @@ from verifiers_rl.rl.inference.client import InferenceClient
 from verifiers_rl.rl.inference.control_auth import TOKEN_ENV
 from verifiers_rl.rl.inference.errors import ServerError
 from verifiers_rl.rl.inference.layout import AdapterServing, ServerSpec
-from verifiers_rl.rl.inference.net import free_port, port_in_use
+from verifiers_rl.rl.inference.net import LOOPBACK, free_port, port_in_use
 from verifiers_rl.rl.inference.server import PARENT_ENV
 from verifiers_rl.rl.plan.devices import child_visible_devices
 
@@ -60,7 +60,7 @@ class InferenceServer:
         model: str,
         *,
         engine: str = "auto",
-        host: str = "127.0.0.1",
+        host: str = LOOPBACK,
         port: int | None = None,
         output_dir: str | os.PathLike = "outputs",
         gpus: list[int] | None = None,

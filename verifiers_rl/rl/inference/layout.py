@@ -11,6 +11,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from verifiers_rl.rl.inference.net import LOOPBACK
+
 SERVER_MODULE = "verifiers_rl.rl.inference.server"
 # Adapter sync (lora_sync="adapter") into vLLM: the served adapter's name and the worker extension that installs it.
 ADAPTER_NAME = "policy"
@@ -37,6 +39,18 @@ def flag_name(arg: str) -> str | None:
 
 def has_flag(args: Sequence[str], name: str) -> bool:
     return any(flag_name(a) == name for a in args)
+
+
+def flag_value(args: Sequence[str], name: str) -> str | None:
+    """The value of `--name V` / `--name=V` in `args` (the last one wins, as in argparse); None when absent."""
+    value = None
+    for i, arg in enumerate(args):
+        if flag_name(arg) == name:
+            if "=" in arg:
+                value = arg.split("=", 1)[1]
+            elif i + 1 < len(args):
+                value = args[i + 1]
+    return value
 
 
 @dataclass(frozen=True)
@@ -70,7 +84,7 @@ class ServerSpec:
 
     model: str
     engine: str  # resolved: "cpu" | "vllm"
-    host: str = "127.0.0.1"
+    host: str = LOOPBACK
     port: int | None = None
     gpus: list[int] | None = None  # CUDA_VISIBLE_DEVICES of the server
     max_model_len: int | None = None

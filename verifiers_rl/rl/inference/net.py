@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
+LOOPBACK = "127.0.0.1"  # where a server the trainer starts listens unless told otherwise
 # where vf-vllm listens by default, where a trainer connects, and where server_mode="auto" looks first
 DEFAULT_PORT = 8000
 # How long a server keeps an idle connection. uvicorn's and vLLM's default (5 s) equals the OpenAI client's own
@@ -19,7 +20,7 @@ DEFAULT_PORT = 8000
 SERVER_KEEP_ALIVE_S = 75
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -57,9 +58,9 @@ def store_host_for(server_host: str) -> str:
     reach it), else the one interface this machine uses to reach the server."""
     try:
         if is_local(server_host) or ipaddress.ip_address(socket.gethostbyname(server_host)).is_loopback:
-            return "127.0.0.1"
+            return LOOPBACK
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((server_host, 9))  # no packet is sent: this only picks the route's source address
             return probe.getsockname()[0]
     except OSError:
-        return "127.0.0.1"
+        return LOOPBACK

@@ -21,7 +21,7 @@ import time
 from typing import NoReturn
 
 from verifiers_rl.rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
-from verifiers_rl.rl.inference.net import DEFAULT_PORT, is_loopback
+from verifiers_rl.rl.inference.net import DEFAULT_PORT, LOOPBACK, is_loopback
 from verifiers_rl.rl.plan.openmp import bound_openmp_spin
 from verifiers_rl.rl.plan.serving import CPU_ENGINES, ENGINES, resolve_engine
 
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="hub id or local directory")
     p.add_argument("--engine", choices=ENGINES, default="auto", help="default: vllm if CUDA+vLLM, else cpu")
     p.add_argument(
-        "--host", default="127.0.0.1", help="bind address (default loopback; control routes stay loopback-only)"
+        "--host", default=LOOPBACK, help="bind address (default loopback; control routes stay loopback-only)"
     )
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: --model)")

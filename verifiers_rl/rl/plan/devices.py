@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from typing import Any
 
 from verifiers_rl.errors import ConfigError
 
@@ -87,18 +86,11 @@ def gpu_uuids(indices: Sequence[int]) -> tuple[str, ...] | None:
         return None
 
 
-def planned_uuids(indices: Sequence[int], real: bool) -> tuple[str, ...]:
-    """GPU names for a plan: the UUIDs on this machine (`real`), else, planning for GPUs it does not have
-    (`vf-rl --dry-run --gpus N`), their indices, which are one namespace there."""
-    found = gpu_uuids(indices) if real else None
-    return found if found is not None else tuple(f"cuda:{int(i)}" for i in indices)
-
-
-def assign_gpus(cfg: dict[str, Any], available: int) -> GpuPlan:
+def assign_gpus(available: int, n_inf: int, n_tr: int, tp: int = 1) -> GpuPlan:
+    """GPUs of the server (`n_inf`, [inference] gpus; 0 shares the trainer's first) and of the trainer (`n_tr`),
+    inference first; `tp`: vLLM's tensor-parallel size, so the server runs n_inf / tp data-parallel replicas."""
     if available == 0:
         return GpuPlan(0, [], [])
-    n_inf = cfg.get("inference", {}).get("gpus", 1)
-    n_tr = cfg.get("trainer", {}).get("gpus", 1)
     if n_inf == 0 or (available == 1 and n_inf + n_tr == 2):  # one GPU: a first-class layout, not an error
         if n_tr > available:
             raise ConfigError(f"trainer.gpus={n_tr} exceeds the {available} visible CUDA devices")
@@ -108,40 +100,9 @@ def assign_gpus(cfg: dict[str, Any], available: int) -> GpuPlan:
             f"inference.gpus={n_inf} + trainer.gpus={n_tr} exceeds the {available} visible CUDA devices "
             "(NCCL weight sync needs separate GPUs for the server and the trainer)"
         )
-    tp = int(cfg.get("inference", {}).get("args", {}).get("tensor_parallel_size", 1))
     if tp < 1 or n_inf % tp:
         raise ConfigError(
-            f"inference.gpus={n_inf} is not a multiple of inference.args.tensor_parallel_size={tp}: "
+            f"inference.gpus={n_inf} is not a multiple of tensor_parallel_size={tp} ([inference.args]): "
             "vLLM runs gpus / tensor_parallel_size data-parallel replicas"
         )
     return GpuPlan(available, list(range(n_inf)), list(range(n_inf, n_inf + n_tr)), n_inf // tp, tp)
-
-
-def plan_memory(cfg: dict[str, Any], args, model: str, gpu_bytes: int, base: str | None = None):
-    """The shared GPU's split (memory.py) for this run; ConfigError when the model's shape is unknown
-    or the two do not fit. `base`: where the shape comes from while `model` does not exist yet (an SFT
-    warm-start's output has its base model's shape)."""
-    from verifiers_rl.rl.plan.memory import ModelShape, plan_shared_gpu, shape_of
-
-    shape = shape_of(model) or (shape_of(base) if base else None)
-    if shape is None and cfg.get("model") == "tiny":
-        from verifiers_rl.tiny import TinySpec, build_config, build_tokenizer
-
-        shape = ModelShape.from_config(build_config(build_tokenizer(), TinySpec(**cfg.get("tiny", {}))))
-    if shape is None:
-        raise ConfigError(
-            f"cannot plan one GPU for {model!r}: its config.json is not available here; set "
-            "[inference.args] gpu_memory_utilization yourself (the fraction of the GPU vLLM may use)"
-        )
-    try:
-        return plan_shared_gpu(
-            shape,
-            gpu_bytes,
-            use_lora=args.use_lora,
-            lora_rank=args.lora_rank,
-            micro_batch_tokens=args.token_budget,
-            max_seq_len=args.max_seq_len,
-            gradient_checkpointing=bool(args.activation_checkpointing),
-        )
-    except ValueError as e:
-        raise ConfigError(f"one GPU: {e}") from None

@@ -11,7 +11,6 @@ the trainer's runtime start the server from it, and the trainer syncs by it. Thi
     lora_sync     merged | adapter   auto: adapter for a LoRA policy on a shared GPU, merged otherwise
     sync_backend  gloo|nccl|adapter  auto: NCCL between separate GPUs, gloo through host memory otherwise
     server_pauses bool               the server pauses itself around a sync (our CPU engine: one request)
-    memory        SharedGpuPlan      the split of a shared GPU (vLLM's --gpu-memory-utilization)
     threads       (server, trainer)  CPU threads when the CPU engine and an overlapping trainer share cores
 """
 
@@ -24,12 +23,8 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from verifiers_rl.rl.inference.layout import has_flag
 from verifiers_rl.rl.plan.devices import visible_devices
-from verifiers_rl.rl.plan.memory import SharedGpuPlan
 
-# A trainer process started by vf-rl finds the plan vf-rl made in this variable (ServingPlan.to_json).
-PLAN_ENV = "VF_SERVING_PLAN"
 ENGINES = ("auto", "cpu", "vllm")
 # The CPU engine's loop: our slot engine (Llama-family models), transformers' continuous batching, or auto
 # (slots where the lean forward supports the model).
@@ -169,7 +164,6 @@ class ServingPlan:
     server_gpus: tuple[int, ...] | None = None  # GPUs of a server we start, as indices of our visible GPUs
     server_uuids: tuple[str, ...] | None = None  # the same GPUs by UUID: one name in every process
     data_parallel: int = 1
-    memory: SharedGpuPlan | None = None  # the split of a GPU that the server shares with the trainer
     threads: tuple[int, int] | None = None  # (server, trainer) CPU threads
 
     @property
@@ -185,31 +179,13 @@ class ServingPlan:
             return None
         return "nccl" if self.sync_backend == "nccl" else "gloo"
 
-    def server_args(self, user_args: Sequence[str] = ()) -> list[str]:
-        """The user's server flags, plus vLLM's share of a GPU it shares with the trainer (unless the user set it)."""
-        extra = [str(a) for a in user_args]
-        if self.memory is not None and not has_flag(extra, "gpu-memory-utilization"):
-            extra += ["--gpu-memory-utilization", f"{self.memory.gpu_memory_utilization:.2f}"]
-        return extra
-
     def server_env(self) -> dict[str, str] | None:
         """The server's share of the CPU threads, as environment for its process."""
         return {"OMP_NUM_THREADS": str(self.threads[0])} if self.threads else None
 
-    def trainer_args(self, use_lora: bool) -> dict[str, object]:
-        """RLConfig values that pin this plan's decisions, for trainer processes that build their own RLConfig
-        (they then resolve nothing differently)."""
-        # adapter sync travels over our gloo group: "gloo" is its RLConfig spelling
-        args: dict[str, object] = {"server_engine": self.engine, "sync_backend": self.server_weight_backend or "gloo"}
-        if use_lora:
-            args["lora_sync"] = self.lora_sync
-        return args
-
     def to_json(self) -> str:
-        """For a trainer process that another process planned for (vf-rl's `accelerate launch` ranks): every
-        decision but the memory split, which only the server's start needed."""
-        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "memory"}
-        return json.dumps(fields)
+        """For a trainer process that another process planned for (vf-rl's `accelerate launch` ranks)."""
+        return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> ServingPlan:
@@ -234,8 +210,6 @@ class ServingPlan:
         lines.append("pauses: " + ("the server, inside one sync request" if self.server_pauses else "the trainer"))
         if self.threads:
             lines.append(f"CPU threads: server {self.threads[0]}, trainer {self.threads[1]}")
-        if self.memory is not None:
-            lines += self.memory.describe()
         return lines
 
 
@@ -249,12 +223,11 @@ def plan_serving(
     trainer_uuids: Sequence[str] = (),
     server_gpus: Sequence[int] | None = None,
     data_parallel: int = 1,
-    memory: Callable[[], SharedGpuPlan | None] | None = None,
 ) -> ServingPlan:
     """The plan for `args` (an RLConfig) once the mode and the engine are known (`resolve_mode`, and
     `resolve_engine` or, for a server the trainer connects to, what it says it runs). GPUs by UUID: the server's
     (None: not known) and this trainer's; `server_gpus` are the server's as indices of our visible GPUs, for its
-    CUDA_VISIBLE_DEVICES. `memory()` computes a shared GPU's split; it is called only when the GPU is shared."""
+    CUDA_VISIBLE_DEVICES. The memory split of a shared GPU is the run plan's (`run.plan_run`)."""
     from verifiers_rl.rl.inference.net import is_local
 
     local = is_local(args.vllm_server_host)
@@ -274,7 +247,6 @@ def plan_serving(
         server_gpus=tuple(server_gpus) if server_gpus is not None else None,
         server_uuids=tuple(server_uuids) if server_uuids is not None and engine == "vllm" else None,
         data_parallel=data_parallel,
-        memory=memory() if shared and memory is not None else None,
         threads=threads,
     )
 

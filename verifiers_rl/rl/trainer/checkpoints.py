@@ -9,6 +9,7 @@ one line that says why.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -49,6 +50,22 @@ def publish(staged: str | os.PathLike, final: str | os.PathLike) -> None:
         os.fsync(fd)  # the rename itself survives a crash
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def staged(final: str | os.PathLike):
+    """`with staged(folder) as tmp:` write into `tmp`, beside `folder`; it replaces `folder` only once the block
+    finished, so a kill midway leaves no half-written model that a later run would take as done."""
+    final = Path(final)
+    tmp = final.parent / f".{final.name}.staging-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish(tmp, final)
 
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)

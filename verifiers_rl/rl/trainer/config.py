@@ -11,16 +11,17 @@ from typing import Any
 from transformers import TrainingArguments
 
 from verifiers_rl.rl.inference.limits import room_for_prompt
+from verifiers_rl.rl.inference.net import DEFAULT_PORT, LOOPBACK
 from verifiers_rl.rl.trainer.config_checks import check_config, effective_sampling_args
 from verifiers_rl.rl.trainer.legacy import accept_legacy_names
 from verifiers_rl.rl.trainer.lora import DEFAULT_LORA_TARGETS, LORA_ALPHA, LORA_DROPOUT, LORA_RANK
 from verifiers_rl.rl.trainer.sharding import follow_launcher_precision
 
-DEFAULT_SERVER_PORT = 8000  # where vf-vllm listens by default, and where server_mode="auto" looks first
 
-
-def _help(text: str) -> dict[str, Any]:
-    return {"help": text}
+def _help(text: str, toml: str | None = None) -> dict[str, Any]:
+    """Field metadata: its help line, and `toml`, the key that spells the same setting in a vf-rl TOML file outside
+    [trainer.args] (one setting, one home: both spellings fold into this field, `toml_config.fold_aliases`)."""
+    return {"help": text, "toml": toml} if toml else {"help": text}
 
 
 @dataclass
@@ -191,7 +192,10 @@ class RLConfig(TrainingArguments):
         ),
     )
     server_engine: str = field(
-        default="auto", metadata=_help("Engine of a spawned server: 'auto' (vLLM if CUDA, else CPU), 'cpu', 'vllm'.")
+        default="auto",
+        metadata=_help(
+            "Engine of a spawned server: 'auto' (vLLM if CUDA, else CPU), 'cpu', 'vllm'.", "inference.engine"
+        ),
     )
     server_gpus: list[int] | None = field(
         default=None,
@@ -201,24 +205,38 @@ class RLConfig(TrainingArguments):
         ),
     )
     server_args: list[str] | None = field(
-        default=None, metadata=_help("Extra flags for a spawned server (vLLM flags pass through).")
+        default=None,
+        metadata=_help(
+            "Extra flags for a spawned server (vLLM flags pass through); in TOML also [inference.args] as a table "
+            "(gpu_memory_utilization = 0.8 -> --gpu-memory-utilization 0.8).",
+            "inference.args",
+        ),
     )
     server_max_model_len: int | None = field(
         default=None, metadata=_help("Context limit of a spawned server; default max_seq_len.")
     )
     vllm_server_host: str = field(
-        default="127.0.0.1", metadata=_help("Server host (spawn: bind address; connect: where it runs).")
+        default=LOOPBACK,
+        metadata=_help("Server host (spawn: bind address; connect: where it runs).", "inference.host"),
     )
     vllm_server_port: int | None = field(
         default=None,
-        metadata=_help("Server port; None: 8000 (connect, and where auto looks first) / a free port (spawn)."),
+        metadata=_help(
+            f"Server port; None: {DEFAULT_PORT} (connect, and where auto looks first) / a free port (spawn).",
+            "inference.port",
+        ),
     )
     server_api_key: str | None = field(
         default=None,
         metadata=_help("API key of the server's /v1 routes (vLLM's --api-key); default: $VLLM_API_KEY."),
     )
     vllm_server_timeout: float = field(
-        default=300.0, metadata=_help("Seconds to wait for the server to become healthy.")
+        default=600.0,
+        metadata=_help(
+            "Seconds to wait for the server to become healthy (a large model's first vLLM start compiles and "
+            "captures graphs for minutes; a server that exits fails at once, whatever this says).",
+            "inference.startup_timeout",
+        ),
     )
     server_restarts: int = field(
         default=2,
@@ -330,6 +348,13 @@ class RLConfig(TrainingArguments):
     logging_steps: float = field(default=1, metadata=_help("Log every N steps."))
     max_grad_norm: float = field(default=1.0, metadata=_help("Gradient clipping norm."))
     report_to: str | list[str] | None = field(default="none", metadata=_help("'wandb', 'tensorboard', ... or 'none'."))
+    wandb: dict | None = field(
+        default=None,
+        metadata=_help(
+            "wandb.init settings ([trainer.args.wandb] in TOML): project, name, entity, tags, group, notes, job_type, "
+            "mode, dir. Setting it reports to wandb (report_to gains 'wandb'); name defaults to run_name."
+        ),
+    )
     save_strategy: str = field(default="steps", metadata=_help("When to checkpoint."))
     save_steps: float = field(default=50, metadata=_help("Checkpoint every N steps."))
     remove_unused_columns: bool = field(default=False, metadata=_help("Keep dataset columns (environments need them)."))
@@ -341,6 +366,8 @@ class RLConfig(TrainingArguments):
         if self.server_api_key is None:
             self.server_api_key = os.environ.get("VLLM_API_KEY") or None
         self.sampling_args = effective_sampling_args(self, self.sampling_args)
+        if self.wandb and self.report_to in (None, "none", [], ["none"]):
+            self.report_to = "wandb"
         errors = check_config(self)
         if errors:
             raise ValueError("invalid RLConfig: " + "; ".join(errors))

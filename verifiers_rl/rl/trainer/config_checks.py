@@ -13,6 +13,8 @@ from verifiers_rl.rl.plan.serving import ENGINES, LORA_SYNC, SERVER_MODES, SYNC_
 LOSS_TYPES = ("is", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
 FINAL_MODELS = ("merged+adapter", "merged", "adapter", "none")  # what train() writes to <output_dir>/final
+# the wandb.init arguments a config may set ([trainer.args.wandb]): plain data, the ones wandb users write
+WANDB_KEYS = ("project", "name", "entity", "tags", "group", "notes", "job_type", "mode", "dir")
 
 # sampling_args keys that are RLConfig fields: a user's sampling_args sets the field, so the trainer scores
 # with exactly what the server samples with (temperature above all)
@@ -78,6 +80,8 @@ def check_config(cfg) -> list[str]:
         ("final_model", FINAL_MODELS),
     ):
         check(getattr(cfg, name) in choices, name, f"allowed: {', '.join(choices)}")
+    unknown = sorted(set(cfg.wandb or {}) - set(WANDB_KEYS))
+    check(not unknown, "wandb", f"unknown key(s) {', '.join(unknown)}; allowed: {', '.join(WANDB_KEYS)}")
     _batch_rules(cfg, check)
     _length_rules(cfg, check)
     _loss_and_lora_rules(cfg, check)

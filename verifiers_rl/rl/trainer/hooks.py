@@ -30,7 +30,10 @@ class StartInference(TrainerCallback):
             path = os.path.join(t.resume_from, ORCHESTRATOR_STATE)
             if os.path.exists(path):
                 saved = torch.load(path, weights_only=False)
-        t.runtime.start(t.accelerator.unwrap_model(t.model), t.processing_class, t.train_rows, state.global_step, saved)
+        with t.abandonable():  # a server that never comes up must not outlast SIGTERM
+            t.runtime.start(
+                t.accelerator.unwrap_model(t.model), t.processing_class, t.train_rows, state.global_step, saved
+            )
 
 
 class SyncWeights(TrainerCallback):
@@ -41,7 +44,8 @@ class SyncWeights(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer.sync_weights()
+        with self.trainer.abandonable():  # nothing is trained yet: a signal may end the first sync
+            self.trainer.sync_weights()
 
     def on_step_end(self, args, state, control, **kwargs):
         try:

@@ -29,7 +29,7 @@ class PreemptionGuard:
 
     def __init__(self, on_second_signal=None):
         self.signum: int | None = None
-        self.waiting = False  # the trainer is blocked on rollouts: safe to abandon the step
+        self.waiting = False  # the trainer is blocked on a wait the weights do not depend on: safe to abandon
         self.on_second_signal = on_second_signal
         self._previous: dict[int, object] = {}
 
@@ -44,7 +44,9 @@ class PreemptionGuard:
             raise StepAbandoned(signum)
 
     @contextlib.contextmanager
-    def waiting_for_rollouts(self):
+    def abandonable(self):
+        """A wait that nothing of the weights depends on (rollouts, the server's start, the first sync): the
+        first signal ends it at once."""
         self.waiting = True
         try:
             if self.signum is not None:  # the signal came between steps

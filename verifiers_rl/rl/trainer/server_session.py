@@ -25,14 +25,13 @@ from verifiers_rl.rl.inference.transfer.adapter import adapter_serving
 from verifiers_rl.rl.inference.transfer.policy_weights import merged_weights
 from verifiers_rl.rl.inference.vllm.extension import reported_gpus
 from verifiers_rl.rl.plan.devices import gpu_uuids
-from verifiers_rl.rl.plan.memory import ModelShape, plan_shared_gpu
+from verifiers_rl.rl.plan.memory import ModelShape
+from verifiers_rl.rl.plan.run import PLAN_ENV, from_ranks_env, plan_run, probe_machine
 from verifiers_rl.rl.plan.serving import (
-    PLAN_ENV,
     ServingPlan,
     connected_server_uuids,
     placement_problem,
     plan_serving,
-    resolve_engine,
     resolve_mode,
 )
 
@@ -44,7 +43,7 @@ class ServerSession:
         self.args, self.model_path = args, model_path
         # vf-rl planned the server it started: in its process it hands the plan over, to its trainer processes
         # through the environment
-        self.plan: ServingPlan | None = ServingPlan.from_json(os.environ[PLAN_ENV]) if PLAN_ENV in os.environ else None
+        self.plan: ServingPlan | None = from_ranks_env()[0]
         self.process: InferenceServer | None = None  # spawned here: owned, stopped by close()
         self.watched: InferenceServer | None = None  # started by the caller (vf-rl): only watched for failures
         self.client: InferenceClient | None = None
@@ -79,7 +78,7 @@ class ServerSession:
             client.wait_for_health(args.vllm_server_timeout)
         models = client.models()
         if self.plan is None:  # connected: the server says what it runs
-            self.plan = self._plan("connect", engine_of_models(models), model, client)
+            self.plan = self._connected_plan(engine_of_models(models), client)
         self._check_placement()
         self._read_models(models)
         return self._set_up_sync(client)
@@ -92,65 +91,30 @@ class ServerSession:
         if problem:
             raise ServerError(problem)
 
-    def _plan(self, mode: str, engine: str, model, client: InferenceClient | None = None) -> ServingPlan:
-        """Spawn: the server gets `server_gpus` (default: our first GPU); connect: the GPUs the server reports."""
+    def _connected_plan(self, engine: str, client: InferenceClient) -> ServingPlan:
+        """How to sync with a server that runs already: by what it says it runs, on the GPUs it reports."""
         args, cuda = self.args, torch.cuda.is_available()
         count = torch.cuda.device_count() if cuda else 0
         mine = gpu_uuids([torch.cuda.current_device()]) if cuda else ()
-        if mode == "spawn":
-            servers = gpu_uuids(args.server_gpus if args.server_gpus is not None else [0]) if cuda else None
-        else:
-            reported = reported_gpus(client) if engine == "vllm" else []
-            servers = connected_server_uuids(
-                reported, local=is_local(args.vllm_server_host), cuda_count=count, trainer_uuids=mine
-            )
+        reported = reported_gpus(client) if engine == "vllm" else []
+        servers = connected_server_uuids(
+            reported, local=is_local(args.vllm_server_host), cuda_count=count, trainer_uuids=mine or ()
+        )
         return plan_serving(
-            args,
-            mode=mode,
-            engine=engine,
-            cuda_count=count,
-            server_uuids=servers,
-            trainer_uuids=mine or (),
-            server_gpus=args.server_gpus,
-            memory=lambda: self._memory(model),
+            args, mode="connect", engine=engine, cuda_count=count, server_uuids=servers, trainer_uuids=mine or ()
         )
-
-    def _memory(self, model):
-        args = self.args
-        plan = plan_shared_gpu(
-            ModelShape.from_config(getattr(model, "config", model)),
-            torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
-            use_lora=args.use_lora,
-            lora_rank=args.lora_rank,
-            micro_batch_tokens=args.token_budget,
-            max_seq_len=args.max_seq_len,
-            gradient_checkpointing=bool(args.activation_checkpointing),
-        )
-        for line in plan.describe():
-            logger.info(line)
-        return plan
 
     def _spawn(self, model, tokenizer, version: int, from_files: bool) -> InferenceClient:
+        """The run plan's server (`plan.run.plan_run`, as vf-rl's), started from the trainer's current weights."""
         args = self.args
-        self.plan = plan = self._plan("spawn", resolve_engine(args.server_engine), model)
-        serving = None
-        if plan.lora_sync == "adapter":  # vLLM registers the policy as a LoRA adapter at startup (CPU: ignored)
-            serving = adapter_serving(model, os.path.join(args.output_dir, "adapter_step0"))
         path, self.started_from = self._served_path(model, tokenizer, version, from_files)
-        self.process = InferenceServer(
-            path,
-            engine=plan.engine,
-            host=args.vllm_server_host,
-            port=args.vllm_server_port,
-            output_dir=args.output_dir,
-            gpus=args.server_gpus,
-            max_model_len=args.server_max_len,
-            extra_args=plan.server_args(args.server_args or []),
-            startup_timeout=args.vllm_server_timeout,
-            env=plan.server_env(),
-            adapter=serving,
-            weight_backend=plan.server_weight_backend,
-        )
+        shape = ModelShape.from_config(getattr(model, "config", model))
+        run = plan_run(args, path, probe_machine(), shape=shape, apply=False)
+        for line in run.describe():
+            logger.info(line)
+        self.plan, self.process = run.serving, run.server
+        if run.server.spec.adapter is not None:  # vLLM registers the policy's adapter at startup (CPU: ignored)
+            adapter_serving(model, run.server.spec.adapter.path)
         self.process.client_kwargs = self.client_timeouts()
         return self.process.start()
 

@@ -114,13 +114,9 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         check_dataset(env, dataset)
         check_reward_inputs(env, dataset)
         guard_rewards(env)
+        context, kwargs = (args.server_max_len, args.max_tokens), template_kwargs(args.sampling_args)
         self.train_rows, self.prompts_filtered = filter_prompts(
-            dataset,
-            processing_class,
-            args.prompt_limit,
-            env,
-            context=(args.server_max_len, args.max_tokens),
-            chat_template_kwargs=template_kwargs(args.sampling_args),
+            dataset, processing_class, args.prompt_limit, env, context=context, chat_template_kwargs=kwargs
         )
         self.runtime = InferenceRuntime(args, model_path, env)
         self.resume_from: str | None = None
@@ -175,6 +171,16 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _start_wandb(self) -> None:
+        """The run's `wandb` table (project, entity, tags, group, ...) as wandb.init's arguments: transformers'
+        WandbCallback only passes a project from $WANDB_PROJECT and the run name, and reuses a run already open."""
+        if not self.args.wandb or "wandb" not in self.args.report_to or not self.is_world_process_zero():
+            return
+        import wandb
+
+        if wandb.run is None:
+            wandb.init(**{"name": self.args.run_name, **self.args.wandb})
+
     def train(self, resume_from_checkpoint=None, *args, save_final: bool = True, **kwargs):
         """`Trainer.train`, plus: a checkpoint is checked before it is resumed from (the newest usable one with
         `True`); SIGTERM / Ctrl-C checkpoint the last completed step before the run ends (preemption.py), and so
@@ -182,6 +188,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         finishes writes <output_dir>/final (`final_model`; `save_final=False` leaves that to the caller)."""
         resume = self._resume_point(resume_from_checkpoint)
         self.resume_from = resume
+        self._start_wandb()
         guard = self._guard = PreemptionGuard(on_second_signal=self.runtime.kill_server)
         try:
             with guard:
@@ -290,6 +297,10 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         """The training model as the server and the loss read it, for its parallel layout (weight_export.py)."""
         return weight_export(self.model, self.accelerator)
 
+    def abandonable(self):
+        """A wait SIGTERM / Ctrl-C may end at once (see PreemptionGuard.abandonable); outside train(): none."""
+        return self._guard.abandonable() if self._guard else contextlib.nullcontext()
+
     # ------------------------------------------------------------------ one step
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -297,11 +308,9 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         t0 = time.perf_counter()
         payload = [None]
         if self.is_world_process_zero():
-            with self._guard.waiting_for_rollouts() if self._guard else contextlib.nullcontext():
+            with self.abandonable():
                 batch = self.runtime.next_batch(self.state.global_step)
-            prepared = prepare_batch(
-                batch.rollouts, args, current_version=self.state.global_step, tokenizer=self.processing_class
-            )
+            prepared = prepare_batch(batch.rollouts, args, self.state.global_step, self.processing_class)
             iteration = self.state.global_step % args.num_iterations  # > 0: a batch trained again (num_iterations)
             prepared.metrics["timing/generation_s"] = 0.0 if iteration else batch.generation_seconds
             prepared.metrics["batch_iteration"] = float(iteration)
@@ -313,7 +322,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
                             self.env, self.runtime.max_model_len)  # fmt: skip
             payload = [prepared]
         if self.accelerator.num_processes > 1:
-            with self._guard.waiting_for_rollouts() if self._guard else contextlib.nullcontext():
+            with self.abandonable():
                 broadcast_object_list(payload, from_process=0)
         prepared: PreparedBatch = payload[0]
         self._stop_when_nothing_trains(prepared)

@@ -27,7 +27,7 @@ from verifiers_rl.rl.inference.cpu.fast_chat import ChatFastPath
 from verifiers_rl.rl.inference.cpu.openai_routes import openai_router
 from verifiers_rl.rl.inference.cpu.slot_engine import SlotEngine
 from verifiers_rl.rl.inference.cpu.weight_receiver import WeightReceiver
-from verifiers_rl.rl.inference.net import SERVER_KEEP_ALIVE_S
+from verifiers_rl.rl.inference.net import LOOPBACK, SERVER_KEEP_ALIVE_S
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def create_app(
 
 def serve(
     model: str,
-    host: str = "127.0.0.1",
+    host: str = LOOPBACK,
     port: int = 8000,
     *,
     served_model_name: str | None = None,

@@ -3,6 +3,7 @@ client loads without torch.distributed's extras or vLLM."""
 
 from __future__ import annotations
 
+from verifiers_rl.rl.inference.net import LOOPBACK
 from verifiers_rl.rl.inference.transfer.sender import WeightSender
 
 
@@ -10,7 +11,7 @@ def create_sender(
     backend: str,
     client,
     *,
-    host: str = "127.0.0.1",
+    host: str = LOOPBACK,
     bucket_bytes: int | None = None,
     timeout_s: float = 300.0,
 ) -> WeightSender:

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from verifiers_rl.rl.inference.errors import ServerError
+
+# Where the buckets move (wire.py); imported from here by the receivers, the adapter sender and the benchmarks.
+from verifiers_rl.rl.inference.net import LOOPBACK
 from verifiers_rl.rl.inference.transfer.buckets import (
     DEFAULT_BUCKET_BYTES,
     TensorMeta,
@@ -33,8 +36,6 @@ from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
 from verifiers_rl.rl.inference.transfer.shm import SharedSlots
 from verifiers_rl.rl.inference.transfer.stream import as_stream
 from verifiers_rl.rl.inference.transfer.verify import verify
-
-# Where the buckets move (wire.py); imported from here by the receivers, the adapter sender and the benchmarks.
 from verifiers_rl.rl.inference.transfer.wire import (  # noqa: F401
     WeightGroup,
     broadcast,
@@ -189,7 +190,7 @@ class GlooSender:
     # With pauses_itself (our CPU engine) and a loopback host: buckets through shared memory where it can (shm.py).
     offers_shared_memory = True
 
-    def __init__(self, client, *, host: str = "127.0.0.1", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    def __init__(self, client, *, host: str = LOOPBACK, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  timeout_s: float = 300.0):  # fmt: skip
         self.client, self.host = client, host
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s

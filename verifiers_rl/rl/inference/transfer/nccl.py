@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from verifiers_rl.rl.inference.net import free_port
+from verifiers_rl.rl.inference.net import LOOPBACK, free_port
 from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
 from verifiers_rl.rl.inference.transfer.stream import WeightStream, as_stream
@@ -71,7 +71,7 @@ class NCCLSender:
     backend = "nccl"
 
     def __init__(
-        self, client, *, host: str = "127.0.0.1", bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0
+        self, client, *, host: str = LOOPBACK, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0
     ):
         self.client = client
         self.control = SyncControl(client, timeout_s)
