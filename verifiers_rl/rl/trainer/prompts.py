@@ -95,6 +95,12 @@ def filter_prompts(
     return (dataset.select(keep_idx) if dropped else dataset), dropped
 
 
+def filter_run_prompts(dataset, tokenizer, args, env):
+    """`filter_prompts` with a run's prompt limit, server context and template arguments (RLConfig `args`)."""
+    context, kwargs = (args.server_max_len, args.max_tokens), template_kwargs(args.sampling_args)
+    return filter_prompts(dataset, tokenizer, args.prompt_limit, env, context=context, chat_template_kwargs=kwargs)
+
+
 def later_turns_note(env, longest_prompt: int, context: int, max_tokens: int | None) -> str | None:
     """A multi-turn environment's second request carries the first turn: say up front when a full-length first
     completion leaves it no room (each such rollout then ends after its first turn, as truncated)."""

@@ -40,7 +40,7 @@ from verifiers_rl.rl.trainer.diagnose import EmptySteps, report_failures
 from verifiers_rl.rl.trainer.hooks import StartInference, SubmitRollouts, SyncWeights
 from verifiers_rl.rl.trainer.policy_step import run_microbatches
 from verifiers_rl.rl.trainer.preemption import PreemptionGuard, StepAbandoned, StopOnSignal
-from verifiers_rl.rl.trainer.prompts import filter_prompts, template_kwargs
+from verifiers_rl.rl.trainer.prompts import filter_run_prompts
 from verifiers_rl.rl.trainer.reward_checks import check_dataset, check_reward_inputs, guard_rewards, training_dataset
 from verifiers_rl.rl.trainer.runtime import InferenceRuntime
 from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch
@@ -114,10 +114,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         check_dataset(env, dataset)
         check_reward_inputs(env, dataset)
         guard_rewards(env)
-        context, kwargs = (args.server_max_len, args.max_tokens), template_kwargs(args.sampling_args)
-        self.train_rows, self.prompts_filtered = filter_prompts(
-            dataset, processing_class, args.prompt_limit, env, context=context, chat_template_kwargs=kwargs
-        )
+        self.train_rows, self.prompts_filtered = filter_run_prompts(dataset, processing_class, args, env)
         self.runtime = InferenceRuntime(args, model_path, env)
         self.resume_from: str | None = None
         self.run_config: dict | None = None  # the config the run was started from (vf-rl: its TOML), for the card
