@@ -72,9 +72,9 @@ def explain_empty_step(
         bug = code_error(cause)
         if bug is not None:
             return (
-                f"every rollout failed ({errored} errored, {rejected} rejected; first: {cause}); a {bug} is a bug in "
-                "the environment's own code (a reward function, parser or environment method), not a missing key or "
-                "extra: call that code on one completion in your own process"
+                f"every rollout failed ({errored} errored, {rejected} rejected; first: {cause}); a {bug} "
+                "is a bug in the environment's own code (a reward function, parser or environment method), not a "
+                "missing key or extra: call that code on one completion in your own process"
             )
         return (
             f"every rollout failed ({errored} errored, {rejected} rejected; first: {cause}); check the environment's "
