@@ -1,10 +1,12 @@
-"""Calibrate and check the one-GPU memory planner (`verifiers_rl.rl.shared_gpu`) on a real GPU.
+"""Calibrate and check the memory planner (`verifiers_rl.rl.plan.memory.rank_parts`) on a real GPU.
 
 For a Qwen3-0.6B-shaped model with random weights (bf16, offline), measures the trainer's peak CUDA memory for a
 few optimizer steps of the trainer's own micro-batch loop shape (LoRA r=16 and full fine-tuning; with and
 without gradient checkpointing; several micro-batch token budgets), and prints it next to the planner's
-estimate. Also moves a merged-weight sync between two processes on the SAME GPU over our gloo group (host
-memory), checking the receiver's weights bit for bit — the merged path of the shared-GPU layout, without NCCL.
+estimate for one DDP rank on its own GPU (its total, and that total less the CUDA context, which
+`torch.cuda.max_memory_allocated` does not see: tests/unit/test_plan_memory.py checks the latter). Also moves a
+merged-weight sync between two processes on the SAME GPU over our gloo group (host memory), checking the
+receiver's weights bit for bit — the merged path of the shared-GPU layout, without NCCL.
 
     python benchmarks/shared_gpu_memory.py [--out results.json]
 
@@ -24,7 +26,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from verifiers_rl.rl.plan.memory import ModelShape, trainer_bytes  # noqa: E402
+from verifiers_rl.rl.plan.memory import ModelShape, rank_parts  # noqa: E402
 
 GIB = 1 << 30
 
@@ -96,12 +98,15 @@ def measure(use_lora: bool, tokens: int, checkpointing: bool, seq_len: int = 102
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     shape = ModelShape.from_config(cfg)
-    est = trainer_bytes(
+    est = rank_parts(  # one process on its own GPU: a single DDP rank
         shape,
+        layout="ddp",
+        ranks=1,
         use_lora=use_lora,
         lora_rank=16,
         micro_batch_tokens=rows * seq_len,
-        gradient_checkpointing=checkpointing,
+        max_seq_len=seq_len,  # every row is one full sample of seq_len tokens
+        activation_checkpointing=checkpointing,
         param_bytes=2,
     )
     del model, opt
@@ -113,6 +118,7 @@ def measure(use_lora: bool, tokens: int, checkpointing: bool, seq_len: int = 102
         "peak_gib": peak / GIB,
         "static_gib": static / GIB,
         "planner_gib": est["total"] / GIB,
+        "planner_allocated_gib": (est["total"] - est["cuda_context"]) / GIB,  # what max_memory_allocated can see
         "planner_parts_gib": {k: v / GIB for k, v in est.items()},
     }
 
@@ -179,7 +185,8 @@ def main() -> None:
         r = rows[-1]
         print(
             f"lora={use_lora!s:5} tokens={tokens:6} ckpt={ckpt!s:5} peak {r['peak_gib']:.2f} GiB, "
-            f"planner {r['planner_gib']:.2f} GiB ({r['planner_gib'] / r['peak_gib']:.2f}x)",
+            f"planner {r['planner_gib']:.2f} GiB, {r['planner_allocated_gib']:.2f} without the CUDA context "
+            f"({r['planner_allocated_gib'] / r['peak_gib']:.2f}x)",
             flush=True,
         )
     sync = shared_gpu_sync()

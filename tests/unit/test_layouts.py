@@ -267,18 +267,23 @@ def test_multi_node_plan_prints_every_machine(tmp_path):
 
 def test_dry_run_refuses_a_trainer_rank_that_cannot_fit():
     from verifiers_rl.errors import ConfigError
-    from verifiers_rl.rl.plan.memory import shape_of
-    from verifiers_rl.rl.plan.ranks import check_fits, rank_memory, training_layout
+    from verifiers_rl.rl.plan.memory import fit_training, rank_parts, shape_of
+    from verifiers_rl.rl.plan.ranks import training_layout
 
     shape = shape_of("Qwen/Qwen3-8B")
-    kw = {"use_lora": False, "lora_rank": 8, "micro_batch_tokens": 2048, "gradient_checkpointing": True}
-    ddp = rank_memory(shape, layout="ddp", ranks=8, **kw)
+    kw = {"use_lora": False, "lora_rank": 8, "micro_batch_tokens": 2048, "max_seq_len": 2048}
     deepspeed = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3}}
-    zero3 = rank_memory(shape, layout=training_layout(deepspeed), ranks=8, **kw)
-    assert zero3.layout == "zero3" and zero3.parameters * 8 == ddp.parameters and zero3.optimizer < ddp.optimizer
+    layout = training_layout(deepspeed)
+    ddp = rank_parts(shape, layout="ddp", ranks=8, activation_checkpointing=True, **kw)
+    zero3 = rank_parts(shape, layout=layout, ranks=8, activation_checkpointing=True, **kw)
+    assert layout == "zero3" and zero3["parameters"] * 8 == ddp["parameters"] and zero3["optimizer"] < ddp["optimizer"]
+    # both settings the planner could change are set, so it fits as configured or refuses
+    plan = dict(ranks=8, micro_batch_size=1, activation_checkpointing=True, shared_with_server=False, **kw)
+    # 8B full fine-tuning replicated: weights, gradients and AdamW exceed 40 GiB; the refusal names sharding
     with pytest.raises(ConfigError, match="one trainer rank needs ~.*shard the model"):
-        check_fits(ddp, 40 << 30)  # 8B full fine-tuning replicated: weights, gradients and AdamW exceed 40 GiB
-    check_fits(zero3, 40 << 30)
+        fit_training(shape, 40 << 30, layout="ddp", **plan)
+    fits = fit_training(shape, 40 << 30, layout=layout, **plan)
+    assert fits.measures == {} and fits.parts == zero3 and zero3["total"] <= 40 << 30
     assert training_layout({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}) == "fsdp2"
     with pytest.raises(ConfigError, match="FSDP version 1 is not supported"):
         training_layout({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 1}})

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from verifiers_rl.errors import ConfigError
 from verifiers_rl.rl.plan.devices import assign_gpus
-from verifiers_rl.rl.plan.memory import GIB, ModelShape, plan_shared_gpu, shape_of, trainer_bytes
+from verifiers_rl.rl.plan.memory import GIB, ModelShape, fit_training, rank_parts, shape_of
 from verifiers_rl.rl.plan.serving import resolve_sync_backend
 
 MEASURED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "shared_gpu_memory.json"
@@ -20,13 +21,15 @@ def test_trainer_estimate_covers_measured_peaks_without_wasting_the_gpu():
     rows = json.loads(MEASURED.read_text())["trainer"]
     assert len(rows) >= 5
     for r in rows:
-        parts = trainer_bytes(
+        parts = rank_parts(  # one process on its own GPU: a single DDP rank
             shape,
+            layout="ddp",
+            ranks=1,
             use_lora=r["use_lora"],
             lora_rank=16,
             micro_batch_tokens=r["tokens"],
-            gradient_checkpointing=r["checkpointing"],
             max_seq_len=1024,  # the benchmark's rows: 1024 tokens each
+            activation_checkpointing=r["checkpointing"],
         )
         est = parts["total"] - parts["cuda_context"]  # torch.cuda.max_memory_allocated does not see the context
         ratio = est / GIB / r["peak_gib"]
@@ -42,24 +45,35 @@ def test_shape_from_config_counts_parameters_like_the_model():
     assert shape_of("no/such-model") is None
 
 
+def _shared(shape, gpu_bytes, **kw):
+    """The planner for one trainer process on the GPU it shares with vLLM, with the run's settings as written."""
+    return fit_training(shape, gpu_bytes, layout="ddp", ranks=1, micro_batch_size=1, shared_with_server=True, **kw)
+
+
 def test_plan_gives_vllm_what_the_trainer_leaves():
     shape = shape_of("Qwen/Qwen3-0.6B")
-    kw = dict(use_lora=True, lora_rank=16, max_seq_len=2048, gradient_checkpointing=False)
-    small = plan_shared_gpu(shape, 80 * GIB, micro_batch_tokens=4096, **kw)
-    big = plan_shared_gpu(shape, 80 * GIB, micro_batch_tokens=16384, **kw)
+    kw = dict(use_lora=True, lora_rank=16, max_seq_len=2048, activation_checkpointing=False)
+    small = _shared(shape, 80 * GIB, micro_batch_tokens=4096, **kw)
+    big = _shared(shape, 80 * GIB, micro_batch_tokens=16384, **kw)
+    assert small.measures == {} and big.measures == {}  # both fit as configured: nothing changed
     assert 0 < big.gpu_memory_utilization < small.gpu_memory_utilization < 1
     for plan in (small, big):
         vllm = plan.gpu_memory_utilization * plan.gpu_bytes
-        assert vllm + plan.trainer["total"] < plan.gpu_bytes  # both fit
-        assert plan.kv_tokens >= 2048  # at least one full sequence
+        assert vllm + plan.parts["total"] < plan.gpu_bytes  # both fit
+        assert plan.vllm["kv_tokens"] >= 2048  # at least one full sequence
     assert "--gpu-memory-utilization" in "\n".join(small.describe())
 
 
 def test_plan_that_does_not_fit_says_what_to_change():
     shape = shape_of("Qwen/Qwen3-8B")
-    with pytest.raises(ValueError, match="use LoRA, activation_checkpointing, a smaller micro_batch_tokens"):
-        plan_shared_gpu(shape, 24 * GIB, use_lora=False, lora_rank=8, micro_batch_tokens=16384, max_seq_len=4096,
-                        gradient_checkpointing=False)  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        _shared(shape, 24 * GIB, use_lora=False, lora_rank=8, micro_batch_tokens=16384, max_seq_len=4096,
+                activation_checkpointing=False)  # fmt: skip
+    why = str(refused.value)
+    assert why.startswith("one trainer rank needs ~") and "the 24.0 GiB GPU it shares with vLLM" in why
+    for change in ("LoRA (use_lora = true)", "activation_checkpointing = true", "a smaller micro_batch_tokens",
+                   "a GPU of its own for the server"):  # fmt: skip
+        assert change in why, (change, why)
 
 
 def test_one_visible_gpu_is_shared_not_refused():
