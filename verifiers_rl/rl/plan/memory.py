@@ -1,4 +1,4 @@
-"""One GPU for both: how much of it the trainer needs, and what vLLM may take (`--gpu-memory-utilization`).
+"""The memory planner: what one trainer rank needs, and what vLLM may take of a GPU it shares with the trainer.
 
 Pure functions of the model's shape and the run's settings, so `vf-rl --dry-run` can print the plan and its
 reasons before anything loads. `fit_training` plans one trainer rank (any layout, a GPU of its own or shared with
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -30,12 +30,9 @@ FLOAT32 = 4
 # Bytes per token outside the decoder layers, in units of (bytes per element x hidden): the embedding output, the
 # final norm, the trained positions' hidden states handed to the head, and the backward's transient gradients of
 # one layer. Checked with the per-layer counts against peaks measured on CPU (Qwen3-0.6B's layer shape, bf16,
-# SDPA as the trainer runs it; tests/unit/test_memory_measured.py): within 7 %. The old per-layer constants
-# (12 x hidden + 6 x intermediate elements, x1.55 under LoRA), fitted to whole-model peaks on an H100, are
-# replaced by `layer_activation_bytes`, which counts the saved tensors and so follows each model's q/kv widths.
+# SDPA as the trainer runs it; tests/unit/test_memory_measured.py): within 7 %.
 ACT_FIXED = 10.0
 Layout = Literal["ddp", "zero3", "fsdp2"]
-Measure = Literal["activation_checkpointing", "micro_batch_tokens"]
 
 
 @dataclass(frozen=True)
@@ -192,71 +189,8 @@ def rank_parts(shape: ModelShape, *, layout: Layout, ranks: int, use_lora: bool,
     return parts
 
 
-def trainer_bytes(shape: ModelShape, *, use_lora: bool, lora_rank: int, micro_batch_tokens: int,
-                  gradient_checkpointing: bool, param_bytes: int = 2,
-                  max_seq_len: int | None = None) -> dict[str, int]:  # fmt: skip
-    """One process's peak, by part, in the old planner's names (weights, trainable_state, activations, logprobs,
-    cuda_context, total): `rank_parts` for a single DDP rank."""
-    p = rank_parts(
-        shape, layout="ddp", ranks=1, use_lora=use_lora, lora_rank=lora_rank, micro_batch_tokens=micro_batch_tokens,
-        max_seq_len=max_seq_len, activation_checkpointing=gradient_checkpointing, param_bytes=param_bytes,
-    )  # fmt: skip
-    weights = shape.params * param_bytes
-    parts = {"weights": weights, "trainable_state": p["parameters"] - weights + p["gradients"] + p["optimizer"],
-             "activations": p["activations"], "logprobs": p["logprobs"], "cuda_context": p["cuda_context"]}  # fmt: skip
-    parts["total"] = sum(parts.values())
-    return parts
-
-
 def kv_bytes_per_token(shape: ModelShape, param_bytes: int = 2) -> int:
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * param_bytes
-
-
-@dataclass
-class SharedGpuPlan:
-    gpu_bytes: int
-    trainer: dict[str, int]
-    vllm_weights: int
-    kv_cache: int
-    kv_tokens: int
-    gpu_memory_utilization: float
-
-    def describe(self) -> list[str]:
-        t = self.trainer
-        return [
-            f"one GPU of {self.gpu_bytes / GIB:.1f} GiB shared by the trainer and vLLM:",
-            f"  trainer ~{t['total'] / GIB:.1f} GiB = weights {t['weights'] / GIB:.1f} + trainable state "
-            f"{t['trainable_state'] / GIB:.1f} + activations {t['activations'] / GIB:.1f} + logprob chunks "
-            f"{t['logprobs'] / GIB:.2f} + CUDA context {t['cuda_context'] / GIB:.1f}",
-            f"  vLLM --gpu-memory-utilization {self.gpu_memory_utilization:.2f} = weights "
-            f"{self.vllm_weights / GIB:.1f} "
-            f"+ reserve {VLLM_RESERVE / GIB:.1f} + KV cache {self.kv_cache / GIB:.1f} GiB "
-            f"(~{self.kv_tokens:,} tokens in flight)",
-        ]
-
-
-def plan_shared_gpu(shape: ModelShape, gpu_bytes: int, *, use_lora: bool, lora_rank: int, micro_batch_tokens: int,
-                    max_seq_len: int, gradient_checkpointing: bool, param_bytes: int = 2,
-                    headroom: float = 0.1) -> SharedGpuPlan:  # fmt: skip
-    """Give the trainer its estimate plus `headroom`, and vLLM the rest (rounded down to 0.01 of the GPU).
-    A ValueError says what does not fit and what to change."""
-    trainer = trainer_bytes(
-        shape, use_lora=use_lora, lora_rank=lora_rank, micro_batch_tokens=micro_batch_tokens,
-        gradient_checkpointing=gradient_checkpointing, param_bytes=param_bytes,
-    )  # fmt: skip
-    vllm_weights = shape.params * param_bytes
-    vllm_budget = gpu_bytes - int(trainer["total"] * (1 + headroom)) - CUDA_CONTEXT
-    kv = vllm_budget - vllm_weights - VLLM_RESERVE
-    per_token = kv_bytes_per_token(shape, param_bytes)
-    if kv < per_token * max_seq_len:
-        need = trainer["total"] * (1 + headroom) + CUDA_CONTEXT + vllm_weights + VLLM_RESERVE + per_token * max_seq_len
-        raise ValueError(
-            f"the trainer (~{trainer['total'] / GIB:.1f} GiB) and vLLM (~{(vllm_weights + VLLM_RESERVE) / GIB:.1f} GiB "
-            f"+ KV cache for one {max_seq_len}-token sequence) need ~{need / GIB:.1f} GiB, the GPU has "
-            f"{gpu_bytes / GIB:.1f}: use LoRA, activation_checkpointing, a smaller micro_batch_tokens, or a second GPU"
-        )
-    utilization = int(100 * vllm_budget / gpu_bytes) / 100
-    return SharedGpuPlan(gpu_bytes, trainer, vllm_weights, kv, kv // per_token, utilization)
 
 
 PART_NAMES = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer",
@@ -312,14 +246,13 @@ def fit_training(shape: ModelShape, gpu_bytes: int, *, layout: Layout, ranks: in
     `gpu_memory_utilization` the user wrote is kept and the trainer must fit beside it. A ConfigError (one line)
     names what to change when nothing fits, never a setting that is already so.
     """
-    vllm_fixed = shape.params * param_bytes + VLLM_RESERVE
-    one_sequence = kv_bytes_per_token(shape, param_bytes) * max_seq_len
+    vllm_need = shape.params * param_bytes + VLLM_RESERVE + kv_bytes_per_token(shape, param_bytes) * max_seq_len
     if not shared_with_server:
         budget = gpu_bytes
     elif gpu_memory_utilization is not None:
         budget = int((gpu_bytes - gpu_memory_utilization * gpu_bytes) / (1 + headroom))
     else:
-        budget = int((gpu_bytes - CUDA_CONTEXT - vllm_fixed - one_sequence) / (1 + headroom))
+        budget = int((gpu_bytes - CUDA_CONTEXT - vllm_need) / (1 + headroom))
 
     def parts(tokens: int, checkpointing: bool) -> dict[str, int]:
         return rank_parts(
@@ -328,8 +261,28 @@ def fit_training(shape: ModelShape, gpu_bytes: int, *, layout: Layout, ranks: in
         )  # fmt: skip
 
     tokens = micro_batch_tokens or micro_batch_size * max_seq_len
-    checkpointing = bool(activation_checkpointing)
-    configured = chosen = parts(tokens, checkpointing)
+    configured = parts(tokens, bool(activation_checkpointing))
+    chosen, checkpointing, measures, reasons = _choose_measures(
+        parts, configured, tokens, budget, activation_checkpointing, micro_batch_tokens, max_seq_len
+    )
+    if chosen["total"] > budget:
+        why = _refusal(configured, chosen, budget, gpu_bytes, layout, use_lora, checkpointing, micro_batch_tokens,
+                       max_seq_len, shared_with_server, gpu_memory_utilization)  # fmt: skip
+        raise ConfigError(why)
+    fit = MemoryFit(layout, ranks, gpu_bytes, chosen, measures, reasons)
+    if not shared_with_server:
+        return fit
+    return _share_with_vllm(fit, shape, max_seq_len, gpu_memory_utilization, param_bytes, headroom)
+
+
+def _choose_measures(parts, configured: dict[str, int], tokens: int, budget: int,
+                     activation_checkpointing: bool | None, micro_batch_tokens: int | None,
+                     max_seq_len: int) -> tuple[dict[str, int], bool, dict[str, object], list[str]]:  # fmt: skip
+    """The cheapest measures that bring one rank within `budget`, among the settings the user left unset (None):
+    activation checkpointing first, then the largest token budget per micro-batch. Returns the rank's parts
+    (what one full sample alone needs when nothing fits, for the refusal), whether it checkpoints, the measures
+    and one reason per measure. `parts(tokens, checkpointing)` is one rank's peak by part."""
+    chosen, checkpointing = configured, bool(activation_checkpointing)
     measures: dict[str, object] = {}
     reasons: list[str] = []
     if chosen["total"] > budget and activation_checkpointing is None:
@@ -353,26 +306,18 @@ def fit_training(shape: ModelShape, gpu_bytes: int, *, layout: Layout, ranks: in
                 f"needs ~{before['total'] / GIB:.1f} GiB a rank, {budget / GIB:.1f} GiB available; packing "
                 f"bounds a micro-batch by this budget (activations {chosen['activations'] / GIB:.1f} GiB)"
             )
-    if chosen["total"] > budget:
-        raise ConfigError(
-            _refusal(
-                configured,
-                chosen,
-                budget,
-                gpu_bytes,
-                layout,
-                use_lora,
-                checkpointing,
-                micro_batch_tokens,
-                max_seq_len,
-                shared_with_server,
-                gpu_memory_utilization,
-            )  # fmt: skip
-        )
-    if not shared_with_server:
-        return MemoryFit(layout, ranks, gpu_bytes, chosen, measures, reasons)
+    return chosen, checkpointing, measures, reasons
+
+
+def _share_with_vllm(fit: MemoryFit, shape: ModelShape, max_seq_len: int, gpu_memory_utilization: float | None,
+                     param_bytes: int, headroom: float) -> MemoryFit:  # fmt: skip
+    """`fit` with vLLM's share of the GPU it shares with the trainer: the utilization the user wrote, or what the
+    trainer's estimate plus `headroom` leaves (rounded down to 0.01); a ConfigError when that share cannot hold
+    vLLM's weights, reserve and the KV cache of one full sequence."""
+    gpu_bytes, per_token = fit.gpu_bytes, kv_bytes_per_token(shape, param_bytes)
+    vllm_fixed, one_sequence = shape.params * param_bytes + VLLM_RESERVE, per_token * max_seq_len
     if gpu_memory_utilization is None:
-        vllm_budget = gpu_bytes - int(chosen["total"] * (1 + headroom)) - CUDA_CONTEXT
+        vllm_budget = gpu_bytes - int(fit.parts["total"] * (1 + headroom)) - CUDA_CONTEXT
         gpu_memory_utilization = int(100 * vllm_budget / gpu_bytes) / 100
     kv = int(gpu_memory_utilization * gpu_bytes) - vllm_fixed
     if kv < one_sequence:
@@ -383,8 +328,8 @@ def fit_training(shape: ModelShape, gpu_bytes: int, *, layout: Layout, ranks: in
             f"({one_sequence / GIB:.2f} GiB): raise it, or leave it unset and the planner splits the GPU"
         )
     vllm = {"weights": shape.params * param_bytes, "reserve": VLLM_RESERVE, "kv_cache": kv,
-            "kv_tokens": kv // kv_bytes_per_token(shape, param_bytes)}  # fmt: skip
-    return MemoryFit(layout, ranks, gpu_bytes, chosen, measures, reasons, gpu_memory_utilization, vllm)
+            "kv_tokens": kv // per_token}  # fmt: skip
+    return replace(fit, gpu_memory_utilization=gpu_memory_utilization, vllm=vllm)
 
 
 def _largest_budget(fits, low: int, high: int) -> int | None:
