@@ -1,7 +1,7 @@
 """A user's own training script and notebook (tests/scripts/own_rewards.py and .ipynb) define their reward
-functions, helpers, a closure over a lookup table and a class-based parser at module level. With the rollout
-process (the default) they score in the child, and each rollout scores there exactly as the trainer's own process
-scores it (`rollout_process=False`); before this, every rollout failed with a NameError."""
+functions, helpers, a closure over a lookup table, a class-based parser and an environment method at module level.
+With the rollout process (the default) they run in the child, and each rollout scores there exactly as the trainer's
+own process scores it (`rollout_process=False`); before this, every rollout failed with a NameError."""
 
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def _check_same_scores(with_process: Path, without: Path, trainer_pid: int) -> N
     assert check["text"] in ANSWERS and check["first_word_match"] == 1.0 and check["has_vowel"] == 1.0
     assert len(here) == 2 * 16  # 2 steps of 16 rollouts
     assert sorted(there) == sorted(here)  # the same rollouts, scored the same in both processes
-    assert any(json.loads(r)["has_vowel"] for r in here) and any(json.loads(r)["letter_value"] for r in here)
+    scorings = [json.loads(r) for r in here]
+    assert any(r["has_vowel"] for r in scorings) and any(r["letter_value"] for r in scorings)
+    assert {r["answer_vowels"] for r in scorings} == {1}  # setup_state ran: each answer has one vowel
     assert _rewards(with_process) == _rewards(without) and steps(with_process) == [1, 2]
 
 

@@ -1,6 +1,6 @@
 """A user's own training script, written the way TRL's and verifiers' docs show one: the reward functions, their
-helpers, a lookup table they close over and a class-based parser are defined right here, at module level, and use
-what the script imports. tests/e2e/test_own_script.py runs it as
+helpers, a lookup table they close over, a class-based parser and an environment method are defined right here, at
+module level, and use what the script imports. tests/e2e/test_own_script.py runs it as
 
     python own_rewards.py MODEL_DIR OUTPUT_DIR true false
 
@@ -41,6 +41,13 @@ class FirstWordParser(vf.Parser):
         return words[0] if words else ""
 
 
+class VowelCountingEnv(vf.SingleTurnEnv):
+    """An environment method of its own, using the globals around it."""
+
+    async def setup_state(self, state) -> None:
+        state["answer_vowels"] = len(VOWELS.findall(text_of(state["answer"])))
+
+
 def has_vowel(completion, **kwargs) -> float:
     return 1.0 if VOWELS.search(text_of(completion)) else 0.0
 
@@ -57,9 +64,10 @@ def first_word_match(completion, answer, parser, **kwargs) -> float:
     return float(parser.parse_answer(completion) == answer)
 
 
-def scored_by(completion, answer, parser, **kwargs) -> float:
-    """A metric (weight 0): the process that scores, the completion, and what the other functions say of it."""
+def scored_by(completion, answer, parser, state, **kwargs) -> float:
+    """A metric (weight 0): the process that scores, the completion, what the other functions and setup_state say."""
     row = {"pid": os.getpid(), "text": text_of(completion), "has_vowel": has_vowel(completion)}
+    row["answer_vowels"] = state.get("answer_vowels")
     row["letter_value"] = letter_score(LETTER_VALUE)(completion)
     row["first_word_match"] = first_word_match(completion, answer, parser)
     with open(SCORED, "a") as f:
@@ -73,7 +81,7 @@ rubric = vf.Rubric(
     weights=[1.0, 1.0, 1.0, 0.0],
     parser=FirstWordParser(),
 )
-env = vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=rubric, parser=rubric.parser)
+env = VowelCountingEnv(dataset=Dataset.from_list(rows), rubric=rubric, parser=rubric.parser)
 
 for mode in modes:
     output_dir = os.path.join(output_root, mode)
