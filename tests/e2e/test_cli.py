@@ -65,7 +65,7 @@ num_examples = 4
             "unknown key 'trainer.args.learning_rat' (did you mean 'learning_rate'?)",
         ),
         ("[trainr]\ngpus = 1\n", "unknown section [trainr] (did you mean 'trainer'?)"),
-        ("[inference]\nengine = 'tpu'\n", "inference.engine='tpu'; allowed: auto, cpu, vllm"),
+        ("[inference]\nengine = 'tpu'\n", "inference.engine='tpu': allowed: auto, cpu, vllm"),
         ("[inference]\ngpus = 'two'\n", "inference.gpus='two': expected int"),
     ],
 )

@@ -72,7 +72,7 @@ def test_plan_that_does_not_fit_says_what_to_change():
     why = str(refused.value)
     assert why.startswith("one trainer rank needs ~") and "the 24.0 GiB GPU it shares with vLLM" in why
     for change in ("LoRA (use_lora = true)", "activation_checkpointing = true", "a smaller micro_batch_tokens",
-                   "a GPU of its own for the server"):  # fmt: skip
+                   "a second GPU, so that the server has one of its own"):  # fmt: skip
         assert change in why, (change, why)
 
 

@@ -355,7 +355,7 @@ def _refusal(configured: dict[str, int], best: dict[str, int], budget: int, gpu_
              shared: bool, gpu_memory_utilization: float | None) -> str:  # fmt: skip
     """One line: what one rank needs at best, what it has, and only the settings whose change would help."""
     if layout == "ddp":  # every rank holds the whole model: more ranks do not help, sharding does
-        fixes = ["shard the model over the trainer GPUs (trainer.accelerate_config with DeepSpeed ZeRO-3 or FSDP2)"]
+        fixes = ["shard the model over trainer GPUs ([trainer] gpus, accelerate_config: DeepSpeed ZeRO-3 or FSDP2)"]
     else:
         fixes = ["more trainer GPUs ([trainer] gpus, or more nodes)"]
     if not use_lora:
@@ -366,7 +366,7 @@ def _refusal(configured: dict[str, int], best: dict[str, int], budget: int, gpu_
         fixes.append(f"a smaller micro_batch_tokens (now {micro_batch_tokens})")
     fixes.append(f"a shorter max_seq_len (now {max_seq_len})")
     if shared and gpu_memory_utilization is None:
-        fixes.append("a GPU of its own for the server ([inference] gpus = 1)")
+        fixes.append("a second GPU, so that the server has one of its own")
     terms = ", ".join(f"{name} {best[key] / GIB:.2f}" for key, name in PART_NAMES.items())
     at_best = f"~{best['total'] / GIB:.1f} GiB ({terms})"
     if best is not configured:
