@@ -28,16 +28,19 @@ id = "reverse-text"             # vf.load_environment(id, **args)
 
 [inference]
 gpus = 1                        # CUDA devices for the server (assigned first)
-engine = "auto"                 # auto (vLLM with CUDA, else CPU engine) | cpu | vllm
-host = "127.0.0.1"
-port = 8000                     # optional; default: a free port
-startup_timeout = 600
-[inference.args]                # vLLM flags: gpu_memory_utilization = 0.8 -> --gpu-memory-utilization 0.8
+engine = "auto"                 # = server_engine: auto (vLLM with CUDA, else CPU engine) | cpu | vllm
+host = "127.0.0.1"              # = vllm_server_host
+port = 8000                     # = vllm_server_port; optional; default: a free port
+startup_timeout = 600           # = vllm_server_timeout
+[inference.args]                # = server_args: vLLM flags (gpu_memory_utilization = 0.8: --gpu-memory-utilization 0.8)
 
 [trainer]
 gpus = 1                        # CUDA devices for the trainer (after the server's); > 1 runs accelerate
 accelerate_config = "configs/accelerate/zero3.yaml"  # optional: ZeRO-3 or FSDP2 (fsdp_version 2); see docs/scaling.md
 [trainer.args]                  # RLConfig fields (below); vf-sft: SFTConfig fields + use_lora, lora_rank, ...
+[trainer.args.wandb]            # wandb.init's settings; reports to wandb
+project = "reverse-text-tutorial"
+name = "my-first-run"
 
 [sft]                           # ours: warm-start with this vf-sft config first (skipped when done)
 config = "configs/vf-sft/reverse-text.toml"
@@ -60,6 +63,12 @@ completion_template = "<reversed_text>\n{answer}\n</reversed_text>"
 
 Override any key from the command line: `vf-rl @ cfg.toml --trainer.args.learning_rate 1e-4 --env.args.max_len 12`.
 Unknown sections or keys, wrong types and invalid values stop the command with one line naming the key.
+
+**One setting, one home.** `[inference] host`, `port`, `startup_timeout`, `engine` and `args` are the TOML spelling
+of RLConfig fields (the "also in TOML as" column below), as upstream `vf-rl` wrote them: a run reads one value, in
+`vf-rl`, `vf-train` and `RLConfig(...)` alike. Both spellings with different values stop with one line naming both
+keys; a command-line override wins over the file's other spelling. Upstream's `[trainer] run_name` is the
+top-level `run_name`.
 
 """
 
@@ -91,15 +100,16 @@ def render() -> str:
         "",
         "Fields RLConfig adds to `transformers.TrainingArguments`, and the TrainingArguments defaults it changes.",
         "",
-        "| field | type | default | meaning |",
-        "|---|---|---|---|",
+        "| field | also in TOML as | type | default | meaning |",
+        "|---|---|---|---|---|",
     ]
     for f in dataclasses.fields(RLConfig):
         own = f.name not in inherited or f.name in RLConfig.__dict__.get("__annotations__", {})
         if not own:
             continue
         help_text = f.metadata.get("help", "").replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| `{f.name}` | `{_type_name(f)}` | `{_default(f)}` | {help_text} |")
+        alias = f"`[{f.metadata['toml'].replace('.', '] ')}`" if f.metadata.get("toml") else ""
+        lines.append(f"| `{f.name}` | {alias} | `{_type_name(f)}` | `{_default(f)}` | {help_text} |")
     lines += [
         "",
         "Every other `TrainingArguments` field (e.g. `activation_checkpointing`, `bf16`, `seed`, `eval_strategy`,",
