@@ -9,12 +9,12 @@ versions, the no-sync-inside-a-batch rule, checkpoints); the child only runs `en
 sent and sends back the parts of each output the trainer reads.
 
 The environment object crosses with dill (verifiers' parsers hold lambdas, and a notebook's reward functions live
-in `__main__`, neither of which the standard pickle takes). The child's `__main__` is this module, not the user's
-script or notebook: a function of the user's `__main__` crosses by value together with the globals it reads (its
-imports, helpers, constants, compiled patterns, classes), each function with its own copy of them (`copy_of`).
-One that cannot be copied, or that fails to load in the child, is generated in the trainer's process as before,
-with a log line saying why; so is one whose reward functions fail in the child, on the first training example,
-where they do not in the trainer's process (`reward_failures`, run there first, here only if it found any).
+in `__main__`, neither of which the standard pickle takes). A function of the user's `__main__` crosses by value,
+and the globals it reads (the script's imports, helpers, constants, compiled patterns, classes) cross with it into
+the child's own `__main__` (`copy_of`, `load_copy`). An environment that cannot be copied, or that fails to load
+in the child, is generated in the trainer's process as before, with a log line saying why; so is one whose reward
+functions fail in the child on the first training example but not in the trainer's process (`reward_failures`:
+run there first, here only when it found a failure).
 Protocol, over a socket pair with `multiprocessing.connection` framing (pickled tuples):
 
     trainer -> child: ("init", sys_path, env_bytes) ("connect", base_url, model, api_key, timeout, seed,
@@ -23,7 +23,7 @@ Protocol, over a socket pair with `multiprocessing.connection` framing (pickled 
     child -> trainer: ("ready",) ("failed", why) ("done", id, outputs | failures) ("error", id, type, message, where)
                       ("stages", [(stage, function, since), ...])
 
-The child is a `python -m` subprocess, not a multiprocessing "spawn" one: spawn re-runs the user's `__main__`,
+The child is a `python -c` subprocess, not a multiprocessing "spawn" one: spawn re-runs the user's `__main__`,
 which for a training script without a main guard would start a second training run. It ignores SIGINT/SIGTERM
 (the trainer decides when rollouts stop: a signal saves a checkpoint first) and exits when its socket closes, so it
 never outlives the trainer.
@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dis
 import inspect
 import io
 import itertools
@@ -127,22 +128,64 @@ def _plain(messages):
 
 
 def copy_of(env) -> bytes:
-    """`env` as dill bytes the child can load. dill copies a function of `__main__` (a training script, a notebook's
-    cells) by value but leaves its globals behind: in the child they would be this module's, and the function's first
-    use of `re` or of a helper of the script is a NameError. Such functions take the globals they read along
-    (dill's `recurse`, followed into the helpers they call); functions of importable modules keep crossing by
-    reference, with their module's own globals, as before."""
+    """`env` as dill bytes for `load_copy`. dill copies a function of the user's `__main__` (a training script, a
+    notebook's cells) by value, but its globals by reference to `__main__`, which in the child is not the user's:
+    the function's first use of `re` or of a helper of the script would be a NameError. So the globals such functions
+    read follow the environment, and as many more as those globals' own functions read, into the child's `__main__`:
+    one namespace shared by those functions, as in the trainer's process (a helper's rebinding of a global is seen by
+    the others; helpers that call each other work). Functions of importable modules cross by reference, as before."""
     import dill  # datasets' own pickler: it ships with every install of ours
 
-    class ScriptPickler(dill.Pickler):
+    main = sys.modules["__main__"]
+
+    class MainPickler(dill.Pickler):
+        """Notes the globals of `__main__` that each copied function of `__main__` reads."""
+
+        def __init__(self, file):
+            super().__init__(file)
+            self._main = main  # dill's own is `__main__` as it was when dill was imported
+            self.read: set[str] = set()
+
         def save(self, obj, save_persistent_id=True):
-            if isinstance(obj, types.FunctionType):
-                self._recurse = obj.__module__ == "__main__"  # dill reads it once, as it starts on a function
+            if isinstance(obj, types.FunctionType) and obj.__globals__ is main.__dict__ and id(obj) not in self.memo:
+                self.read |= global_names(obj.__code__) & main.__dict__.keys()
             super().save(obj, save_persistent_id)
 
     buffer = io.BytesIO()
-    ScriptPickler(buffer).dump(env)
+    pickler = MainPickler(buffer)
+    pickler.dump(env)
+    shipped: set[str] = set()
+    while pickler.read - shipped:  # one pickle more per round, sharing the first one's objects (the memo)
+        names = sorted(pickler.read - shipped)
+        shipped.update(names)
+        pickler.dump({name: main.__dict__[name] for name in names})
     return buffer.getvalue()
+
+
+def load_copy(payload: bytes):
+    """The environment of `copy_of`, with the user's globals its functions read put into this process's
+    `__main__`."""
+    import dill
+
+    stream = io.BytesIO(payload)
+    unpickler = dill.Unpickler(stream)
+    env = unpickler.load()
+    while stream.tell() < len(payload):
+        sys.modules["__main__"].__dict__.update(unpickler.load())
+    return env
+
+
+def global_names(code: types.CodeType) -> set[str]:
+    """The global names a function's code (nested functions, comprehensions and class bodies included) reads or
+    binds."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_OPS}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= global_names(const)
+    return names
+
+
+_GLOBAL_OPS = {"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"}  # LOAD_NAME: a class body's
 
 
 async def reward_failures(env, row: dict, client, model: str) -> list[str]:
@@ -217,7 +260,8 @@ class RolloutProcess:
         # it runs Python, not kernels: no thread pool of its own on the trainer's cores
         child_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(theirs.fileno())],
+            # `-c`: the child's `__main__` is a namespace of its own, which `load_copy` fills with the user's globals
+            [sys.executable, "-c", f"from {__name__} import main; main()", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             env=child_env,
@@ -362,13 +406,11 @@ class _Child:
         for entry in reversed(sys_path):  # the trainer's import path: its environment modules import here too
             if entry not in sys.path:
                 sys.path.insert(0, entry)
-        import dill
-
         from verifiers_rl.rl.trainer.reward_checks import guard_rewards
         from verifiers_rl.rl.trainer.server_recovery import quiet_lost_requests
         from verifiers_rl.rl.trainer.stages import stages_of
 
-        self.env = dill.loads(payload)
+        self.env = load_copy(payload)
         guard_rewards(self.env)  # idempotent: the copy of a guarded environment is guarded
         quiet_lost_requests(self.env)  # loggers are copied by name: filters are added again here
         self.stages = stages_of(self.env)
