@@ -234,3 +234,34 @@ def test_dry_run_names_an_environment_that_is_not_installed(tmp_path, tiny_model
     assert "reverse-text (module reverse_text, installed)" in render(_plan(path, 0))
     text = render(_plan(path, 0, ["--env.id", "someone/no-such-env"]))
     assert "someone/no-such-env: NOT installed here" in text and "`prime env install someone/no-such-env`" in text
+
+
+def test_rltrainer_in_a_script_plans_with_the_same_function(monkeypatch, tmp_path):
+    """RLTrainer's own server (a script or a notebook on one GPU) comes from plan_run too: the split of the GPU it
+    shares, or, since its model is built already, a refusal that names what to set."""
+    import torch
+
+    from verifiers_rl.rl.plan.memory import KNOWN, _KNOWN_KEYS, ModelShape
+    from verifiers_rl.rl.plan.run import plan_run
+    from verifiers_rl.rl.trainer import RLConfig
+
+    class Props:  # one 24 GiB GPU, as torch.cuda describes it (the device is all that is faked)
+        uuid, total_memory = "GPU-0", 24 << 30
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    shape = ModelShape.from_config(dict(zip(_KNOWN_KEYS, KNOWN["qwen3-0.6b"])))
+    machine = probe_machine()
+    assert (machine.gpus, machine.uuids, machine.real) == (1, ("GPU-0",), True)
+
+    def args(**kw):
+        return RLConfig(output_dir=str(tmp_path), use_cpu=True, server_engine="vllm", max_seq_len=512, **kw)
+
+    run = plan_run(args(activation_checkpointing=True), "m", machine, shape=shape, apply=False)
+    assert run.serving.shared_gpu and run.memory.measures == {}
+    share = run.server.command()[run.server.command().index("--gpu-memory-utilization") + 1]
+    assert float(share) == pytest.approx(run.memory.gpu_memory_utilization)
+    with pytest.raises(ConfigError, match="does not fit its GPU as configured: set activation_checkpointing=True"):
+        plan_run(args(micro_batch_size=64), "m", machine, shape=shape, apply=False)

@@ -162,6 +162,10 @@ def _fit(args, machine, layout, gpus, serving, shape, user_set: frozenset[str]):
     """The trainer's memory on its GPU (`memory.MemoryFit`), and vLLM's share of a GPU it shares with the trainer."""
     if not machine.gpus or not gpus.trainer:
         return None
+    if layout.inference_gpus is None and not serving.shared_gpu:
+        # RLTrainer in a running process (perhaps one rank of a sharded job it cannot see): its memory is spent
+        # already; only the split of a GPU it shares with the server it starts is still to plan
+        return None
     from verifiers_rl.rl.plan.memory import fit_training
 
     user_share = flag_value(args.server_args or [], "gpu-memory-utilization")
@@ -197,7 +201,11 @@ def _user_set(args, named: frozenset[str] | None) -> frozenset[str]:
         return named
     from verifiers_rl.scripts.config_schema import load_schema
 
-    return frozenset(k for k, v in load_schema().items() if getattr(args, k, v["default"]) != v["default"])
+    def changed(name: str, default) -> bool:  # TrainingArguments turns some None defaults into False
+        value = getattr(args, name, default)
+        return value != default and not (default is None and value is False)
+
+    return frozenset(k for k, v in load_schema().items() if changed(k, v["default"]))
 
 
 def server_of(plan: RunPlan):
