@@ -241,7 +241,7 @@ def test_rltrainer_in_a_script_plans_with_the_same_function(monkeypatch, tmp_pat
     shares, or, since its model is built already, a refusal that names what to set."""
     import torch
 
-    from verifiers_rl.rl.plan.memory import KNOWN, _KNOWN_KEYS, ModelShape
+    from verifiers_rl.rl.plan.memory import _KNOWN_KEYS, KNOWN, ModelShape
     from verifiers_rl.rl.plan.run import plan_run
     from verifiers_rl.rl.trainer import RLConfig
 
