@@ -1,4 +1,4 @@
-"""What the rollout process gets of functions defined in the user's `__main__` (rollout_process.copy_of /
+"""What the rollout process gets of functions defined in the user's `__main__` (main_copies.copy_of /
 load_copy): a script's functions, run in another interpreter, give what they give in the script, whatever shape
 their globals take. Both sides are real interpreters whose `__main__` is a `python -c` namespace, as for the
 rollout process."""
@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent(
     import dataclasses, json, re, sys
     from functools import partial
 
-    from verifiers_rl.rl.trainer.rollout_process import copy_of
+    from verifiers_rl.rl.trainer.main_copies import copy_of
 
     VOWELS = re.compile(r"[aeiou]")
     calls = 0
@@ -67,7 +67,7 @@ SCRIPT = textwrap.dedent(
 LOAD = textwrap.dedent(
     """
     import json, sys
-    from verifiers_rl.rl.trainer.rollout_process import load_copy
+    from verifiers_rl.rl.trainer.main_copies import load_copy
 
     funcs = load_copy(open(sys.argv[1], "rb").read())
     print(json.dumps([f(t) for t in ("  abba ", "xyz") for f in funcs]))

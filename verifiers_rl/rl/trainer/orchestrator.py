@@ -35,8 +35,6 @@ from verifiers_rl.rl.trainer.rollout_process import (
     ProcessUnavailable,
     RolloutProcess,
     generate,
-    only_in_child,
-    reward_failures,
     type_name,
     where,
 )
@@ -134,7 +132,6 @@ class Orchestrator:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._client: RolloutClient | None = None
-        self._process_check: asyncio.Future | None = None  # the child's reward functions, tried once
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -264,32 +261,11 @@ class Orchestrator:
         process = self.process
         if process is not None:
             try:
-                await self._checked(process)
-                if self.process is process:
-                    return await process.generate(inputs, sampling_args)
+                await process.check_once(lambda: self.inputs_for(0)[0][0], self.env, self._client, self.model_name)
+                return await process.generate(inputs, sampling_args)
             except ProcessUnavailable as e:
-                self._without_process(process, f"the environment did not load in the rollout process ({e})")
+                self._without_process(process, str(e))
         return await generate(self.env, inputs, self._client, self.model_name, sampling_args, self.max_concurrent)
-
-    async def _checked(self, process: RolloutProcess) -> None:
-        """Before the first batch, once: reward functions that fail in the child but not here would fail every
-        rollout of every step under a misleading cause; they run here instead."""
-        if self._process_check is None:
-            self._process_check = asyncio.ensure_future(self._check_child(process))
-        await asyncio.shield(self._process_check)  # a cancelled batch leaves the check to the others
-
-    async def _check_child(self, process: RolloutProcess) -> None:
-        row = self.inputs_for(0)[0][0]
-        there = await process.reward_failures(row)
-        if not there:  # the usual case: nothing runs in this process
-            return
-        failure = only_in_child(there, await reward_failures(self.env, row, self._client, self.model_name))
-        if failure is not None:
-            self._without_process(
-                process,
-                "the environment's code fails in the rollout process but not in the trainer's, on the first training "
-                f"example ({failure})",
-            )
 
     def _without_process(self, process: RolloutProcess, why: str) -> None:
         """The environment's code cannot run in the rollout process: generate here, as without one (once said)."""
