@@ -15,6 +15,7 @@ import pytest
 from transformers import TrainingArguments
 
 from verifiers_rl.rl.trainer.config import DEFAULT_LORA_TARGETS, RLConfig
+from verifiers_rl.rl.trainer.config_checks import describe_sampling
 
 LIB = Path(__file__).resolve().parents[2] / "verifiers_rl"
 OURS = [
@@ -71,10 +72,23 @@ def test_sampling_fields_reach_the_request():
     assert sa["logprobs"] is True
 
 
-def test_sampling_defaults_send_nothing_extra():
+def test_sampling_defaults_go_out_explicitly():
+    """A field the request leaves out is filled by the server from the checkpoint's generation_config.json (vLLM
+    without `--generation-config vllm`: Qwen3's top_k 20, top_p 0.95, temperature 0.6), so the neutral values go
+    out too: the distribution sampled is the one the trainer scores, whichever server answers."""
     sa = _cfg().sampling_args
-    assert sa["extra_body"] == {"return_token_ids": True}
-    assert "max_tokens" not in sa and "presence_penalty" not in sa
+    assert sa["temperature"] == 1.0 and sa["top_p"] == 1.0
+    assert sa["presence_penalty"] == 0.0 and sa["frequency_penalty"] == 0.0
+    assert sa["extra_body"] == {"return_token_ids": True, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    assert "max_tokens" not in sa
+    assert _cfg(min_p=None).sampling_args["extra_body"]["min_p"] == 0.0
+    # the request a config writes is a fixed point: a config built from it sends the same request
+    assert RLConfig(output_dir="/tmp/vf-rl-config-test", use_cpu=True, sampling_args=sa).sampling_args == sa
+    # what `vf-rl --dry-run` shows under `# sampling`
+    assert describe_sampling(_cfg(max_tokens=64, top_k=20).sampling_args) == (
+        "temperature=1.0 top_p=1.0 top_k=20 min_p=0.0 repetition_penalty=1.0 presence_penalty=0.0 "
+        "frequency_penalty=0.0 max_tokens=64"
+    )
 
 
 def test_batch_geometry():

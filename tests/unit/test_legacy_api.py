@@ -85,7 +85,9 @@ def test_sampling_args_dict_is_honoured(tmp_path):
     assert cfg.temperature == 0.7 and cfg.max_tokens == 64 and cfg.top_k == 20  # the trainer scores with these
     sa = cfg.sampling_args
     assert sa["temperature"] == 0.7 and sa["stop"] == ["</answer>"]
-    assert sa["extra_body"] == {"skip_special_tokens": False, "return_token_ids": True, "top_k": 20}
+    assert sa["extra_body"] == {
+        "skip_special_tokens": False, "return_token_ids": True, "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.0
+    }  # fmt: skip
     with pytest.raises(ValueError, match="rollouts_per_example"):
         RLConfig(output_dir=str(tmp_path), use_cpu=True, sampling_args={"n": 4})
 

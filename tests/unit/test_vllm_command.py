@@ -29,6 +29,8 @@ def test_default_command_has_each_flag_once_and_dev_mode():
     assert _values(argv, "--host") == ["127.0.0.1"]
     assert _values(argv, "--port") == ["8123"]
     assert _values(argv, "--logprobs-mode") == ["processed_logprobs"]
+    # requests sample from what they state, not from the checkpoint's generation_config.json
+    assert _values(argv, "--generation-config") == ["vllm"]
     (config,) = _values(argv, "--weight-transfer-config")
     assert json.loads(config) == {"backend": "nccl"}
     # keep-alive longer than the OpenAI client's 5 s expiry, or idle connections race the server's close
@@ -59,6 +61,8 @@ def test_backend_is_valid_json_and_extra_args_pass_through_in_order():
         (["--logprobs-mode", "raw_logprobs"], "--logprobs-mode", "raw_logprobs"),
         (["--logprobs_mode=raw_logits"], "--logprobs_mode", "raw_logits"),
         (["--host", "::1"], "--host", "::1"),
+        (["--generation-config", "auto"], "--generation-config", "auto"),
+        (["--generation_config=/cfg"], "--generation_config", "/cfg"),
         (["--model", "/other"], "--model", "/other"),
         (["--weight-transfer-config", '{"backend": "ipc"}'], "--weight-transfer-config", '{"backend": "ipc"}'),
     ],

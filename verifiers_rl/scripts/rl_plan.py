@@ -15,6 +15,7 @@ from typing import Any
 from verifiers_rl.errors import ConfigError
 from verifiers_rl.rl.plan.devices import child_visible_devices
 from verifiers_rl.rl.plan.run import PLAN_ENV, Layout, Machine, RunPlan, plan_run
+from verifiers_rl.rl.trainer.config_checks import describe_sampling
 from verifiers_rl.scripts.common import resolve_model
 from verifiers_rl.scripts.toml_config import resolve_path, rl_config
 
@@ -171,6 +172,7 @@ def render(plan: Plan) -> str:
     if plan.sft:
         state = "done, reused" if plan.sft["done"] else "runs first"
         out += ["", f"# SFT warm-start ({state})", f"vf-sft @ {plan.sft['config_path']}  ->  {plan.sft['final_dir']}"]
+    out += ["", "# sampling (every request states all of it)", describe_sampling(plan.args.sampling_args)]
     out += ["", "# serving plan", *plan.run.describe()]
     out += ["", f"# inference server (engine: {plan.engine})", plan.server_line()]
     if plan.trainer_cmd:

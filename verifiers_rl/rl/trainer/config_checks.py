@@ -42,23 +42,36 @@ def effective_sampling_args(cfg, user: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError("invalid RLConfig: sampling_args logprobs=False: the trainer needs the sampler's logprobs")
     user.pop("n", None)
     user.pop("logprobs", None)
-    args: dict[str, Any] = {"temperature": cfg.temperature, "top_p": cfg.top_p, "logprobs": True}
+    # Every field that shapes the distribution goes out, defaults included: a server fills a field the request
+    # leaves out from the checkpoint's generation_config.json (vLLM does, unless started with
+    # `--generation-config vllm`; Qwen3 ships top_k 20, top_p 0.95, temperature 0.6), and the trainer scores the
+    # distribution these fields state.
+    args: dict[str, Any] = {
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "presence_penalty": cfg.presence_penalty or 0.0,
+        "frequency_penalty": cfg.frequency_penalty or 0.0,
+        "logprobs": True,
+    }
     if cfg.max_tokens is not None:
         args["max_tokens"] = cfg.max_tokens
-    if cfg.presence_penalty:
-        args["presence_penalty"] = cfg.presence_penalty
-    if cfg.frequency_penalty:
-        args["frequency_penalty"] = cfg.frequency_penalty
-    extra: dict[str, Any] = {**extra_user, "return_token_ids": True}
-    if cfg.top_k not in (None, -1):
-        extra["top_k"] = cfg.top_k
-    if cfg.min_p:
-        extra["min_p"] = cfg.min_p
-    if cfg.repetition_penalty != 1.0:
-        extra["repetition_penalty"] = cfg.repetition_penalty
+    extra: dict[str, Any] = {
+        **extra_user,
+        "return_token_ids": True,
+        "top_k": -1 if cfg.top_k is None else cfg.top_k,  # -1: off, in vLLM and the CPU engine alike
+        "min_p": cfg.min_p or 0.0,
+        "repetition_penalty": cfg.repetition_penalty,
+    }
     args.update(user)  # anything else the user asked for (e.g. stop) goes out as given
     args["extra_body"] = extra
     return args
+
+
+def describe_sampling(sampling_args: dict[str, Any]) -> str:
+    """The distribution every rollout request states, as one line (`vf-rl --dry-run`'s `# sampling`)."""
+    fields = {**{k: v for k, v in sampling_args.items() if k != "extra_body"}, **sampling_args.get("extra_body", {})}
+    shown = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    return " ".join(f"{k}={fields[k]}" for k in (*shown, "max_tokens") if k in fields)
 
 
 def check_config(cfg) -> list[str]:

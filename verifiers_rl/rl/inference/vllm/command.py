@@ -49,6 +49,9 @@ def build_vllm_command(
         # Raw logprobs ignore temperature/top-p; the trainer's importance ratios need the sampled
         # distribution's logprobs.
         ("logprobs-mode", "processed_logprobs"),
+        # Sample from what each request states, not the checkpoint's generation_config.json defaults (Qwen3:
+        # top_k 20, top_p 0.95, temperature 0.6), which the trainer's full-distribution logprobs do not apply.
+        ("generation-config", "vllm"),
         # adapter sync, and the workers' GPUs the trainer asks for before it plans (vllm/extension.py)
         ("worker-extension-cls", WORKER_EXTENSION),
     ]
