@@ -226,7 +226,7 @@ class RolloutProcess:
                 _resolve(self._pending.get(message[1]), error=EnvironmentRaised(*message[2:]))
             elif kind == "failed":
                 self.failed = f"the environment did not load in the rollout process ({message[1]})"
-                self._fail_all(ProcessUnavailable(message[1]))
+                self._fail_all(ProcessUnavailable(self.failed))
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(2)
         code = self.proc.poll()
