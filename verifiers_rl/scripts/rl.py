@@ -2,11 +2,11 @@
 `vf-rl setup [DIR] [--force]`: lay out a workspace (configs, endpoints, environments/AGENTS.md).
 `vf-rl export CHECKPOINT OUT [--merge | --adapter]`: a checkpoint as a model to serve and share (scripts/export.py).
 
-Order of work (the plan is `rl_plan.py`'s): resolve the model (build the tiny one, run the SFT warm-start if the
-config asks and it is not done yet), assign GPUs (inference first, then trainer), start the inference server
-through the launcher, run the trainer (in this process on a CPU; on GPUs in processes of its own, narrowed to its
-GPUs, under `accelerate launch` when it has several), evaluate before/after, and write the reward curve. The
-server is stopped on every exit path.
+Order of work (the plan is `rl_plan.py`'s): resolve the model (build the tiny one, run the SFT warm-start in a
+process of its own on the trainer's GPUs if the config asks and it is not done yet), assign GPUs (inference first,
+then trainer), start the inference server through the launcher, run the trainer (in this process on a CPU; on GPUs
+in processes of its own, narrowed to its GPUs, under `accelerate launch` when it has several), evaluate
+before/after, and write the reward curve. The server is stopped on every exit path.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def run(plan: Plan) -> int:
         model = resolve_model(plan.sft["cfg"], plan.sft["config_path"])
         args = rl_config(cfg, server_mode="spawn", output_dir=str(Path(plan.output_dir) / "base-eval"))
         base = evaluate_base(model, env, args, cfg["eval"])
-    if plan.sft and not plan.sft["done"]:
-        from verifiers_rl.scripts.sft import run_sft
+    if plan.sft and not plan.sft["done"]:  # a process of its own, on the trainer's GPUs (none on a CPU)
+        from verifiers_rl.scripts.sft import run_sft_process
 
-        run_sft(plan.sft["cfg"], plan.sft["config_path"])
+        run_sft_process(plan.sft["config_path"], plan.visible(plan.gpus.trainer))
     server = plan.server
     if server.spec.adapter is not None:
         from verifiers_rl.rl.trainer.lora import write_zero_adapter

@@ -17,6 +17,9 @@ The final model (LoRA merged into the base) goes to <output_dir>/final.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -137,6 +140,26 @@ def _transcripts(env, rows, ds_cfg: dict[str, Any]):
     return Dataset.from_list(samples)
 
 
+def sft_command(config_path: str) -> list[str]:
+    """`vf-sft @ config` as `vf-rl` runs its warm-start: this interpreter, the config by absolute path."""
+    return [sys.executable, "-m", "verifiers_rl.scripts.sft", "@", str(Path(config_path).resolve())]
+
+
+def run_sft_process(config_path: str, visible_devices: str) -> None:
+    """`vf-rl`'s SFT warm-start, in a process of its own that sees only `visible_devices` (the trainer's GPUs; ""
+    on a CPU). In vf-rl's own process, Trainer would wrap the model in DataParallel over every visible GPU, the
+    server's too, and the CUDA context and cached memory would stay for the whole run; a child's end frees them.
+    Its output goes to the terminal as it comes; a failure is one line naming its exit code and command."""
+    from verifiers_rl.errors import TrainingError
+
+    cmd = sft_command(config_path)
+    line = f"CUDA_VISIBLE_DEVICES={visible_devices} {shlex.join(cmd)}"
+    print(f"vf-rl: SFT warm-start: {line}", flush=True)
+    code = subprocess.run(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices}).returncode
+    if code != 0:
+        raise TrainingError(f"the SFT warm-start failed (exit code {code}; its output is above): {line}")
+
+
 def run_sft(cfg: dict[str, Any], config_path: str) -> str:
     from trl import SFTTrainer
 
@@ -145,6 +168,7 @@ def run_sft(cfg: dict[str, Any], config_path: str) -> str:
     args, lora = sft_args(cfg, config_path)
     dataset = sft_dataset(cfg, config_path)
     model, tokenizer = get_model_and_tokenizer(resolve_model(cfg, config_path))
+    use_cache = model.config.use_cache  # Trainer sets it False for training; final/ keeps the base model's
     peft_config = None
     if lora["use_lora"]:
         peft_config = lora_config(
@@ -162,6 +186,7 @@ def run_sft(cfg: dict[str, Any], config_path: str) -> str:
         model = model.merge_and_unload()
     from verifiers_rl.rl.trainer.checkpoints import staged
 
+    model.config.use_cache = use_cache
     with staged(final) as tmp:  # `final/config.json` marks the warm-start done: it appears with the weights
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
