@@ -42,12 +42,14 @@ def test_architecture_doc_names_existing_modules():
 
 
 def test_modules_stay_small():
+    """A smoke alarm for a module that has taken in a second concept, not a budget to split files by: a 400-line
+    cap split modules without organising them (24 `# fmt: skip` lines kept four of them at 390-400)."""
     big = {
         str(p.relative_to(ROOT)): n
         for p in (ROOT / "verifiers_rl").rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > 400
+        if (n := len(p.read_text().splitlines())) > 500
     }
-    assert not big, f"modules over 400 lines (split them by concept): {big}"
+    assert not big, f"modules over 500 lines (one concept per module: split by concept): {big}"
 
 
 def test_every_data_file_of_the_package_is_installed():
