@@ -107,6 +107,14 @@ class RLConfig(TrainingArguments):
     shuffle_dataset: bool = field(
         default=True, metadata=_help("Shuffle the training dataset (seeded by `seed`, reshuffled each pass).")
     )
+    online_difficulty_filtering: bool = field(default=False, metadata=_help(
+        "Drop groups whose rollouts all got the same reward (they train nothing) and train the first "
+        "prompts_per_batch informative groups of ceil(prompts_per_batch * oversampling_factor) drawn per batch."
+    ))  # fmt: skip
+    oversampling_factor: float = field(default=1.0, metadata=_help(
+        "Prompts drawn per batch over prompts_per_batch, with online_difficulty_filtering (the bound on extra "
+        "generation; a batch with fewer informative groups trains fewer rollouts); without it, no effect."
+    ))  # fmt: skip
 
     # ---------------------------------------------------------------- loss
     loss_type: str = field(

@@ -117,6 +117,7 @@ def _batch_rules(cfg, check) -> None:
     check(cfg.max_steps >= 1, "max_steps", "must be >= 1")
     check(cfg.max_async_level >= 0, "max_async_level", "must be >= 0")
     check(cfg.num_iterations >= 1, "num_iterations", "must be >= 1 (optimizer steps per rollout batch)")
+    check(cfg.oversampling_factor >= 1, "oversampling_factor", "must be >= 1 (prompts drawn per batch / needed)")
     check(cfg.max_concurrent >= 1, "max_concurrent", "must be >= 1")
     check(cfg.max_empty_steps >= 1, "max_empty_steps", "must be >= 1")
     check(cfg.sync_bucket_mb >= 1, "sync_bucket_mb", "must be >= 1")
