@@ -12,6 +12,7 @@ import torch
 from verifiers_rl.rl.inference.errors import ServerError, ServerLost
 from verifiers_rl.rl.inference.limits import room_for_prompt
 from verifiers_rl.rl.trainer.core_handoff import CoreHandoff
+from verifiers_rl.rl.trainer.difficulty_filter import DifficultyFilter
 from verifiers_rl.rl.trainer.metrics import rollout_metrics
 from verifiers_rl.rl.trainer.orchestrator import GenerationError, Orchestrator, RolloutBatch
 from verifiers_rl.rl.trainer.policy_sync import PolicySync
@@ -140,6 +141,7 @@ class InferenceRuntime:
         max_async_level: int = 0,
         steps_per_batch: int = 1,
         process: RolloutProcess | None = None,
+        difficulty_filter: DifficultyFilter | None = None,
     ):
         args = self.args
         return Orchestrator(
@@ -160,6 +162,7 @@ class InferenceRuntime:
             scoring_timeout=args.scoring_timeout,
             steps_per_batch=steps_per_batch,
             process=process,
+            difficulty_filter=difficulty_filter,
         )
 
     def start(self, model, tokenizer, rows, version: int, orchestrator_state: dict | None = None) -> None:
@@ -179,6 +182,7 @@ class InferenceRuntime:
                     max_async_level=args.max_async_level,
                     steps_per_batch=args.num_iterations,
                     process=process,
+                    difficulty_filter=DifficultyFilter.of(args),
                 )
         except BaseException:
             if process is not None:  # not adopted by an orchestrator: nothing else would close it
