@@ -312,7 +312,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
             prepared.metrics["timing/generation_s"] = 0.0 if iteration else batch.generation_seconds
             prepared.metrics["batch_iteration"] = float(iteration)
             prepared.metrics["policy_version"] = float(batch.policy_version)  # the weights the batch was sampled with
-        prepared.metrics.update(batch.filter_metrics or {})  # online_difficulty_filtering (difficulty_filter.py)
+            prepared.metrics.update(batch.filter_metrics or {})  # online_difficulty_filtering (difficulty_filter.py)
             prepared.metrics["timing/wait_s"] = time.perf_counter() - t0
             prepared.metrics["server_restarts"] = float(self.runtime.recovery.total)
             step = self.state.global_step + 1  # as metrics.jsonl numbers it
