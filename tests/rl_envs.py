@@ -60,6 +60,18 @@ def reverse_env(n: int = 12) -> vf.SingleTurnEnv:
     return vf.SingleTurnEnv(dataset=ds, eval_dataset=Dataset.from_list(rows[:4]), rubric=rubric)
 
 
+def solved_or_variety(completion, answer, **kwargs) -> float:
+    """1.0 for every rollout of a prompt whose answer starts with '=' (a group with nothing to learn), else variety."""
+    return 1.0 if answer.startswith("=") else variety(completion)
+
+
+def half_constant_env() -> vf.SingleTurnEnv:
+    """Every other prompt's reward is constant: the groups online difficulty filtering drops."""
+    rows = [{"question": f"Say {w}", "answer": ("=" if i % 2 == 0 else "") + w} for i, w in enumerate(WORDS)]
+    ds = Dataset.from_list(rows)
+    return vf.SingleTurnEnv(dataset=ds, eval_dataset=ds.select(range(4)), rubric=vf.Rubric(funcs=[solved_or_variety]))
+
+
 class AgainEnv(vf.MultiTurnEnv):
     """Two assistant turns: the environment answers the first with 'again'."""
 
