@@ -153,3 +153,14 @@ def test_same_seed_same_selection_whatever_order_batches_finish_in_and_after_a_r
         again.close()
     finally:
         resumed.close()
+
+
+def test_the_filter_of_a_config_and_a_factor_without_the_filter_is_named(caplog):
+    from types import SimpleNamespace
+
+    on = SimpleNamespace(online_difficulty_filtering=True, oversampling_factor=1.5, prompts_per_batch=4,
+                         zero_truncated_completions=True)  # fmt: skip
+    assert DifficultyFilter.of(on) == DifficultyFilter(4, 1.5, True) and DifficultyFilter.of(on).drawn == 6
+    with caplog.at_level("WARNING"):
+        assert DifficultyFilter.of(SimpleNamespace(**{**vars(on), "online_difficulty_filtering": False})) is None
+    assert "oversampling_factor=1.5 has no effect" in caplog.text

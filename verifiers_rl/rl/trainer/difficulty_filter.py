@@ -24,6 +24,7 @@ reported and diagnosed as it is without the filter.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 from verifiers_rl.rl.trainer.advantages import ZERO_STD_ATOL
 from verifiers_rl.rl.trainer.rollouts import Rollout
 from verifiers_rl.rl.trainer.samples import effective_rewards
+
+logger = logging.getLogger(__name__)
 
 
 def prompts_drawn(prompts_per_batch: int, oversampling_factor: float) -> int:
@@ -93,5 +96,11 @@ class DifficultyFilter:
     def of(cls, args) -> DifficultyFilter | None:
         """The filter an RLConfig asks for; None when online_difficulty_filtering is off."""
         if not args.online_difficulty_filtering:
+            if args.oversampling_factor > 1:  # a hosted-training config's key, meaningless here without the filter
+                logger.warning(
+                    "oversampling_factor=%s has no effect without online_difficulty_filtering = true: each batch "
+                    "draws batch_size / rollouts_per_example prompts",
+                    args.oversampling_factor,
+                )
             return None
         return cls(args.prompts_per_batch, args.oversampling_factor, args.zero_truncated_completions)
