@@ -34,6 +34,25 @@ def default_attn_implementation(device: str) -> str:
     return "sdpa"
 
 
+def training_kwargs(use_lora: bool) -> dict[str, Any]:
+    """get_model's model_kwargs for a model the trainer trains. Full fine-tuning keeps float32 master weights (and
+    so float32 gradients and AdamW moments); bf16 = true computes under bf16 autocast and the sync sends bf16. In
+    bf16 itself a small-lr AdamW update is below half a bf16 ulp for most weights, which then never move. LoRA
+    keeps the frozen base in the device's dtype: peft trains the adapters in float32."""
+    return {} if use_lora else {"dtype": torch.float32}
+
+
+def master_weights(model, use_lora: bool):
+    """A model handed over in half precision (`vf.get_model` loads bf16 on CUDA) for full fine-tuning, in float32:
+    the same master weights `training_kwargs` loads."""
+    if use_lora or hasattr(model, "peft_config"):
+        return model
+    if any(p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
+        logger.info("full fine-tuning: the model's weights to float32 (master weights; compute follows bf16/fp16)")
+        model.to(torch.float32)
+    return model
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters as stored (what a decode step reads, and what a full sync moves)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -30,6 +30,7 @@ def test_trainer_estimate_covers_measured_peaks_without_wasting_the_gpu():
             micro_batch_tokens=r["tokens"],
             max_seq_len=1024,  # the benchmark's rows: 1024 tokens each
             activation_checkpointing=r["checkpointing"],
+            master_bytes=2,  # what these rows measured: bf16 weights and AdamW state (before float32 master weights)
         )
         est = parts["total"] - parts["cuda_context"]  # torch.cuda.max_memory_allocated does not see the context
         ratio = est / GIB / r["peak_gib"]
@@ -90,3 +91,19 @@ def test_shared_gpu_syncs_through_host_memory():
     assert resolve_sync_backend("auto", "vllm") == "nccl"
     with pytest.raises(ValueError, match="cannot sync a server on the trainer's own GPU"):
         resolve_sync_backend("nccl", "vllm", shared_gpu=True)
+
+
+def test_full_finetuning_counts_float32_master_weights():
+    """Full fine-tuning trains float32 master weights under bf16 compute: weight 4 bytes, gradient 4, AdamW moments
+    8 per parameter, and the bf16 copies autocast makes for forward, which backward keeps (with the activations)."""
+    shape = shape_of("Qwen/Qwen3-0.6B")
+    kw = dict(layout="ddp", ranks=1, use_lora=False, lora_rank=16, micro_batch_tokens=4096, max_seq_len=1024)
+    parts = rank_parts(shape, activation_checkpointing=False, **kw)
+    assert (parts["parameters"], parts["gradients"], parts["optimizer"]) == (4 * shape.params, 4 * shape.params,
+                                                                             8 * shape.params)  # fmt: skip
+    bf16_state = rank_parts(shape, activation_checkpointing=False, master_bytes=2, **kw)
+    assert parts["activations"] - bf16_state["activations"] == 2 * shape.params
+    # checkpointing recomputes a layer at a time: only the head's and one layer's casts are alive together
+    ckpt = rank_parts(shape, activation_checkpointing=True, **kw)
+    ckpt_bf16 = rank_parts(shape, activation_checkpointing=True, master_bytes=2, **kw)
+    assert 0 < ckpt["activations"] - ckpt_bf16["activations"] < 2 * shape.params // 3

@@ -148,29 +148,36 @@ def chunk_rows(vocab: int) -> int:
     return max(32, min(4096, CHUNK_LOGITS_BYTES // (FLOAT32 * max(vocab, 1))))
 
 
-def logprob_bytes(shape: ModelShape, *, trains_head: bool, param_bytes: int = 2, tokens: int | None = None) -> int:
+def logprob_bytes(shape: ModelShape, *, trains_head: bool, param_bytes: int = 2, tokens: int | None = None,
+                  grad_bytes: int | None = None) -> int:  # fmt: skip
     """chunked_logprobs never holds the micro-batch's logits: one chunk's float32 logits in forward, their
     softmax (float32) and its cast in backward (a chunk has at most `tokens` rows); when the head trains, backward
     accumulates its [V, H] gradient in a buffer of its own before autograd adds it to the weight's gradient."""
     rows = min(chunk_rows(shape.vocab), tokens or chunk_rows(shape.vocab))
     chunk = rows * shape.vocab * (2 * FLOAT32 + param_bytes)
-    return chunk + (shape.vocab * shape.hidden * param_bytes if trains_head else 0)
+    return chunk + (shape.vocab * shape.hidden * (grad_bytes or param_bytes) if trains_head else 0)
 
 
 def rank_parts(shape: ModelShape, *, layout: Layout, ranks: int, use_lora: bool, lora_rank: int,
                micro_batch_tokens: int, max_seq_len: int | None, activation_checkpointing: bool,
-               param_bytes: int = 2) -> dict[str, int]:  # fmt: skip
+               param_bytes: int = 2, master_bytes: int = FLOAT32) -> dict[str, int]:  # fmt: skip
     """One trainer rank's peak by part. ZeRO-3 and FSDP2 divide parameters, gradients and optimizer state by the
     number of ranks; DDP keeps them whole on every rank; activations are per rank either way. A LoRA adapter
-    trains in float32 (peft's default): weight 4 bytes, gradient 4, two AdamW moments 8."""
+    trains in float32 (peft's default): weight 4 bytes, gradient 4, two AdamW moments 8. Full fine-tuning keeps
+    float32 master weights (`master_bytes`; models.training_kwargs), so gradient 4 and moments 8 too; the
+    `param_bytes` copies autocast casts for compute are tensors backward keeps, counted with the activations."""
     shard = ranks if layout in ("zero3", "fsdp2") else 1
+    casts = 0
     if use_lora:
         trainable, grad_bytes, optim_bytes = lora_params(shape, lora_rank), FLOAT32, 2 * FLOAT32
-        adapter = trainable * FLOAT32
+        weights = shape.params * param_bytes // shard + trainable * FLOAT32
     else:
-        trainable, grad_bytes, optim_bytes, adapter = shape.params, param_bytes, 2 * param_bytes, 0
+        trainable, grad_bytes, optim_bytes = shape.params, master_bytes, 2 * master_bytes
+        weights = shape.params * master_bytes // shard
+        if master_bytes > param_bytes:
+            casts = _compute_copies(shape, param_bytes, activation_checkpointing, shard)
     parts = {
-        "parameters": shape.params * param_bytes // shard + adapter,
+        "parameters": weights,
         "gradients": trainable * grad_bytes // shard,
         "optimizer": trainable * optim_bytes // shard,
         "activations": activation_bytes(
@@ -181,12 +188,26 @@ def rank_parts(shape: ModelShape, *, layout: Layout, ranks: int, use_lora: bool,
             max_seq_len=max_seq_len,
             activation_checkpointing=activation_checkpointing,
             param_bytes=param_bytes,
-        ),  # fmt: skip
-        "logprobs": logprob_bytes(shape, trains_head=not use_lora, param_bytes=param_bytes, tokens=micro_batch_tokens),
+        )
+        + casts,  # fmt: skip
+        "logprobs": logprob_bytes(
+            shape, trains_head=not use_lora, param_bytes=param_bytes, tokens=micro_batch_tokens, grad_bytes=grad_bytes
+        ),
         "cuda_context": CUDA_CONTEXT,
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+def _compute_copies(shape: ModelShape, param_bytes: int, activation_checkpointing: bool, shard: int) -> int:
+    """The `param_bytes` copies autocast makes of float32 weights, which backward keeps until it has used them:
+    every layer's without activation checkpointing; with it, the output head's and one recomputed layer's (the
+    other layers cast again when recomputed). Sharded layouts cast gathered layers one at a time."""
+    head = shape.vocab * shape.hidden
+    layer = (shape.params - head) // max(shape.layers, 1)
+    if activation_checkpointing or shard > 1:
+        return (head + layer) * param_bytes
+    return shape.params * param_bytes
 
 
 def kv_bytes_per_token(shape: ModelShape, param_bytes: int = 2) -> int:

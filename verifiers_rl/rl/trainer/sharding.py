@@ -36,7 +36,7 @@ def take_over_fsdp(args) -> None:
     args.fsdp, args.fsdp_config, args.fsdp_plugin_args = [], {}, None
 
 
-def load_sharded(model_name: str, use_liger: bool = False):
+def load_sharded(model_name: str, use_liger: bool = False, model_kwargs: dict | None = None):
     """The model loaded FSDP2-sharded over every process of the run (WORLD_SIZE, set by the launcher)."""
     from transformers.distributed import DistributedConfig
 
@@ -49,7 +49,9 @@ def load_sharded(model_name: str, use_liger: bool = False):
             "start it with `accelerate launch --num_processes N` or `torchrun --nproc-per-node N`"
         )
     return get_model(
-        model_name, use_liger=use_liger, model_kwargs={"distributed_config": DistributedConfig(fsdp_size=world)}
+        model_name,
+        use_liger=use_liger,
+        model_kwargs={**(model_kwargs or {}), "distributed_config": DistributedConfig(fsdp_size=world)},
     )
 
 

@@ -86,7 +86,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         peft_config=None,
         **kwargs,
     ):
-        from verifiers_rl.models import ensure_pad_token, get_model, get_tokenizer
+        from verifiers_rl.models import ensure_pad_token, get_model, get_tokenizer, master_weights, training_kwargs
 
         args = args if args is not None else RLConfig()
         if not isinstance(args, RLConfig):
@@ -99,7 +99,8 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         if self.fsdp2:
             take_over_fsdp(args)
         if isinstance(model, str):
-            model = load_sharded(model, args.use_liger) if self.fsdp2 else get_model(model, use_liger=args.use_liger)
+            kw = training_kwargs(args.use_lora)  # float32 master weights for full fine-tuning
+            model = load_sharded(model, args.use_liger, kw) if self.fsdp2 else get_model(model, args.use_liger, kw)
         elif self.fsdp2 and not getattr(model, "is_distributed_loading_by_transformers", False):
             raise sharded_model_error()
         if processing_class is None:
@@ -107,7 +108,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
                 raise ValueError("pass processing_class (the tokenizer) when model has no name_or_path")
             processing_class = get_tokenizer(model_path)
         ensure_pad_token(processing_class, model)
-        model = self._wrap_lora(model, args)
+        model = self._wrap_lora(master_weights(model, args.use_lora), args)
         self.env = env
         self.model_path = model_path
         dataset = training_dataset(env)

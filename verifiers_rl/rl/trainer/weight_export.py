@@ -82,12 +82,12 @@ def output_head(model) -> torch.nn.Module:
     return head
 
 
-def _items(model, kind: str) -> tuple[list[ExportItem], dict | None, int]:
+def _items(model, kind: str, dtype: torch.dtype | None = None) -> tuple[list[ExportItem], dict | None, int]:
     if kind == "adapter":
         items, ranks = adapter_items(model)
         return items, unit_scaling_config(ranks), max(ranks.values())
     if kind == "merged":
-        return merged_items(model), None, 0
+        return merged_items(model, dtype), None, 0
     raise ValueError(f"weight export kind={kind!r}; allowed: {', '.join(KINDS)}")
 
 
@@ -97,11 +97,12 @@ class ReplicatedExport:
     collective = False
     head_in_forward = False
 
-    def __init__(self, model):
+    def __init__(self, model, dtype: torch.dtype | None = None):
         self.model = model  # unwrapped: peft or transformers names, no DDP prefix
+        self.dtype = dtype  # merged sync's transfer dtype (`weight_export`); None: each parameter's own
 
     def stream(self, kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightStream:
-        items, config, rank = _items(self.model, kind)
+        items, config, rank = _items(self.model, kind, self.dtype)
         return replicated_stream(self.model, items, config, rank)
 
     def lora_state(self) -> dict[str, torch.Tensor]:
@@ -127,8 +128,8 @@ class ShardedExport(ABC):
     collective = True
     head_in_forward = True
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, dtype: torch.dtype | None = None):
+        self.model, self.dtype = model, dtype
         self.inner, _ = unwrap_peft(model)
         self.params = dict(self.inner.named_parameters())
 
@@ -137,7 +138,7 @@ class ShardedExport(ABC):
         """The named parameters whole, on every rank, for the duration of the context (ZeRO3Export, FSDP2Export)."""
 
     def stream(self, kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightStream:
-        items, config, rank = _items(self.model, kind)
+        items, config, rank = _items(self.model, kind, self.dtype)
         return WeightStream([i.meta for i in items], lambda: self._produce(items, bucket_bytes), config, rank)
 
     @abstractmethod
@@ -298,11 +299,17 @@ def parallel_layout(model) -> str:
 
 
 def weight_export(model, accelerator=None) -> WeightExport:
-    """The export for the model's parallel layout (`model` as the Trainer holds it; `accelerator` unwraps it)."""
+    """The export for the model's parallel layout (`model` as the Trainer holds it; `accelerator` unwraps it).
+    Under bf16/fp16 mixed precision a merged sync sends the compute dtype: full fine-tuning keeps float32 master
+    weights (models.training_kwargs), and the server serves what the forward computes with, at half the bytes."""
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
+    dtype = _HALF.get(getattr(accelerator, "mixed_precision", None))
     layout = parallel_layout(unwrapped)
     if layout == "zero3":
-        return ZeRO3Export(unwrapped)
+        return ZeRO3Export(unwrapped, dtype)
     if layout == "fsdp2":
-        return FSDP2Export(unwrapped)
-    return ReplicatedExport(unwrapped)
+        return FSDP2Export(unwrapped, dtype)
+    return ReplicatedExport(unwrapped, dtype)
+
+
+_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
