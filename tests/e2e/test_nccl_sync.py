@@ -128,3 +128,28 @@ class TestWithVLLM:
 
     def test_a_trainer_without_cuda_is_told_so(self, report):
         assert "needs a CUDA device in the trainer process" in report["without_cuda"]
+
+    # The init's three stages, each made to fail or never end (INIT_BOUND_S = 2 s each; the control requests' own
+    # timeout is 30 s, so only the stage bounds can end these). vLLM's trainer_init reads the server's answer only
+    # after ncclCommInitRank returned: the first two would wait forever there.
+    def test_a_worker_that_fails_after_the_store_ends_the_init_at_once_with_the_servers_error(self, report):
+        fault = report["init_faults"]["worker_fails"]
+        # the stage it names is the one the trainer waited in: the store's end and the worker's error may cross
+        assert "the server's init request failed while the trainer waited for the " in fault["error"]
+        assert "POST /init_weight_transfer_engine failed with 500" in fault["error"]
+        assert fault["seconds"] < report["init_bound_s"]  # the server's answer ended the wait, not the bound
+
+    @pytest.mark.parametrize(
+        ("fault", "stage"),
+        [
+            ("worker_hangs", "the communicator creation did not finish within 2s (the server's workers reached the "
+                             "store but did not join"),
+            ("store_unreached", "the store rendezvous did not finish within 2s (no worker of the server connected "
+                                "to the trainer's store at 127.0.0.1:"),
+            ("answer_never_comes", "the server's init request did not finish within 2s (the communicator is up"),
+        ],
+    )  # fmt: skip
+    def test_a_stage_that_never_ends_is_bounded_and_named(self, report, fault, stage):
+        result = report["init_faults"][fault]
+        assert stage in result["error"], result
+        assert report["init_bound_s"] <= result["seconds"] < report["init_bound_s"] + 5

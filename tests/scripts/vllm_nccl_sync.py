@@ -9,7 +9,8 @@ Replaced, because there is no GPU here (say so in every report):
 - `torch.cuda` / `torch.accelerator`: availability, current device, streams, synchronize (they record calls);
 - `PyNcclCommunicator` (the one class that creates the NCCL group; on a host without libnccl vLLM's own turns
   itself into a silent no-op): `StoreCommunicator` moves the broadcast bytes through the real
-  `StatelessProcessGroup` store instead;
+  `StatelessProcessGroup` store instead, and waits at creation until every rank created its own, as
+  `ncclCommInitRank` does; a worker's creation can be made to fail or hang (the init faults);
 - the engine client behind the routes (`AsyncLLM` -> engine core -> `collective_rpc`): `Workers` calls each
   worker's real methods in threads, as the worker processes would run them concurrently;
 - the worker engine's `start_weight_update` / `finish_weight_update`: vLLM's layerwise reload needs a model built
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import socket
 import sys
@@ -33,6 +35,8 @@ import numpy as np
 import torch
 
 EVENTS: list[str] = []  # device calls and stream reads, in order
+RELEASE = threading.Event()  # set at the end: whatever a fault scenario left waiting ends (threads joined at exit)
+INIT_BOUND_S = 2.0  # each init stage's bound in the fault scenarios (the control requests' own timeout is 30 s)
 
 
 class FakeStream:
@@ -61,6 +65,7 @@ class StoreCommunicator:
 
     instances: list[StoreCommunicator] = []
     trainer_disabled = False  # as vLLM's own is where libnccl cannot be loaded: no `device`, broadcasts do nothing
+    worker_fault: str | None = None  # "fail" | "hang": what each worker's creation does after it reached the store
 
     def __init__(self, group, device, library_path=None):
         self.group, self.rank, self.world_size = group, group.rank, group.world_size
@@ -68,9 +73,26 @@ class StoreCommunicator:
         self.available = not self.disabled
         if not self.disabled:
             self.device = torch.device("cpu")  # where the bytes live without a GPU
+            self._join()
         self.broadcasts: list[int] = []
         self.destroyed = False
         StoreCommunicator.instances.append(self)
+
+    def _join(self) -> None:
+        """ncclCommInitRank: returns once every rank of the group called it (a rank that never does: never)."""
+        if self.rank > 0 and StoreCommunicator.worker_fault == "fail":
+            raise RuntimeError("NCCL error: unhandled cuda error (ncclCommInitRank on a worker, injected)")
+        if self.rank > 0 and StoreCommunicator.worker_fault == "hang":
+            RELEASE.wait()
+            raise RuntimeError("released at the end of the script")
+        self.group.store.set(f"joined/{self.rank}", b"1")
+        while True:  # in slices, so that a rank left waiting ends with the script (RELEASE)
+            try:
+                self.group.store.wait([f"joined/{r}" for r in range(self.world_size)], datetime.timedelta(seconds=0.5))
+                return
+            except torch.distributed.DistStoreError:
+                if RELEASE.is_set():
+                    raise RuntimeError("released at the end of the script") from None
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
         if self.disabled:
@@ -142,7 +164,12 @@ class Workers:
         await asyncio.gather(*(asyncio.to_thread(getattr(w, method), *args) for w in self.workers))
 
     async def init_weight_transfer_engine(self, request):
+        if self.hold_init:  # the workers never reach the trainer's store
+            await asyncio.to_thread(RELEASE.wait)
+            raise RuntimeError("released at the end of the script")
         await self._all("init_weight_transfer_engine", request.init_info)
+        if self.hold_answer:  # the workers joined the communicator; the server's answer never comes
+            await asyncio.to_thread(RELEASE.wait)
 
     async def shutdown_weight_transfer_engine(self):
         await self._all("shutdown_weight_transfer_engine")
@@ -181,6 +208,7 @@ class Workers:
         return not self.blocks_held  # vLLM's scheduler: False while blocks are held
 
     blocks_held = False
+    hold_init = hold_answer = False
 
 
 def serve(engine_client) -> int:
@@ -307,6 +335,31 @@ def sync_scenarios(report: dict) -> None:
         report["disabled_nccl"] = str(e)
 
 
+def init_faults(report: dict) -> None:
+    """The init's stages, each made to fail or never end; a sender with INIT_BOUND_S per stage."""
+    from verifiers_rl.rl.inference.client import InferenceClient
+    from verifiers_rl.rl.inference.transfer.nccl import NCCLSender
+
+    StoreCommunicator.trainer_disabled = False
+    faults = {}
+    for fault in ("worker_fails", "worker_hangs", "store_unreached", "answer_never_comes"):
+        engine_client = Workers(make_workers(tp=2), update_delay_s=0.0)
+        engine_client.hold_init, engine_client.hold_answer = fault == "store_unreached", fault == "answer_never_comes"
+        StoreCommunicator.worker_fault = {"worker_fails": "fail", "worker_hangs": "hang"}.get(fault)
+        client = InferenceClient(port=serve(engine_client), request_timeout=30.0, sync_timeout=30.0)
+        sender = NCCLSender(client, bucket_bytes=40 * 1024, timeout_s=30.0)
+        sender.init_timeout_s = INIT_BOUND_S
+        t0 = time.monotonic()
+        try:
+            sender.init()
+            faults[fault] = {"error": "no error"}
+        except Exception as e:  # noqa: BLE001 - the report carries it to the test
+            faults[fault] = {"error": f"{type(e).__name__}: {e}"}
+        faults[fault]["seconds"] = time.monotonic() - t0
+    StoreCommunicator.worker_fault = None
+    report["init_faults"], report["init_bound_s"] = faults, INIT_BOUND_S
+
+
 def main() -> None:
     report: dict = {"update_delay_s": 1.5, "request_timeout_s": 0.5, "without_cuda": cpu_refusal()}
     fake_device()
@@ -315,8 +368,17 @@ def main() -> None:
     pynccl.PyNcclCommunicator = StoreCommunicator
     try:
         sync_scenarios(report)
+        init_faults(report)
     except Exception as e:  # noqa: BLE001 - the report carries it to the test
         report["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        RELEASE.set()
+        # the init's stage threads a fault left waiting end now; one that ended during the interpreter's shutdown
+        # would free its TCP store there, and torch aborts the process ("terminate called without an active
+        # exception"). A real thread stuck in ncclCommInitRank never ends, so never frees anything.
+        for t in threading.enumerate():
+            if t.name.startswith("nccl-init-"):
+                t.join(10)
     print(json.dumps(report), flush=True)
 
 

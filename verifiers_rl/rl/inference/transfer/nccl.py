@@ -2,8 +2,9 @@
 
 Everything vLLM-specific is imported lazily: this module loads without vLLM, and only `NCCLSender.init`
 needs it. NCCL needs the trainer and the server on different GPUs (it cannot put two ranks on one device).
-On CPU machines tests/e2e/test_nccl_sync.py drives this sender with vLLM's real trainer and worker engines,
-only CUDA and the NCCL communicator replaced.
+The init follows vLLM's `trainer_init` with each stage bounded and named (nccl_init.py). On CPU machines
+tests/e2e/test_nccl_sync.py drives this sender with vLLM's real trainer and worker engines, only CUDA and the NCCL
+communicator replaced.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from verifiers_rl.rl.inference.net import LOOPBACK, free_port
 from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES
+from verifiers_rl.rl.inference.transfer.nccl_init import BoundedInit
 from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
 from verifiers_rl.rl.inference.transfer.stream import WeightStream, as_stream
 
@@ -78,6 +80,7 @@ class NCCLSender:
         self.host = host
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
+        self.init_timeout_s = timeout_s  # the bound of each stage of the init (nccl_init.py)
         self.device: torch.device | None = None  # the NCCL communicator's GPU: tensors are broadcast from there
         self._stream: WeightStream | None = None
         self.engine = None
@@ -108,13 +111,14 @@ class NCCLSender:
             packed_buffer_size_bytes=self.bucket_bytes,
             rank=0,  # the one trainer process that sends; vLLM's workers take ranks 1..n
         )
-        engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=self.control, source=_stream_source(self))
-        group = engine.model_update_group
-        if getattr(group, "disabled", False):
-            # vLLM's communicator turns itself into a no-op when it cannot load libnccl: every sync would
-            # "succeed" and move nothing.
-            engine.shutdown()
-            raise RuntimeError("vLLM could not load the NCCL library in the trainer process; use the gloo backend")
+        engine = NCCLTrainerWeightTransferEngine(
+            client=self.control,
+            source=_stream_source(self),
+            packed=info.packed,
+            packed_buffer_size_bytes=info.packed_buffer_size_bytes,
+            packed_num_buffers=info.packed_num_buffers,
+        )
+        group = engine.model_update_group = BoundedInit(self.control, self.init_timeout_s).open(info)
         self.engine, self.device = engine, group.device
 
     def send(self, named_tensors: NamedTensors, version: int) -> SyncStats:
