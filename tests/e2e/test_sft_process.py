@@ -12,6 +12,7 @@ import subprocess
 import textwrap
 import tomllib
 
+from verifiers_rl.rl.inference.launcher import _die_with_parent
 from verifiers_rl.scripts.rl_plan import build_plan
 from verifiers_rl.scripts.sft import sft_command
 from verifiers_rl.scripts.toml_config import validate
@@ -70,7 +71,7 @@ def test_the_warm_start_is_a_child_on_the_trainers_gpus(tmp_path, tiny_model_dir
 
     def popen(cmd, **kw):
         role = "sft" if "verifiers_rl.scripts.sft" in cmd else "server" if "inference.server" in str(cmd) else "trainer"
-        started.append((role, list(cmd), dict(kw.get("env") or {})))
+        started.append((role, list(cmd), {**(kw.get("env") or {}), "preexec_fn": kw.get("preexec_fn")}))
         if role == "sft":  # the real warm-start, on the CPU: this machine has no GPU 1
             return real_popen(cmd, **{**kw, "env": {**kw["env"], "CUDA_VISIBLE_DEVICES": ""}})
         return real_popen(["sleep", "30"] if role == "server" else ["true"], start_new_session=True)
@@ -82,6 +83,7 @@ def test_the_warm_start_is_a_child_on_the_trainers_gpus(tmp_path, tiny_model_dir
     assert [role for role, _, _ in started] == ["sft", "server", "trainer"]  # the warm-start first, then the run
     _, cmd, env = started[0]
     assert cmd == sft_command(str(sft_cfg)) and env["CUDA_VISIBLE_DEVICES"] == plan.visible(plan.gpus.trainer) == "1"
+    assert env["preexec_fn"] is _die_with_parent  # vf-rl killed outright takes it along
     final = tmp_path / "sft" / "final"
     assert plan.model == str(final) and (final / "model.safetensors").exists()
     # Trainer trains with use_cache=False; the warm-started model generates with the cache, as its base did

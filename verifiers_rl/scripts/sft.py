@@ -151,11 +151,15 @@ def run_sft_process(config_path: str, visible_devices: str) -> None:
     server's too, and the CUDA context and cached memory would stay for the whole run; a child's end frees them.
     Its output goes to the terminal as it comes; a failure is one line naming its exit code and command."""
     from verifiers_rl.errors import TrainingError
+    from verifiers_rl.rl.inference.launcher import _die_with_parent
 
     cmd = sft_command(config_path)
     line = f"CUDA_VISIBLE_DEVICES={visible_devices} {shlex.join(cmd)}"
     print(f"vf-rl: SFT warm-start: {line}", flush=True)
-    code = subprocess.run(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices}).returncode
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices}
+    # an exception here (Ctrl-C) kills it (subprocess.run); vf-rl killed outright takes it along (the kernel's
+    # parent-death signal, as for the server)
+    code = subprocess.run(cmd, env=env, preexec_fn=_die_with_parent).returncode
     if code != 0:
         raise TrainingError(f"the SFT warm-start failed (exit code {code}; its output is above): {line}")
 
