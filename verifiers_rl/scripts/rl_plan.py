@@ -171,7 +171,12 @@ def render(plan: Plan) -> str:
     out += ["", "# environment", environment_status(plan.cfg["env"]["id"])]
     if plan.sft:
         state = "done, reused" if plan.sft["done"] else "runs first"
-        out += ["", f"# SFT warm-start ({state})", f"vf-sft @ {plan.sft['config_path']}  ->  {plan.sft['final_dir']}"]
+        from verifiers_rl.scripts.sft import sft_command
+
+        cmd = (
+            f"CUDA_VISIBLE_DEVICES={plan.visible(plan.gpus.trainer)} {shlex.join(sft_command(plan.sft['config_path']))}"
+        )
+        out += ["", f"# SFT warm-start ({state}, a process of its own -> {plan.sft['final_dir']})", cmd]
     out += ["", "# sampling (every request states all of it)", describe_sampling(plan.args.sampling_args)]
     out += ["", "# serving plan", *plan.run.describe()]
     out += ["", f"# inference server (engine: {plan.engine})", plan.server_line()]
