@@ -225,3 +225,25 @@ def test_a_server_on_another_address_is_trained_over_connect(tiny_model_dir, tmp
     finally:
         server.terminate()
         server.wait(30)
+
+
+# ~TIME s each on 2 busy cores: FSDP2 in the fast suite, ZeRO-3 behind -m slow (CI time)
+@pytest.mark.reliability
+@pytest.mark.parametrize("layout", [pytest.param("zero3", marks=pytest.mark.slow), "fsdp2"])
+def test_a_server_killed_during_a_sharded_run_is_replaced_and_every_rank_resyncs_it(tiny_model_dir, tmp_path, layout):
+    """kill -9 of the server twice in a 2-process run (`--kill-server`): once before the sync to version 1 (the sync
+    fails; rank 1 gathers the retry into the new server with rank 0), once while step 3's batch generates (rank 0
+    replaces the server inside the step, and rank 1, waiting for the batch, joins the resync). The run finishes, the
+    last server itself reports version 3, and each batch after a restart was sampled with the trainer's weights."""
+    out = tmp_path / layout
+    r = _launch(tmp_path, tiny_model_dir, "lora", layout, out, "--kill-server")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    info = json.loads((out / "layout.json").read_text())
+    assert info["export"] == EXPORTS[layout] and info["world"] == 2
+    assert len(info["killed"]) == 2 and info["server_pid"] not in info["killed"] and info["restarts"] == 2, info
+    assert info["server_version"] == "3"  # the replacement's /weight_info: the last step's sync landed there
+    rows = _rows(out)
+    assert [row["step"] for row in rows] == [1, 2, 3] and rows[-1]["server_restarts"] == 2
+    for row in rows:  # lost rollouts generated again; a replaced server that missed weights would show in mismatch_kl
+        assert row["rollouts_errored"] == 0 and row["mismatch_kl"] < 1e-9 and row["policy_version"] == row["step"] - 1
+    assert r.stderr.count("was killed by signal 9; restarting it") == 2, r.stderr[-4000:]

@@ -1,14 +1,19 @@
 """Run by tests/e2e/test_sharded.py: a few RL steps of the tiny model, alone or under a launcher (DDP, DeepSpeed
 ZeRO-3, FSDP2), then the weights the server would load, as rank 0 sees them after a sync (the merged stream).
 
-    python sharded_train.py MODEL_DIR OUT_DIR {lora,full} [--resume] [--wrong-shard]
+    python sharded_train.py MODEL_DIR OUT_DIR {lora,full} [--resume] [--wrong-shard] [--kill-server]
 
 `--wrong-shard` breaks the sharded export on purpose: every gathered tensor's second half is a copy of its first,
 as if each rank had received rank 0's shard. The training model stays right; only what a sync sends is wrong.
+`--kill-server` kills the server (SIGKILL, from rank 0) twice: right after step 1's optimizer step, so the sync to
+version 1 fails, and right after step 2's sync, while the batch of step 3 generates; layout.json then records the
+version the last server itself reports (/weight_info), its pid and the restarts.
 """
 
 import contextlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -16,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl_envs import reverse_env  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 from verifiers_rl.rl.trainer import RLConfig, RLTrainer, weight_export  # noqa: E402
 
@@ -49,6 +55,26 @@ def start_wrong(start):
     return wrong
 
 
+class KillTheServer(TrainerCallback):
+    """Runs after the trainer's own hooks: at on_step_end the step's sync is done and the next batch submitted."""
+
+    def __init__(self):
+        self.killed = []
+
+    def _kill(self):
+        if trainer.is_world_process_zero():
+            self.killed.append(trainer.runtime.session.process.process.pid)
+            os.kill(self.killed[-1], signal.SIGKILL)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step == 0:  # step 1 trained, its sync not started: the sync meets a dead server
+            self._kill()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2:  # synced to version 2; step 3's batch generates against the server
+            self._kill()
+
+
 if "--wrong-shard" in sys.argv:
     for cls in (weight_export.ZeRO3Export, weight_export.FSDP2Export):
         cls.gathered = gathered_wrong(cls.gathered)
@@ -75,10 +101,17 @@ args = RLConfig(
     log_completions=False,
     sync_bucket_mb=1,  # several gather groups and buckets even for the tiny model
     server_mode="spawn",  # its own server, whatever listens on port 8000
+    keep_server="--kill-server" in sys.argv,  # until trainer.close(): its version is read after the run
 )
-trainer = RLTrainer(model=model_dir, env=reverse_env(), args=args)
+killer, served = KillTheServer(), {}
+callbacks = [killer] if "--kill-server" in sys.argv else []
+trainer = RLTrainer(model=model_dir, env=reverse_env(), args=args, callbacks=callbacks)
 try:
     trainer.train(resume_from_checkpoint=True if resume else None)
+    if "--kill-server" in sys.argv and trainer.is_world_process_zero():  # the server's answer, not our counter
+        served = {"server_version": trainer.runtime.client.weight_version(), "killed": killer.killed,
+                  "server_pid": trainer.runtime.session.process.process.pid,
+                  "restarts": trainer.runtime.recovery.total}  # fmt: skip
     # every rank iterates the export (a sharded one gathers); rank 0 keeps what a sync would send
     stream = trainer.weight_export().stream("merged", 1 << 20)
     weights = {name: t.detach().clone() for name, t in stream}
@@ -88,4 +121,5 @@ if trainer.is_world_process_zero():
     torch.save(weights, f"{out}/weights.pt")
     layout = type(trainer.weight_export()).__name__
     print("LAYOUT", layout, "WORLD", trainer.accelerator.num_processes)
-    (Path(out) / "layout.json").write_text(json.dumps({"export": layout, "world": trainer.accelerator.num_processes}))
+    info = {"export": layout, "world": trainer.accelerator.num_processes, **served}
+    (Path(out) / "layout.json").write_text(json.dumps(info))

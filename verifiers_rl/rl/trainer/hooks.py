@@ -50,9 +50,7 @@ class SyncWeights(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         try:
             sync_s = self.trainer.sync_weights(changed=self.trainer.trained_last_step)
-        except ServerLost as e:
-            if self.trainer.accelerator.num_processes > 1:
-                raise  # the other ranks would train on: the job ends here, and its launcher stops them
+        except ServerLost as e:  # on every rank: rank 0's sync failed, the others were told (rank_zero.py)
             # the step trained: it is logged and checkpointed as every step is, then the run stops with `e`;
             # batches waiting for this step's weights would never start: a resume generates them again
             self.trainer.server_lost = e

@@ -55,9 +55,7 @@ class ServerRecovery:
         """Start a server where the lost one was, sync the current weights into it, regenerate lost batches."""
         rt, args = self.runtime, self.runtime.args
         session = rt.session
-        export, version = rt.current()
-        if export.collective:  # every rank gathers what a sync sends: rank 0 cannot refill a new server alone
-            raise self._give_up(f"{cause} (a sharded layout is not restarted in place: it resumes)")
+        export, version = rt.current()  # a sharded export: the other ranks join its sync (rank_zero.py)
         limit = args.server_restarts  # a server we only connected to: how often it is awaited in a row
         if self.in_a_row >= limit:
             bound = f"server_restarts={args.server_restarts}"

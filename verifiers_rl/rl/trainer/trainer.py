@@ -14,7 +14,6 @@ import os
 import time
 
 import torch
-from accelerate.utils import broadcast_object_list
 from torch.utils.data import Dataset
 from transformers import Trainer
 from transformers.trainer_callback import ProgressCallback
@@ -41,6 +40,7 @@ from verifiers_rl.rl.trainer.hooks import StartInference, SubmitRollouts, SyncWe
 from verifiers_rl.rl.trainer.policy_step import run_microbatches
 from verifiers_rl.rl.trainer.preemption import PreemptionGuard, StepAbandoned, StopOnSignal
 from verifiers_rl.rl.trainer.prompts import filter_run_prompts
+from verifiers_rl.rl.trainer.rank_zero import RankZeroLeads
 from verifiers_rl.rl.trainer.reward_checks import check_dataset, check_reward_inputs, guard_rewards, training_dataset
 from verifiers_rl.rl.trainer.runtime import InferenceRuntime
 from verifiers_rl.rl.trainer.samples import PreparedBatch, prepare_batch
@@ -147,6 +147,8 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
             **kwargs,
         )
         args.save_only_model = only
+        self.rank_zero = RankZeroLeads(self.accelerator, self.weight_export, self.abandonable)
+        self.runtime.policy.gather_on_every_rank = self.rank_zero.gather
         if sized := size_zero3_buckets_on_cpu(self.accelerator, args.device):  # see sharding.ZERO3_SIZES
             logger.info("ZeRO-3 on CPU: %s not in the DeepSpeed config, sized by the model", ", ".join(sized))
         self.remove_callback(ProgressCallback)
@@ -275,21 +277,10 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
 
     def sync_weights(self, changed: bool = True) -> float:
         """Make the server serve policy version = global step (`PolicySync` decides whether weights move). Called
-        on every rank: rank 0 syncs; under a sharded layout the others iterate the same stream, which gathers
-        what rank 0 sends, when rank 0 says weights move."""
-        export, version = self.weight_export(), self.state.global_step
-        rank0 = self.is_world_process_zero()
-        if not export.collective:
-            return self.runtime.sync(export, version, changed) if rank0 else 0.0
-        policy = self.runtime.policy
-        decision = [(policy.needs_transfer(version, changed), policy.weights, policy.bucket_bytes) if rank0 else None]
-        broadcast_object_list(decision, from_process=0)
-        if rank0:
-            return self.runtime.sync(export, version, changed)
-        moves, kind, bucket_bytes = decision[0]
-        if moves:
-            export.stream(kind, bucket_bytes).drain()
-        return 0.0
+        on every rank: rank 0 syncs (replacing a server that died, server_recovery.py); under a sharded layout the
+        others iterate the same stream, which gathers what rank 0 sends, whenever rank 0 says (rank_zero.py)."""
+        version = self.state.global_step
+        return self.rank_zero.run(lambda: self.runtime.sync(self.weight_export(), version, changed))
 
     def weight_export(self) -> WeightExport:
         """The training model as the server and the loss read it, for its parallel layout (weight_export.py)."""
@@ -302,28 +293,8 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
     # ------------------------------------------------------------------ one step
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        args: RLConfig = self.args
         t0 = time.perf_counter()
-        payload = [None]
-        if self.is_world_process_zero():
-            with self.abandonable():
-                batch = self.runtime.next_batch(self.state.global_step)
-            prepared = prepare_batch(batch.rollouts, args, self.state.global_step, self.processing_class)
-            iteration = self.state.global_step % args.num_iterations  # > 0: a batch trained again (num_iterations)
-            prepared.metrics["timing/generation_s"] = 0.0 if iteration else batch.generation_seconds
-            prepared.metrics["batch_iteration"] = float(iteration)
-            prepared.metrics["policy_version"] = float(batch.policy_version)  # the weights the batch was sampled with
-            prepared.metrics.update(batch.filter_metrics or {})  # online_difficulty_filtering (difficulty_filter.py)
-            prepared.metrics["timing/wait_s"] = time.perf_counter() - t0
-            prepared.metrics["server_restarts"] = float(self.runtime.recovery.total)
-            step = self.state.global_step + 1  # as metrics.jsonl numbers it
-            report_failures(batch.rollouts, prepared, step, self._seen_failures, self.args, self.processing_class,
-                            self.env, self.runtime.max_model_len)  # fmt: skip
-            payload = [prepared]
-        if self.accelerator.num_processes > 1:
-            with self.abandonable():
-                broadcast_object_list(payload, from_process=0)
-        prepared: PreparedBatch = payload[0]
+        prepared: PreparedBatch = self.rank_zero.run(lambda: self._next_batch(t0), abandonable=True)
         self._stop_when_nothing_trains(prepared)
         self.trained_last_step = prepared.num_sequences > 0  # no sample: the weights do not move
         t_train = time.perf_counter()
@@ -342,6 +313,24 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         self.step_metrics = metrics
         # each rank holds a partial sum of a globally normalised loss; Trainer logs the mean over ranks
         return loss.detach() * self.accelerator.num_processes
+
+    def _next_batch(self, t0: float) -> PreparedBatch:
+        """Rank 0: this step's batch from the server, prepared for every rank (`rank_zero.run` hands it out)."""
+        args: RLConfig = self.args
+        with self.abandonable():
+            batch = self.runtime.next_batch(self.state.global_step)
+        prepared = prepare_batch(batch.rollouts, args, self.state.global_step, self.processing_class)
+        iteration = self.state.global_step % args.num_iterations  # > 0: a batch trained again (num_iterations)
+        prepared.metrics["timing/generation_s"] = 0.0 if iteration else batch.generation_seconds
+        prepared.metrics["batch_iteration"] = float(iteration)
+        prepared.metrics["policy_version"] = float(batch.policy_version)  # the weights the batch was sampled with
+        prepared.metrics.update(batch.filter_metrics or {})  # online_difficulty_filtering (difficulty_filter.py)
+        prepared.metrics["timing/wait_s"] = time.perf_counter() - t0
+        prepared.metrics["server_restarts"] = float(self.runtime.recovery.total)
+        step = self.state.global_step + 1  # as metrics.jsonl numbers it
+        report_failures(batch.rollouts, prepared, step, self._seen_failures, self.args, self.processing_class,
+                        self.env, self.runtime.max_model_len)  # fmt: skip
+        return prepared
 
     def _stop_when_nothing_trains(self, prepared: PreparedBatch) -> None:
         """Every rank: count steps without a trainable sample; stop with the cause after max_empty_steps of them in
@@ -400,16 +389,11 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Rollouts on the environment's eval split with the current policy. Only the main process talks to the
         server (the others would start or re-initialise one); every process gets the same metrics."""
-        payload = [None]
         model = self.accelerator.unwrap_model(self.model)
         if self.is_world_process_zero():
             self.runtime.ensure_server(model, self.processing_class, self.state.global_step)
         self.sync_weights()  # every rank: a sharded model's sync gathers on all of them
-        if self.is_world_process_zero():
-            payload = [self.runtime.evaluate(self.processing_class, metric_key_prefix)]
-        if self.accelerator.num_processes > 1:
-            broadcast_object_list(payload, from_process=0)
-        metrics = payload[0]
+        metrics = self.rank_zero.run(lambda: self.runtime.evaluate(self.processing_class, metric_key_prefix))
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
