@@ -9,7 +9,8 @@ from verifiers_rl.rl.trainer.rollouts import Rollout
 
 def rollout_metrics(rollouts: list[Rollout], prefix: str = "") -> dict[str, float]:
     """Reward mean/std over rollouts that finished with a finite reward, error and truncation counts, lengths,
-    turns, and the mean of every per-function reward (`rewards/<name>`). Keys get `prefix/` when given."""
+    turns, the mean of every per-function reward (`rewards/<name>`) and, with several environments, the reward and
+    rollouts of each (`reward/<env>`, `rollouts/<env>`). Keys get `prefix/` when given."""
     ok = [r for r in rollouts if r.error is None and math.isfinite(r.reward)]
     rewards = [r.reward for r in ok]
     mean = sum(rewards) / len(rewards) if rewards else float("nan")
@@ -30,4 +31,17 @@ def rollout_metrics(rollouts: list[Rollout], prefix: str = "") -> dict[str, floa
         vals = [r.metrics[key] for r in ok if key in r.metrics and math.isfinite(r.metrics[key])]
         if vals:
             out[f"rewards/{key}"] = sum(vals) / len(vals)
+    out.update(reward_by_env(rollouts))
     return {f"{prefix}/{k}" if prefix else k: v for k, v in out.items()}
+
+
+def reward_by_env(rollouts: list[Rollout]) -> dict[str, float]:
+    """`reward/<env>` (mean over its rollouts that finished; nan when none did) and `rollouts/<env>` for each
+    environment of a mixture present in `rollouts`."""
+    out = {}
+    for name in sorted({r.env for r in rollouts if r.env is not None}):
+        mine = [r for r in rollouts if r.env == name]
+        ok = [r.reward for r in mine if r.error is None and math.isfinite(r.reward)]
+        out[f"reward/{name}"] = sum(ok) / len(ok) if ok else float("nan")
+        out[f"rollouts/{name}"] = float(len(mine))
+    return out

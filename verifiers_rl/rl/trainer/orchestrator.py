@@ -30,6 +30,7 @@ import numpy as np
 from openai import AsyncOpenAI
 
 from verifiers_rl.rl.trainer.difficulty_filter import DifficultyFilter
+from verifiers_rl.rl.trainer.env_mix import MixedRows, env_name_of
 from verifiers_rl.rl.trainer.policy_version import PolicyVersion
 from verifiers_rl.rl.trainer.rollout_client import ROLLOUT_KEY, RolloutClient, rollout_seed  # noqa: F401 - public here
 from verifiers_rl.rl.trainer.rollout_process import (
@@ -129,6 +130,7 @@ class Orchestrator:
         self.scoring_timeout = scoring_timeout
         self.filter = difficulty_filter  # None: every group drawn is trained
         self.prompts_drawn = difficulty_filter.drawn if difficulty_filter else prompts_per_batch
+        self.mix = MixedRows.of(env, dataset)  # several environments: each batch mixed by their ratios
         self.process = process  # rollouts in a child process (rollout_process.py); None: on this loop
         self.stages = process.stages if process is not None else stages_of(env)
         quiet_lost_requests(env)
@@ -228,7 +230,10 @@ class Orchestrator:
     # ------------------------------------------------------------------ batches
 
     def inputs_for(self, index: int) -> tuple[list[dict], list[int]]:
-        rows = batch_rows(index, self.prompts_drawn, len(self.dataset), self.seed, self.shuffle)
+        if self.mix is not None:
+            rows = self.mix.batch(index, self.prompts_drawn, self.seed, self.shuffle)
+        else:
+            rows = batch_rows(index, self.prompts_drawn, len(self.dataset), self.seed, self.shuffle)
         return expand_groups([_row(self.dataset, i) for i in rows], self.group_size, str(index))
 
     def required_version(self, index: int) -> int:
@@ -253,7 +258,7 @@ class Orchestrator:
         inputs, groups = self.inputs_for(index)
         t0 = time.perf_counter()
         out = await self._run(inputs, self.sampling_args)
-        rollouts, kept = rollouts_from_outputs(out["outputs"], groups, version), None
+        rollouts, kept = _tagged(rollouts_from_outputs(out["outputs"], groups, version), inputs), None
         if self.filter is not None:
             rollouts, kept = self.filter.select(rollouts)
         return RolloutBatch(index, rollouts, version, time.perf_counter() - t0, kept)
@@ -380,7 +385,15 @@ class Orchestrator:
             raise
         except Exception as e:  # noqa: BLE001
             raise GenerationError(f"evaluation rollouts failed: {type_name(e)}: {e}{where(e)}") from e
-        return rollouts_from_outputs(out["outputs"], groups, version)
+        return _tagged(rollouts_from_outputs(out["outputs"], groups, version), inputs)
+
+
+def _tagged(rollouts: list[Rollout], inputs: list[dict]) -> list[Rollout]:
+    """Each rollout named by the environment its input routes to (an EnvGroup's rows; None otherwise), for the
+    per-environment metrics. Rollouts come in the order of their inputs."""
+    for rollout, row in zip(rollouts, inputs):
+        rollout.env = env_name_of(row)
+    return rollouts
 
 
 def _row(dataset, i: int) -> dict:

@@ -25,6 +25,8 @@ def _rubrics(rubric):
     yield rubric
     for inner in getattr(rubric, "rubrics", None) or []:
         yield from _rubrics(inner)
+    for env in (getattr(rubric, "env_map", None) or {}).values():  # an EnvGroup's: each environment's own rubric
+        yield from _rubrics(env.rubric)
 
 
 def _record(states, name: str, what: str) -> None:

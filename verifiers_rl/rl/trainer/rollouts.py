@@ -45,6 +45,7 @@ class Rollout:
     context_full: bool = False  # a later turn outgrew the server's context: the rollout ended there, truncated
     # prompt + completion as plain chat messages: where each turn's environment messages begin (samples.py)
     messages: list[dict] | None = None
+    env: str | None = None  # the environment of a mixture it came from (env_mix.py); None with one environment
 
 
 PROMPT_TOO_LONG = "the server rejected the prompt as longer than its context (max_model_len)"

@@ -13,6 +13,7 @@ from verifiers_rl.rl.inference.errors import ServerError, ServerLost
 from verifiers_rl.rl.inference.limits import room_for_prompt
 from verifiers_rl.rl.trainer.core_handoff import CoreHandoff
 from verifiers_rl.rl.trainer.difficulty_filter import DifficultyFilter
+from verifiers_rl.rl.trainer.env_mix import eval_rows
 from verifiers_rl.rl.trainer.metrics import rollout_metrics
 from verifiers_rl.rl.trainer.orchestrator import GenerationError, Orchestrator, RolloutBatch
 from verifiers_rl.rl.trainer.policy_sync import PolicySync
@@ -284,7 +285,7 @@ class InferenceRuntime:
         """Rollouts on the eval split with the policy the server serves (the caller started the server and synced
         it: see `RLTrainer.evaluate`, where every rank takes part in a sharded sync)."""
         args = self.args
-        rows = self.env.get_eval_dataset(n=args.num_eval_examples or -1)
+        rows = eval_rows(self.env, args.num_eval_examples or -1)  # a mixture: that many of each environment
         kwargs = template_kwargs(args.sampling_args)
         rows, _ = filter_prompts(rows, tokenizer, args.prompt_limit, self.env, chat_template_kwargs=kwargs)
         rows, _ = self.fitting_rows(rows, tokenizer)

@@ -36,6 +36,7 @@ from verifiers_rl.rl.trainer.checkpoints import (
 )
 from verifiers_rl.rl.trainer.config import RLConfig
 from verifiers_rl.rl.trainer.diagnose import EmptySteps, report_failures
+from verifiers_rl.rl.trainer.env_mix import as_environment
 from verifiers_rl.rl.trainer.hooks import StartInference, SubmitRollouts, SyncWeights
 from verifiers_rl.rl.trainer.policy_step import run_microbatches
 from verifiers_rl.rl.trainer.preemption import PreemptionGuard, StepAbandoned, StopOnSignal
@@ -109,6 +110,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
             processing_class = get_tokenizer(model_path)
         ensure_pad_token(processing_class, model)
         model = self._wrap_lora(master_weights(model, args.use_lora), args)
+        env = as_environment(env)  # a list / dict of environments or an EnvGroup: one mixture (env_mix.py)
         self.env = env
         self.model_path = model_path
         dataset = training_dataset(env)
