@@ -109,6 +109,9 @@ class RichProgressCallback(TrainerCallback):
                 f"reward {logs['reward']:.3f}  {logs.get('tokens_per_s', 0):.0f} tok/s  "
                 f"lag {logs.get('async_lag', 0):.0f}"
             )
+            per_env = [f"{k[len('reward/') :]} {v:.3f}" for k, v in sorted(logs.items()) if k.startswith("reward/")]
+            if per_env:  # several environments: each one's reward
+                info += f"  ({', '.join(per_env)})"
             self.progress.update(self.task, info=info)
             if self.trainer is not None and args.log_completions:
                 self._sample_panel(logs)

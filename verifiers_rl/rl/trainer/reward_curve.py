@@ -44,6 +44,9 @@ def draw(rows: list[dict], *, before: float | None = None, after: float | None =
         ax.plot(steps, rewards, color="#9bb7d4", lw=1, label="train reward (batch mean)")
         smooth = _smooth(list(rewards), max(1, len(rewards) // 10))
         ax.plot(steps, smooth, color="#1f5fa8", lw=2, label="train reward (smoothed)")
+    for name in sorted({k for r in rows for k in r if k.startswith("reward/")}):  # several environments: one line each
+        points = [(r["step"], r[name]) for r in rows if name in r]
+        ax.plot(*zip(*points), lw=1, ls=":", label=f"train {name}")
     if evals:
         es, ev = zip(*evals)
         ax.scatter(es, ev, color="#d1495b", zorder=3, label="eval reward")
