@@ -117,8 +117,10 @@ def resolve_model(cfg: dict[str, Any], config_path: str | Path | None = None, dr
 
 
 def load_env(cfg: dict[str, Any]):
-    from verifiers_rl.scripts.environments import load_environment
+    from verifiers_rl.scripts.environments import load_environment, load_environments
 
+    if isinstance(cfg["env"], list):  # [[env]] tables: one EnvGroup drawn by their ratios
+        return load_environments(cfg["env"])
     return load_environment(cfg["env"]["id"], cfg["env"].get("args", {}))
 
 

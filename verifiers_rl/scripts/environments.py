@@ -110,6 +110,34 @@ def load_environment(env_id: str, args: dict[str, Any] | None = None):
     return env
 
 
+def load_environments(entries: list[dict[str, Any]]):
+    """[[env]] tables -> one `vf.EnvGroup` with a sampling ratio per environment (env_mix.py); each environment is
+    loaded and checked as a single [env] is, and a failure names its entry (`env[1]: ...`). Names: the ids' last
+    part (`primeintellect/reverse-text` -> `reverse-text`), numbered when one id comes twice."""
+    from verifiers_rl.rl.trainer.env_mix import mix_environments
+
+    envs = []
+    for i, entry in enumerate(entries):
+        try:
+            envs.append(load_environment(entry["id"], entry.get("args", {})))
+        except ConfigError as e:
+            raise ConfigError(f"env[{i}]: {e}".replace("env.args.", f"env[{i}].args.")) from None
+    base = [e["id"].split("/")[-1] for e in entries]
+    names = [n if base.count(n) == 1 else f"{n}-{i}" for i, n in enumerate(base)]
+    return mix_environments(envs, ratios=[e.get("ratio", 1.0) for e in entries], names=names)
+
+
+def environments_status(env_cfg) -> list[str]:
+    """`--dry-run`'s environment lines: one per [[env]] table (with its ratio), or the single [env]'s."""
+    if not isinstance(env_cfg, list):
+        return [environment_status(env_cfg["id"])]
+    total = sum(e.get("ratio", 1.0) for e in env_cfg)
+    return [
+        f"env[{i}] {environment_status(e['id'])}, ratio {e.get('ratio', 1.0) / total:.0%}"
+        for i, e in enumerate(env_cfg)
+    ]
+
+
 def require_training_data(env_id: str, env, args: dict[str, Any]) -> None:
     """Every command trains on the environment's dataset: an environment built without one (verifiers' own
     `get_dataset()` then raises "dataset is not set") is named here with the [env.args] that emptied it."""

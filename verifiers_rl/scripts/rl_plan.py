@@ -165,10 +165,10 @@ def trainer_env(plan: Plan, token: str) -> dict[str, str]:
 def render(plan: Plan) -> str:
     """What `vf-rl --dry-run` prints: the plan that `vf-rl` launches, from the same object."""
     out = ["# resolved config", json.dumps(plan.cfg, indent=2, default=str)]
-    from verifiers_rl.scripts.environments import environment_status
+    from verifiers_rl.scripts.environments import environments_status
 
     out += ["", "# devices", plan.gpus.describe(plan.engine), "", "# model", plan.model]
-    out += ["", "# environment", environment_status(plan.cfg["env"]["id"])]
+    out += ["", "# environment", *environments_status(plan.cfg["env"])]
     if plan.sft:
         state = "done, reused" if plan.sft["done"] else "runs first"
         from verifiers_rl.scripts.sft import sft_command

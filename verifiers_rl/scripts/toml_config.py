@@ -1,7 +1,7 @@
 """The `vf-rl` / `vf-train` / `vf-sft` TOML schema: load, override from the command line, validate.
 
     model = "Qwen/Qwen3-0.6B"            # hub id, local path, or "tiny" (built offline from [tiny])
-    [env]       id = "reverse-text"      # + [env.args] for load_environment(**args)
+    [env]       id = "reverse-text"      # + [env.args] for load_environment(**args); [[env]] + ratio: several
     [inference] gpus = 1                 # + engine, host, port, [inference.args] (vLLM flags)
     [trainer]   gpus = 1                 # + [trainer.args] (RLConfig fields), accelerate_config (ZeRO-3, FSDP2)
     [sft]       config = "configs/vf-sft/x.toml"   # ours: warm-start first (skipped when already done)
@@ -23,7 +23,7 @@ from verifiers_rl.errors import ConfigError
 
 SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "": {"model": str, "output_dir": str, "run_name": str},
-    "env": {"id": str, "args": dict},
+    "env": {"id": str, "args": dict, "ratio": (int, float)},  # or [[env]] tables: several environments
     # host, port, startup_timeout, engine and args are RLConfig fields' TOML spelling (`fold_aliases`)
     "inference": {"gpus": int, "engine": str, "host": str, "port": int, "args": dict, "startup_timeout": (int, float)},
     "trainer": {"gpus": int, "args": dict, "accelerate_config": str, "run_name": str},
@@ -191,21 +191,6 @@ def foreign_format(cfg: dict[str, Any]) -> str | None:
             "(`uv run prime-rl @ FILE`); vf-rl takes model, [env], [inference], [trainer] "
             "(docs/coming-from-verifiers.md)"
         )
-    hosted = (
-        "sampling",
-        "buffer",
-        "val",
-        "wandb",
-        "max_steps",
-        "batch_size",
-        "rollouts_per_example",
-        "max_async_level",
-    )
-    if isinstance(cfg.get("env"), list) or any(k in cfg for k in hosted):
-        return (
-            "this is a Prime Hosted Training config ([[env]], [sampling], top-level max_steps, ...): run it with "
-            "`prime rl run FILE`; vf-rl takes model, [env], [inference], [trainer.args] (docs/coming-from-verifiers.md)"
-        )
     return None
 
 
@@ -213,7 +198,17 @@ def validate(cfg: dict[str, Any], command: str = "vf-rl") -> dict[str, Any]:
     other = foreign_format(cfg)
     if other:
         raise ConfigError(other)
+    from verifiers_rl.scripts.hosted_config import from_hosted, is_hosted
+
+    if command != "vf-sft" and is_hosted(cfg):  # verifiers' configs/rl/*.toml: run as written (hosted_config.py)
+        from_hosted(cfg)
+    if isinstance(cfg.get("env"), list):
+        _check_envs(cfg["env"], command)
+        if len(cfg["env"]) == 1:  # one [[env]] table is one environment, as [env] is
+            cfg["env"] = cfg["env"][0]
     for top, value in cfg.items():
+        if top == "env" and isinstance(value, list):
+            continue
         if isinstance(value, dict):
             if top not in SCHEMA:
                 allowed = ", ".join(f"[{s}]" for s in SCHEMA if s)
@@ -223,6 +218,8 @@ def validate(cfg: dict[str, Any], command: str = "vf-rl") -> dict[str, Any]:
             _check_key("", top, value)
     for section, key in REQUIRED[command]:
         node = cfg.get(section, {}) if section else cfg
+        if isinstance(node, list):  # [[env]]: each table was checked for its id
+            continue
         if key not in node:
             where = f"[{section}] {key}" if section else key
             raise ConfigError(f"missing required key {where} in the config")
@@ -237,6 +234,30 @@ def validate(cfg: dict[str, Any], command: str = "vf-rl") -> dict[str, Any]:
         fold_aliases(cfg)
         _check_trainer_args(cfg.get("trainer", {}).get("args", {}), spelled)
     return cfg
+
+
+def _check_envs(entries: list, command: str) -> None:
+    """[[env]] tables: each an id (+ args, ratio), named `env[i]` in errors; the ratios sum to something positive."""
+    from verifiers_rl.rl.trainer.env_mix import check_ratios
+
+    if command == "vf-sft":
+        raise ConfigError("vf-sft takes one [env] (its [env.args] build the dataset), not [[env]] tables")
+    if not entries:
+        raise ConfigError("env: an empty list; give one [[env]] table per environment, each with an id")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ConfigError(f"env[{i}]={entry!r}: each [[env]] is a table with an id")
+        for key, value in entry.items():
+            try:
+                _check_key("env", key, value)
+            except ConfigError as e:
+                raise ConfigError(str(e).replace(f"env.{key}", f"env[{i}].{key}")) from None
+        if "id" not in entry:
+            raise ConfigError(f"env[{i}]: missing required key id (the environment to load)")
+    try:
+        check_ratios([e.get("ratio", 1.0) for e in entries], [e["id"] for e in entries])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_section(section: str, value: dict) -> None:
