@@ -230,8 +230,6 @@ def test_a_config_runs_from_any_directory(tmp_path):
     [
         ("inference_gpu_ids = [0]\n[model]\nname = 'Qwen/Qwen3-0.6B'\n[orchestrator]\nbatch_size = 8\n",
          "this is a prime-rl config"),
-        ("model = 'Qwen/Qwen3-0.6B'\nmax_steps = 10\n[[env]]\nid = 'reverse-text'\n[sampling]\nmax_tokens = 64\n",
-         "this is a Prime Hosted Training config"),
     ],
 )  # fmt: skip
 def test_other_tools_configs_are_named(tmp_path, text, message):

@@ -26,6 +26,15 @@ run_name = "my-run"             # optional
 id = "reverse-text"             # vf.load_environment(id, **args)
 [env.args]                      # keyword arguments of the environment's load_environment
 
+# or several environments in one run: one [[env]] table each (instead of [env]); each batch mixes them by ratio
+# [[env]]
+# id = "reverse-text"
+# ratio = 2                     # optional, default 1: drawn twice as often as a ratio-1 environment
+# [env.args]                    # this environment's own arguments
+# num_train_examples = 500
+# [[env]]
+# id = "alphabet-sort"
+
 [inference]
 gpus = 1                        # CUDA devices for the server (assigned first)
 engine = "auto"                 # = server_engine: auto (vLLM with CUDA, else CPU engine) | cpu | vllm
@@ -69,6 +78,19 @@ of RLConfig fields (the "also in TOML as" column below), as upstream `vf-rl` wro
 `vf-rl`, `vf-train` and `RLConfig(...)` alike. Both spellings with different values stop with one line naming both
 keys; a command-line override wins over the file's other spelling. Upstream's `[trainer] run_name` is the
 top-level `run_name`.
+
+**Several environments.** `[[env]]` tables (`id`, `args`, `ratio`) train on one `vf.EnvGroup`: prompts are drawn by
+ratio (each batch holds each environment's share to within a prompt or two), each environment from its own seeded
+order; metrics add `reward/<name>` and `rollouts/<name>` per environment (name: the id's last part), and eval runs
+`[eval] num_examples` of each. Errors name the entry: `env[1].ratio=-1: ...`, `env[1]: environment 'x' is not
+installed ...`.
+
+**Hosted Training configs.** verifiers' `configs/rl/*.toml` (top-level `max_steps`, `batch_size`, ...; `[sampling]`,
+`[[env]]`, `[wandb]`, `[buffer]`, `[eval]`) run as written: top-level training keys and `[sampling]` go to
+`[trainer.args]` (`max_seq_len` = `max_tokens` + 2048 of prompt), `[wandb]` to `[trainer.args.wandb]`, `[buffer]
+online_difficulty_filtering`/`seed` to `[trainer.args]` and `env_ratios` to the `[[env]]` ratios, `[eval] interval`
+to `eval_strategy = "steps"`/`eval_steps` (`eval_base_model` is `[eval] before`). Keys with no local meaning are
+named in one line (`note: a Hosted Training config; these keys mean nothing to a local run ...`).
 
 """
 
