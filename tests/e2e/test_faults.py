@@ -400,7 +400,7 @@ def test_checkpoint_of_the_other_lora_mode_is_named(tmp_path, two_checkpoints, t
         ('max_steps = "2"\n', [], "trainer.args.max_steps='2': expected int"),
         ("", ["--trainer.args.max_steps", "abc"], "trainer.args.max_steps='abc': expected int"),
         ('learning_rate = "fast"\n', [], "trainer.args.learning_rate='fast': expected float"),
-        ("", ["--inference.port", "70000"], "inference.port=70000: expected a TCP port in 1..65535"),
+        ("", ["--inference.port", "70000"], "inference.port=70000: must be a TCP port in 1..65535"),
         ("vllm_server_port = 70000\n", [], "trainer.args.vllm_server_port=70000: must be a TCP port"),
     ],
 )

@@ -127,7 +127,7 @@ def run_command(argv: list[str] | None = None) -> int:
 
             print_nodes(cfg, path, overrides, nodes, gpus)
             return 0
-        plan = build_plan(cfg, path, overrides, probe_machine(gpus, memory), dry_run=dry)
+        plan = build_plan(cfg, path, overrides, lambda: probe_machine(gpus, memory), dry_run=dry)
         if dry:
             print(render(plan))
             return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,10 @@ def check_model(model: str, dry_run: bool) -> None:
         raise ConfigError(f"model = {model!r}: {e}") from None
 
 
-def build_plan(cfg: dict[str, Any], config_path: str, overrides: list[str], machine: Machine, dry_run: bool) -> Plan:
+def build_plan(cfg: dict[str, Any], config_path: str, overrides: list[str], machine: Machine | Callable[[], Machine],
+               dry_run: bool) -> Plan:  # fmt: skip
+    """`machine`, or a function that probes it: called once the model is known to exist (probing imports torch,
+    and a missing model is reported in well under a second)."""
     from verifiers_rl.rl.plan.memory import shape_of
     from verifiers_rl.scripts.sft import sft_plan
 
@@ -78,6 +82,7 @@ def build_plan(cfg: dict[str, Any], config_path: str, overrides: list[str], mach
         model = resolve_model(cfg, config_path, dry_run=dry_run)
         if not (dry_run and cfg["model"] == "tiny"):  # a dry run builds nothing; the tiny model is built offline
             check_model(model, dry_run)
+    machine = machine() if callable(machine) else machine
     # validates [trainer.args] now, before anything starts (precision checks need the real hardware)
     args = rl_config(cfg, cuda=machine.gpus > 0 and machine.real, quiet=not machine.real)
     layout = Layout(
