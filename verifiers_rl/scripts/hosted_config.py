@@ -45,13 +45,12 @@ def is_hosted(cfg: dict[str, Any]) -> bool:
     return any(k in cfg for k in (*TOP_LEVEL, *HOSTED_SECTIONS))
 
 
-def from_hosted(cfg: dict[str, Any]) -> list[str]:
-    """Rewrite a hosted config in place into ours; returns the keys that mean nothing here (also printed)."""
+def from_hosted(cfg: dict[str, Any], our_keys: set[str]) -> list[str]:
+    """Rewrite a hosted config in place into ours; returns the keys that mean nothing here (also printed).
+    `our_keys`: our own top-level keys and sections ([trainer], [inference], ...), which stay."""
     args: dict[str, Any] = {}
     ignored: list[str] = []
-    from verifiers_rl.scripts.toml_config import SCHEMA
-
-    ours = {*SCHEMA, *SCHEMA[""]} - set(TOP_LEVEL)  # our own keys and sections ([trainer], [inference], ...) stay
+    ours = our_keys - set(TOP_LEVEL)
     for key in [k for k in cfg if k not in ours and k not in HOSTED_SECTIONS]:
         value = cfg.pop(key)
         if key in TOP_LEVEL:

@@ -201,7 +201,7 @@ def validate(cfg: dict[str, Any], command: str = "vf-rl") -> dict[str, Any]:
     from verifiers_rl.scripts.hosted_config import from_hosted, is_hosted
 
     if command != "vf-sft" and is_hosted(cfg):  # verifiers' configs/rl/*.toml: run as written (hosted_config.py)
-        from_hosted(cfg)
+        from_hosted(cfg, {*SCHEMA, *SCHEMA[""]})
     if isinstance(cfg.get("env"), list):
         _check_envs(cfg["env"], command)
         if len(cfg["env"]) == 1:  # one [[env]] table is one environment, as [env] is
