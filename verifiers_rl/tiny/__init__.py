@@ -101,26 +101,29 @@ def build_config(tokenizer, spec: TinySpec, **overrides):
 def build_tiny_model(hidden: int = 64, layers: int = 2, seed: int = 0, head_dim: int = 32, **config_overrides):
     """Return (model, tokenizer): same arguments -> bit-identical weights, without touching global RNG.
     `config_overrides` go to `build_config` (benchmarks build larger shapes with random weights this way)."""
-    from transformers import GenerationConfig, Qwen3ForCausalLM
-
     spec = TinySpec(hidden=hidden, layers=layers, head_dim=head_dim, seed=seed)
     tokenizer = build_tokenizer()
     config = build_config(tokenizer, spec, **config_overrides)
+    return seeded_model(config, spec.seed, tokenizer.eos_token_id, tokenizer.pad_token_id), tokenizer
+
+
+def seeded_model(config, seed: int, eos, pad_token_id: int):
+    """A Qwen3 model initialised from `seed` (the caller's RNG untouched), generation stopping at `eos`."""
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
+        torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
-    )
-    model.eval()
-    return model, tokenizer
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad_token_id, bos_token_id=None)
+    return model.eval()
 
 
-def save_tiny_model(path: str | os.PathLike, **kwargs) -> Path:
-    """Write a tiny model + tokenizer that `from_pretrained(path)` loads like any hub checkpoint."""
+def save_tiny_model(path: str | os.PathLike, build=build_tiny_model, **kwargs) -> Path:
+    """Write a tiny model + tokenizer (`build(**kwargs)`'s) that `from_pretrained(path)` loads like any hub
+    checkpoint."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = build_tiny_model(**kwargs)
+    model, tokenizer = build(**kwargs)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

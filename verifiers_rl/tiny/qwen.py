@@ -15,9 +15,7 @@ import os
 from importlib import resources
 from pathlib import Path
 
-import torch
-
-from verifiers_rl.tiny import TinySpec, build_config
+from verifiers_rl.tiny import TinySpec, build_config, save_tiny_model, seeded_model
 
 # Qwen2's split pattern (transformers' tokenization_qwen2.PRETOKENIZE_REGEX): digits one at a time, unlike the
 # TikTokenConverter default
@@ -107,25 +105,14 @@ def build_qwen_tokenizer():
 def build_qwen_model(hidden: int = 64, layers: int = 2, seed: int = 0, head_dim: int = 32, **config_overrides):
     """(model, tokenizer) of a tiny Qwen3 with Qwen3's 151,936 embedding rows; same arguments, same weights.
     Both of Qwen3's end tokens stop generation (<|im_end|>, <|endoftext|>), as its generation_config.json says."""
-    from transformers import GenerationConfig, Qwen3ForCausalLM
 
     spec = TinySpec(hidden=hidden, layers=layers, head_dim=head_dim, seed=seed)
     tokenizer = build_qwen_tokenizer()
     eos = [tokenizer.eos_token_id, tokenizer.pad_token_id]
     config = build_config(tokenizer, spec, **{"vocab_size": MODEL_ROWS, "eos_token_id": eos, **config_overrides})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
-        model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    model.eval()
-    return model, tokenizer
+    return seeded_model(config, spec.seed, eos, tokenizer.pad_token_id), tokenizer
 
 
 def save_qwen_model(path: str | os.PathLike, **kwargs) -> Path:
     """Write the tiny Qwen model + tokenizer as a checkpoint folder `from_pretrained` loads."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = build_qwen_model(**kwargs)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_model(path, build_qwen_model, **kwargs)
