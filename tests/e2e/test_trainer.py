@@ -90,7 +90,7 @@ def test_single_turn_steps_log_sync_and_checkpoint(tiny_model_dir, tmp_path):
 def test_a_bf16_model_trains_with_bf16_mixed_precision(tiny_model_dir, tmp_path):
     """What every GPU config runs: weights loaded in bf16 (get_model's CUDA default) and bf16 = true. Accelerate then
     returns the forward's hidden states as float32 beside the bf16 head; this stopped every GPU run at step 1 (found
-    on an H200 by benchmarks/gpu_trainer_cpu_engine.py). Here the same dtypes on CPU: it trains, and the LoRA update
+    on an H200 by what is now benchmarks/gpu_check.py). Here the same dtypes on CPU: it trains, and the LoRA update
     syncs into the server."""
     from verifiers_rl.models import get_model, get_tokenizer
 

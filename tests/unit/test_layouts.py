@@ -213,21 +213,6 @@ def test_vf_rl_starts_vllm_with_a_zero_adapter_of_the_trainers_layout(tmp_path, 
     assert torch.equal(served(ids).logits, base(ids).logits)
 
 
-def test_gpu_smoke_script_dry_runs_on_cpu():
-    """benchmarks/gpu_smoke.py, the first thing to run on a machine with GPUs, checks its plans on any machine."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "gpu_smoke.py"), "--dry-run"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "gpu_smoke: every check passed" in r.stdout and r.stdout.count("[ok]") >= 20
-
-
 def test_a_run_follows_the_launchers_mixed_precision(monkeypatch):
     """`accelerate launch` with upstream's zero3.yaml (mixed_precision: bf16) exports ACCELERATE_MIXED_PRECISION;
     the run trains in it, so DeepSpeed's config check (bf16.enabled vs the trainer's bf16) passes instead of
@@ -357,21 +342,48 @@ def test_gpu_prefix_layouts_script_runs_on_cpu_and_its_h100_run_backs_the_cpu_on
         assert t["auto_layout"] == fastest and t["span"]["s"] > t["dense"]["s"]
 
 
-def test_gpu_trainer_script_runs_on_cpu_and_its_h200_run_passed(tmp_path):
-    """benchmarks/gpu_trainer_cpu_engine.py runs one variant here (the trainer with our CPU engine, gloo sync); its
-    committed H200 run (docs/gpu-status.md) trained every variant on CUDA, bf16 weights under bf16=True included."""
+def _gpu_check(tmp_path, *args, timeout=120):
     import subprocess
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    script = root / "benchmarks" / "gpu_trainer_cpu_engine.py"
-    r = subprocess.run([sys.executable, str(script), "--cpu", "--only", "a-lora-merged-fp32", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=280)  # fmt: skip
-    assert r.returncode == 0 and "every check passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    here = json.loads((tmp_path / "gpu_trainer_cpu_engine.json").read_text())
-    assert here["variants"]["a-lora-merged-fp32"]["server_weight_version"] == "4"
-    results = root / "benchmarks" / "results"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    cmd = [sys.executable, str(script), "--cpu", "--out", str(tmp_path), *args]
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    )
+    return r, json.loads((tmp_path / "gpu_check.json").read_text())
+
+
+def test_gpu_check_runs_on_cpu_and_ends_with_its_all_passed_line(tmp_path):
+    """benchmarks/gpu_check.py, what a lent GPU machine runs, runs every stage here with --cpu (small shapes)."""
+    r, out = _gpu_check(tmp_path)
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and lines[-2].startswith("gpu_check: every check passed"), (
+        r.stdout[-3000:] + r.stderr[-2000:]
+    )
+    for name in ("lora-bf16", "full-bf16"):
+        probes = out["stages"][name]["probes"]
+        assert [p["server_version"] for p in probes] == ["0", "1", "2", "3"]
+
+
+def test_gpu_check_sync_checks_fail_when_the_sync_is_skipped(tmp_path):
+    """--break-sync skips every sync after the first: the server's version and its logprobs checks fail, and the
+    stage, which then waits for a version that never comes, is killed at its deadline with nothing left behind."""
+    r, out = _gpu_check(tmp_path, "--break-sync", "--only", "lora-bf16", "--stage-timeout", "40")
+    assert r.returncode == 1 and "gpu_check: " in r.stdout and "check(s) failed" in r.stdout
+    failed = [c["what"] for c in out["stages"]["lora-bf16"]["checks"] if c["ok"] is False]
+    assert any(w.startswith("(a) server /weight_info") for w in failed), failed
+    assert any(w.startswith("(b) served logprobs of the fixed prompt moved") for w in failed), failed
+    assert not any(w.startswith("nothing it started outlives it") for w in failed), failed
+
+
+def test_the_committed_h200_runs_of_the_trainer_with_the_cpu_engine_passed():
+    """The H200 runs of the trainer on CUDA with our CPU engine (docs/gpu-status.md; the script then was
+    benchmarks/gpu_trainer_cpu_engine.py, now benchmarks/gpu_check.py): every variant passed, bf16 weights included."""
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
     first = json.loads((results / "gpu_trainer_cpu_engine_h200_before_fix.json").read_text())
     after = json.loads((results / "gpu_trainer_cpu_engine_h200.json").read_text())
     assert "H200" in first["info"]["gpu"] and "H200" in after["info"]["gpu"] and not after["failed"]

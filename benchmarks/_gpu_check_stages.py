@@ -1,0 +1,222 @@
+"""The stages of benchmarks/gpu_check.py. Each runs in a worker process of its own (a fresh CUDA context, killed
+with its process group at its deadline) and writes what it saw to a JSON file as it goes, so a stage killed at its
+deadline still leaves its record. The parent turns the records into check lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+# A fixed prompt (token ids, valid for every vocabulary here) whose next tokens the server samples with a fixed seed:
+# the server's logprobs of them are compared before and after each sync, and with the trainer's own.
+PROMPT = [1, 5, 9, 42, 7, 11, 3, 17]
+PROBE_TOKENS = 6
+
+# name: (RLConfig overrides). bf16 = true with the model given by path: the trainer loads it as on CUDA (LoRA: a
+# bf16 base and float32 adapters; full fine-tuning: float32 master weights, models.training_kwargs). The learning
+# rates are large on purpose: one step must move the served logprobs far beyond the bf16 rounding.
+TRAIN_STAGES = {
+    "lora-bf16": {"lora_sync": "merged", "bf16": True, "learning_rate": 5e-2},
+    "full-bf16": {"use_lora": False, "bf16": True, "learning_rate": 1e-2},
+}
+MEMORY_STAGES = {"memory-lora": True, "memory-full": False}  # name: use_lora
+
+
+class Record:
+    """The stage's findings, rewritten to `path` on every change."""
+
+    def __init__(self, path: str, **fields):
+        self.path, self.data = Path(path), dict(fields)
+        self.save()
+
+    def __setitem__(self, key, value):
+        self.data[key] = value
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, default=str))
+        os.replace(tmp, self.path)
+
+
+def error_line(e: BaseException) -> str:
+    last = (str(e).strip().splitlines() or [""])[-1]
+    return f"{type(e).__name__}: {last}"[:500]
+
+
+# ---------------------------------------------------------------------------------------------- training stages
+
+
+def server_probe(client) -> tuple[list[int], list[float]]:
+    """The server's sampled tokens after PROMPT and its logprob of each (seeded: the same draws every time)."""
+    body = {"prompt": PROMPT, "max_tokens": PROBE_TOKENS, "temperature": 1.0, "seed": 0, "logprobs": 0,
+            "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+    choice = client.post("/v1/completions", body, timeout=60)["choices"][0]
+    return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
+
+
+def trainer_logprobs(model, tokens: list[int], bf16: bool) -> list[float]:
+    """The trainer model's logprobs of `tokens` after PROMPT, computed as it trains (bf16 autocast under bf16)."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([PROMPT + tokens], device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=ids).logits.float()
+    finally:
+        model.train(was_training)
+    lp = torch.log_softmax(logits[0, len(PROMPT) - 1 : -1], dim=-1)
+    return lp.gather(1, ids[0, len(PROMPT) :, None]).squeeze(1).tolist()
+
+
+def break_sync() -> None:
+    """--break-sync: every sync after the first moves nothing and tells the server nothing (what a lost sync
+    looks like from the server), so the sync checks must fail."""
+    from verifiers_rl.rl.trainer.policy_sync import PolicySync
+
+    real = PolicySync.sync
+
+    def skipped(self, export, version, changed=True):
+        return real(self, export, version, changed) if version == 0 else 0.0
+
+    PolicySync.sync = skipped
+
+
+def train_stage(name: str, model_dir: str, work: str, steps: int, cpu: bool, broken: bool, rec: Record) -> None:
+    import verifiers as vf
+    from runs import tiny_rl_config
+    from transformers import TrainerCallback
+
+    from verifiers_rl.rl.trainer import RLTrainer
+
+    if broken:
+        break_sync()
+    args = tiny_rl_config(
+        Path(work), output_dir=os.path.join(work, name), max_steps=steps, max_tokens=8, max_seq_len=128,
+        max_prompt_len=None, use_cpu=cpu, report_to="none", server_engine="cpu", sync_backend="gloo",
+        max_async_level=0, disable_tqdm=True, **TRAIN_STAGES[name],
+    )  # fmt: skip
+    env = vf.load_environment(
+        "reverse-text", num_train_examples=32, num_eval_examples=4, system_prompt="Reverse the text."
+    )
+    trainer = RLTrainer(model=model_dir, env=env, args=args)
+    probes: list[dict] = []
+
+    class SyncProbe(TrainerCallback):
+        """Added last, so it runs after SyncWeights: at train begin and after each step's sync."""
+
+        def probe(self, step: int) -> None:
+            client = trainer.runtime.client
+            version = client.weight_version()  # GET /weight_info: the server's own version
+            tokens, served = server_probe(client)
+            mine = trainer_logprobs(trainer.accelerator.unwrap_model(trainer.model), tokens, args.bf16)
+            probes.append({"step": step, "server_version": version, "tokens": tokens, "server": served,
+                           "trainer": mine})  # fmt: skip
+            rec["probes"] = probes
+
+        def on_train_begin(self, a, state, control, **kw):
+            self.probe(0)
+
+        def on_step_end(self, a, state, control, **kw):
+            self.probe(state.global_step)
+
+    trainer.add_callback(SyncProbe())
+    try:
+        t0 = time.perf_counter()
+        trainer.train()
+        rec["train_s"] = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - a failed check; the probes so far are still judged
+        traceback.print_exc()
+        rec["error"] = error_line(e)
+    finally:
+        params = list(trainer.model.parameters())
+        rec["param_devices"] = sorted({p.device.type for p in params})
+        rec["frozen_dtypes"] = sorted({str(p.dtype)[6:] for p in params if not p.requires_grad})
+        rec["trainable_dtypes"] = sorted({str(p.dtype)[6:] for p in params if p.requires_grad})
+        trainer.close()
+        rec["closed"] = True
+
+
+# ---------------------------------------------------------------------------------------------- memory stages
+
+
+def memory_stage(use_lora: bool, cpu: bool, rec: Record, steps: int = 3) -> None:
+    """Peak allocated memory of the trainer's forward/backward/AdamW on the Qwen3-0.6B shape (random weights, built
+    offline; CPU: a small shape, the same code) against the planner's estimate for one DDP rank."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from verifiers_rl.models import training_kwargs
+    from verifiers_rl.rl.plan.memory import KNOWN, ModelShape, rank_parts
+    from verifiers_rl.rl.trainer.forward import token_logprobs
+    from verifiers_rl.rl.trainer.microbatches import MicroBatch
+    from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
+
+    _, hidden, inter, layers, heads, kv, head_dim, vocab, tied = KNOWN["qwen3-0.6b"]
+    seq_len, rows = 1024, 4
+    if cpu:
+        hidden, inter, layers, heads, kv, head_dim, vocab, seq_len, rows = 64, 128, 2, 4, 2, 16, 1024, 64, 2
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                      tie_word_embeddings=tied)  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    device = torch.device("cpu" if cpu else "cuda")
+    # what the trainer loads under bf16 = true: a bf16 base under LoRA, float32 master weights in full
+    dtype = training_kwargs(use_lora).get("dtype", torch.bfloat16)
+    torch.manual_seed(0)
+    if not cpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(dtype)
+    if use_lora:
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    head = ReplicatedExport(model)
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (rows, seq_len), device=device)
+        mask = torch.zeros(rows, seq_len - 1, dtype=torch.bool, device=device)
+        mask[:, seq_len // 4 :] = True  # the completion part of each row is trained
+        mb = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids), target_ids=ids[:, 1:], loss_mask=mask,
+                        sampler_logprobs=torch.zeros(mask.shape, device=device),
+                        advantages=torch.ones(rows, device=device), num_real_tokens=ids.numel(),
+                        num_padded_tokens=0, num_loss_tokens=int(mask.sum()), num_sequences=rows)  # fmt: skip
+        with torch.autocast(device.type, torch.bfloat16):
+            logprobs, _ = token_logprobs(model, head, mb, 1.0)
+            loss = -(logprobs * mask).sum() / mask.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    est = rank_parts(ModelShape.from_config(cfg), layout="ddp", ranks=1, use_lora=use_lora, lora_rank=16,
+                     micro_batch_tokens=rows * seq_len, max_seq_len=seq_len, activation_checkpointing=False,
+                     param_bytes=2)  # fmt: skip
+    rec["shape"] = {"hidden": hidden, "layers": layers, "vocab": vocab, "tokens": rows * seq_len}
+    rec["master_dtypes"] = sorted({str(p.dtype)[6:] for p in model.parameters() if p.requires_grad})
+    rec["planner_allocated_bytes"] = est["total"] - est["cuda_context"]  # max_memory_allocated omits the context
+    rec["planner_parts"] = est
+    if not cpu:
+        torch.cuda.synchronize()
+        rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    rec["done"] = True
+
+
+def run(stage: str, result: str, model_dir: str, work: str, steps: int, cpu: bool, broken: bool) -> None:
+    rec = Record(result, stage=stage, pid=os.getpid())
+    t0 = time.perf_counter()
+    try:
+        if stage in TRAIN_STAGES:
+            train_stage(stage, model_dir, work, steps, cpu, broken, rec)
+        else:
+            memory_stage(MEMORY_STAGES[stage], cpu, rec)
+    except BaseException as e:  # noqa: BLE001 - the parent prints it as a failed check
+        traceback.print_exc()
+        rec["error"] = error_line(e)
+    rec["worker_s"] = time.perf_counter() - t0

@@ -1,0 +1,304 @@
+"""The GPU check: the trainer on one CUDA GPU against our CPU inference engine, with checks that fail when a weight
+sync did not land, and the memory planner against the GPU's own count. Needs one GPU, no network, no vLLM; under
+10 minutes. `--cpu` runs the same stages on the CPU with small shapes (CI does, to prove the script runs).
+
+    python benchmarks/gpu_check.py [--out DIR] [--steps 3] [--budget 540] [--only STAGE]   # one CUDA GPU
+    python benchmarks/gpu_check.py --cpu                                                   # any machine
+    python benchmarks/gpu_check.py --cpu --break-sync --only lora-bf16                     # the sync checks fail
+
+Stages, each in a worker process of its own session (process group), killed with every process it started at
+min(--stage-timeout, what is left of --budget):
+
+    lora-bf16    RLTrainer.train() (server_mode="spawn", server_engine="cpu", gloo sync, max_async_level=0) on the
+                 tiny offline model and the repo's reverse-text environment: LoRA, merged sync, bf16 = true
+    full-bf16    the same, full fine-tuning: float32 master weights (models.training_kwargs), bf16 compute
+    memory-lora  forward/backward/AdamW of the Qwen3-0.6B shape (memory.KNOWN["qwen3-0.6b"], random weights) at
+    memory-full  4 x 1024 tokens: torch.cuda.max_memory_allocated vs plan.memory.rank_parts (less the CUDA context)
+
+Checks, one `[ok]` / `[FAIL]` / `[skip]` line each. Training stages: train() returned; the parameters are on cuda
+and train in float32 (not with --cpu); (a) after every step the server's own `/weight_info` version equals the
+step; (b) the server's seeded logprobs of a fixed prompt moved over the run (a large learning rate) and
+agree with the trainer's own logprobs of the same tokens after every sync; nothing the stage started outlives it.
+Memory stages: the estimate is within +-15 % of the measured peak (on CUDA only). `--break-sync` makes every sync
+after the first a no-op (no bytes, no version), so (a) and (b) must fail. Writes gpu_check.json (device, versions,
+per stage: record and checks) to --out after every stage; exits 1 when a check failed.
+
+Installing on a machine with CUDA torch, transformers, peft and accelerate but no network: build the wheels here
+and carry them (benchmarks/README.md has the commands; `--wheel-list` names the packages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV_DIR = ROOT / "environments" / "reverse_text"  # the reverse-text environment, importable without installing it
+# appended, not prepended: nothing in the repo may shadow an installed package (tests/ is here for procs.py)
+for _p in (str(ROOT), str(ENV_DIR), str(ROOT / "tests"), str(ROOT / "benchmarks")):
+    if _p not in sys.path:
+        sys.path.append(_p)
+for _k, _v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
+               ("WANDB_MODE", "disabled"), ("TOKENIZERS_PARALLELISM", "false")):  # fmt: skip
+    os.environ.setdefault(_k, _v)
+_pp = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+os.environ["PYTHONPATH"] = os.pathsep.join(_pp + [p for p in (str(ROOT), str(ENV_DIR)) if p not in _pp])
+
+import _gpu_check_stages as stages  # noqa: E402
+
+RESULT = "gpu_check.json"
+MEMORY_TOLERANCE = 0.15
+MOVED = 0.05  # a served logprob that moved less than this after the large step did not move
+AGREE = {"cpu": 1e-2, "cuda": 3e-2}  # bf16 compute on both sides: max |server - trainer| per token
+ALL_PASSED = "gpu_check: every check passed"
+ON_MACHINE = ("torch", "transformers", "peft", "accelerate")  # what a lent GPU machine has
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def sync_checks(probes: list[dict], steps: int, tol: float) -> list[tuple[str, bool]]:
+    """(a) the server's own version after every step; (b) its logprobs moved, and equal the trainer's."""
+    versions = [(p["step"], p["server_version"]) for p in probes]
+    a_ok = len(probes) == steps + 1 and all(str(s) == v for s, v in versions)
+    out = [(f"(a) server /weight_info version after each step (step, version): {versions}", a_ok)]
+    if len(probes) < 2:
+        return out + [("(b) served logprobs: no step finished", False)]
+    before, after = probes[0], probes[-1]  # a step whose rollouts all score alike trains nothing: the last
+    same = [i for i, (x, y) in enumerate(zip(before["tokens"], after["tokens"])) if x == y]
+    prefix = len(same) if same == list(range(len(same))) else 0  # positions sampled after the same tokens
+    moved_by = max((abs(after["server"][i] - before["server"][i]) for i in range(prefix)), default=0.0)
+    moved = prefix < len(after["tokens"]) or moved_by > MOVED  # a different seeded token: the distribution moved
+    out.append((f"(b) served logprobs of the fixed prompt moved over the run: max |change| {moved_by:.3f} over "
+                f"{prefix} equal tokens (> {MOVED}) or the sampled tokens changed", moved))  # fmt: skip
+    gaps = [max(abs(s - t) for s, t in zip(p["server"], p["trainer"])) for p in probes]
+    out.append((f"(b) served logprobs equal the trainer's after each sync: max |server - trainer| per step "
+                f"{[round(g, 4) for g in gaps]} (< {tol})", all(g < tol for g in gaps)))  # fmt: skip
+    return out
+
+
+def train_checks(rec: dict, steps: int, cuda: bool) -> list[tuple[str, bool]]:
+    out = [(f"train() returned after {rec['train_s']:.1f}s", True) if "train_s" in rec
+           else (f"train() did not return: {rec.get('error', 'no record')}", False)]  # fmt: skip
+    if cuda and "param_devices" in rec:
+        out.append((f"parameters on {rec['param_devices']}; trainable {rec['trainable_dtypes']}, frozen "
+                    f"{rec['frozen_dtypes']}", rec["param_devices"] == ["cuda"]
+                    and rec["trainable_dtypes"] == ["float32"]))  # fmt: skip
+    return out + sync_checks(rec.get("probes", []), steps, AGREE["cuda" if cuda else "cpu"])
+
+
+def memory_checks(rec: dict, cuda: bool) -> list[tuple[str, bool | None]]:
+    if not rec.get("done"):
+        return [(f"the step did not finish: {rec.get('error', 'no record')}", False)]
+    est = rec["planner_allocated_bytes"] / 2**20
+    what = f"shape {rec['shape']}, master {rec['master_dtypes']}: planner {est:.0f} MiB"
+    if not cuda:
+        return [(what + "; max_memory_allocated needs CUDA", None)]
+    peak = rec["peak_allocated_bytes"] / 2**20
+    ratio = est / peak
+    return [(what + f", measured peak {peak:.0f} MiB: {ratio:.2f}x (within +-{MEMORY_TOLERANCE:.0%})",
+             abs(ratio - 1) <= MEMORY_TOLERANCE)]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+def descendants(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def left_behind(pid: int, known: list[int]) -> list[str]:
+    """Live processes the worker started: the launcher-marked ones (tests/procs.py) and its descendants seen."""
+    import psutil
+    from procs import survivors
+
+    out = survivors(pid)
+    for p in known:
+        try:
+            proc = psutil.Process(p)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p} {' '.join(proc.cmdline())[:160]}")
+        except psutil.Error:
+            continue
+    return out
+
+
+def kill_all(pid: int, known: list[int]) -> None:
+    """The worker's process group, the servers the launcher marked with its pid, every descendant seen."""
+    from runs import server_pids
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    for p in {*server_pids(pid), *known}:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def run_stage(cmd: list[str], log: Path, timeout: float) -> tuple[int | None, list[str], float]:
+    """Run one worker; kill everything it started at `timeout`. Returns (exit code or None if killed, what was
+    left running afterwards, seconds)."""
+    t0 = time.monotonic()
+    seen: set[int] = set()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        code = None
+        while code is None and time.monotonic() - t0 < timeout:
+            seen.update(descendants(proc.pid))
+            try:
+                code = proc.wait(0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        if code is None:
+            kill_all(proc.pid, sorted(seen))
+            proc.wait()
+    deadline = time.monotonic() + 15  # a stopped server takes a moment to exit
+    while (left := left_behind(proc.pid, sorted(seen))) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    if left:
+        kill_all(proc.pid, sorted(seen))
+    return code, left, time.monotonic() - t0
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def wheel_list() -> tuple[list[str], list[str]]:
+    """This project's dependency closure less what a lent GPU machine has (ON_MACHINE's closure), split into
+    pure-Python distributions (carry them as wheels) and those with compiled files (the machine must have them)."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    def closure(names) -> set[str]:
+        seen, todo = set(), list(names)
+        while todo:
+            name = todo.pop().lower().replace("_", "-")
+            if name in seen:
+                continue
+            seen.add(name)
+            try:
+                reqs = md.requires(name) or []
+            except md.PackageNotFoundError:
+                continue
+            for line in reqs:
+                r = Requirement(line)
+                if r.marker is None or r.marker.evaluate({"extra": ""}):
+                    todo.append(r.name)
+        return seen
+
+    pure, compiled = [], []
+    for name in sorted(closure(["verifiers-rl"]) - closure(ON_MACHINE)):
+        try:
+            files = md.distribution(name).files or []
+        except md.PackageNotFoundError:
+            continue
+        (compiled if any(str(f).endswith((".so", ".pyd")) for f in files) else pure).append(name)
+    return pure, compiled
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cpu", action="store_true", help="run every stage on the CPU with small shapes")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for everything")
+    ap.add_argument("--stage-timeout", type=float, default=180.0, help="seconds one stage may take at most")
+    ap.add_argument("--only", choices=[*stages.TRAIN_STAGES, *stages.MEMORY_STAGES], action="append")
+    ap.add_argument("--break-sync", action="store_true", help="debug: skip every sync after the first")
+    ap.add_argument("--wheel-list", action="store_true", help="print the packages to carry as wheels, and exit")
+    ap.add_argument("--stage", help=argparse.SUPPRESS)  # worker mode
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.stage:
+        stages.run(a.stage, a.result, a.model_dir, a.work, a.steps, a.cpu, a.break_sync)
+        return 0
+    if a.wheel_list:
+        pure, compiled = wheel_list()
+        print(" ".join(pure))
+        print(f"compiled (the machine must have them): {' '.join(compiled)}", file=sys.stderr)
+        return 0
+    start = time.monotonic()
+    import torch
+
+    cuda = torch.cuda.is_available() and not a.cpu
+    if not cuda and not a.cpu:
+        print("gpu_check: no CUDA device visible; --cpu runs the same stages on the CPU", flush=True)
+        return 2
+    info = {"device": "cuda" if cuda else "cpu", "gpu": torch.cuda.get_device_name(0) if cuda else None,
+            "torch": torch.__version__, "python": sys.version.split()[0], "steps": a.steps,
+            "break_sync": a.break_sync, "budget_s": a.budget}  # fmt: skip
+    print(json.dumps(info), flush=True)
+    results: dict = {"info": info, "stages": {}}
+    os.makedirs(a.out, exist_ok=True)
+    path = Path(a.out) / RESULT
+    failed = skipped = 0
+    names = a.only or [*stages.TRAIN_STAGES, *stages.MEMORY_STAGES]
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
+        from verifiers_rl.tiny import save_tiny_model
+
+        model_dir = str(save_tiny_model(Path(work) / "tiny"))
+        for name in names:
+            timeout = min(a.stage_timeout, a.budget - (time.monotonic() - start) - 5)
+            result, log = Path(work) / f"{name}.json", Path(work) / f"{name}.log"
+            checks: list[tuple[str, bool | None]] = []
+            if timeout < 10:
+                checks = [(f"not run: the {a.budget:.0f}s budget is spent", False)]
+                rec: dict = {}
+            else:
+                cmd = [sys.executable, os.path.abspath(__file__), "--stage", name, "--model-dir", model_dir,
+                       "--work", work, "--result", str(result), "--steps", str(a.steps),
+                       *(["--cpu"] * a.cpu), *(["--break-sync"] * a.break_sync)]  # fmt: skip
+                code, left, wall = run_stage(cmd, log, timeout)
+                rec = json.loads(result.read_text()) if result.exists() else {}
+                if code is None:
+                    checks.append((f"killed at its {timeout:.0f}s deadline", False))
+                if name in stages.TRAIN_STAGES:
+                    checks += train_checks(rec, a.steps, cuda)
+                else:
+                    checks += memory_checks(rec, cuda)
+                tail = "; ".join(left)
+                checks.append((f"nothing it started outlives it{': ' + tail if tail else ''}", not left))
+                rec["wall_s"] = wall
+            rec["checks"] = [{"what": w, "ok": ok} for w, ok in checks]
+            bad = [w for w, ok in checks if ok is False]
+            if bad and log.exists():
+                rec["log_tail"] = log.read_text(errors="replace").splitlines()[-30:]
+            for w, ok in checks:
+                print(f"[{'skip' if ok is None else 'ok' if ok else 'FAIL'}] {name}: {w}", flush=True)
+            for line in rec.get("log_tail", []):
+                print(f"  | {line}", flush=True)
+            failed += len(bad)
+            skipped += sum(ok is None for _, ok in checks)
+            results["stages"][name] = rec
+            results.update(failed=failed, skipped=skipped, wall_s=time.monotonic() - start)
+            path.write_text(json.dumps(results, indent=1, default=str))
+    note = f" ({skipped} skipped: they need CUDA)" if skipped else ""
+    print(f"gpu_check: {failed} check(s) failed" if failed else ALL_PASSED + note, flush=True)
+    print(f"results -> {path} ({time.monotonic() - start:.0f}s)", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
