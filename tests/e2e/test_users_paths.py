@@ -222,7 +222,8 @@ def test_a_config_runs_from_any_directory(tmp_path):
     elsewhere.mkdir()
     r, pid = run_command("vf-rl", "@", demo, "--dry-run", cwd=elsewhere)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "vf-sft @ " + str(ROOT / "configs" / "vf-rl" / ".." / "vf-sft" / "tiny-reverse-text.toml") in r.stdout
+    sft = ROOT / "configs" / "vf-sft" / "tiny-reverse-text.toml"  # named relative to the config, not the cwd
+    assert f"-m verifiers_rl.scripts.sft @ {sft.resolve()}" in r.stdout
 
 
 @pytest.mark.parametrize(

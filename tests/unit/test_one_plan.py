@@ -175,6 +175,7 @@ def test_the_tutorials_wandb_table(monkeypatch, tmp_path):
                                                                        "g")  # fmt: skip
     finally:
         wandb.finish()
+        wandb.teardown()  # wandb's process-wide settings (its dir) would otherwise outlive this test
     with pytest.raises(ValueError, match="wandb=.*unknown key.*projcet"):
         RLConfig(output_dir=str(tmp_path / "o"), use_cpu=True, wandb={"projcet": "x"})
 
