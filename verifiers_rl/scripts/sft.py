@@ -165,8 +165,6 @@ def run_sft_process(config_path: str, visible_devices: str) -> None:
 
 
 def run_sft(cfg: dict[str, Any], config_path: str) -> str:
-    from trl import SFTTrainer
-
     from verifiers_rl.models import get_model_and_tokenizer
 
     args, lora = sft_args(cfg, config_path)
@@ -179,8 +177,10 @@ def run_sft(cfg: dict[str, Any], config_path: str) -> str:
             lora["lora_rank"], lora["lora_alpha"], lora["lora_dropout"], lora["lora_target_modules"]
         )
     print(f"vf-sft: {len(dataset)} examples -> {args.output_dir}", flush=True)
+    from verifiers_rl.scripts.sft_loss import ChunkedSFTTrainer  # TRL's, with the loss taken chunk by chunk
+
     with quiet_peft_wrap():  # TRL wraps the model with peft itself
-        trainer = SFTTrainer(
+        trainer = ChunkedSFTTrainer(
             model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
         )
     trainer.train()
