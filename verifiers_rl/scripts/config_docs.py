@@ -110,11 +110,13 @@ def _default(f) -> str:
 
 def render() -> str:
     from verifiers_rl.rl.trainer.config import RLConfig
-    from verifiers_rl.scripts.toml_config import SCHEMA
+    from verifiers_rl.scripts.toml_config import SCHEMA, aliases
 
     inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
     lines = [HEADER, "## TOML keys by section\n", "| section | keys |", "|---|---|"]
-    for section, keys in SCHEMA.items():
+    spelled = [alias.split(".") for alias in aliases()]
+    for section, own in SCHEMA.items():
+        keys = [*own, *(key for where, key in spelled if where == section and key not in own)]
         lines.append(f"| `{section or 'top level'}` | {', '.join(f'`{k}`' for k in keys)} |")
     lines += [
         "",

@@ -24,8 +24,9 @@ from verifiers_rl.errors import ConfigError
 SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "": {"model": str, "output_dir": str, "run_name": str},
     "env": {"id": str, "args": dict, "ratio": (int, float)},  # or [[env]] tables: several environments
-    # host, port, startup_timeout, engine and args are RLConfig fields' TOML spelling (`fold_aliases`)
-    "inference": {"gpus": int, "engine": str, "host": str, "port": int, "args": dict, "startup_timeout": (int, float)},
+    # host, port, startup_timeout and engine are RLConfig fields' TOML spelling (`aliases`), checked as those fields
+    # once folded; args is a table here and a list of flags there
+    "inference": {"gpus": int, "args": dict},
     "trainer": {"gpus": int, "args": dict, "accelerate_config": str, "run_name": str},
     "sft": {"config": str},
     "tiny": {"hidden": int, "layers": int, "seed": int, "head_dim": int},
@@ -267,7 +268,10 @@ def _check_section(section: str, value: dict) -> None:
 
 def _check_key(section: str, key: str, value: Any) -> None:
     allowed = SCHEMA[section]
+    if key not in allowed and _key(section, key) in aliases():
+        return  # an RLConfig field's other spelling: its type and rules are the field's (`_check_trainer_args`)
     if key not in allowed:
+        allowed = {*allowed, *(a.split(".")[1] for a in aliases() if a.split(".")[0] == (section or None))}
         names = ", ".join(sorted(allowed))
         raise ConfigError(
             f"unknown key {_key(section, key)!r}{_suggest(key, allowed)}; "
