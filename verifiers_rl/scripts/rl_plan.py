@@ -176,11 +176,9 @@ def render(plan: Plan) -> str:
     out += ["", "# environment", *environments_status(plan.cfg["env"])]
     if plan.sft:
         state = "done, reused" if plan.sft["done"] else "runs first"
-        from verifiers_rl.scripts.sft import sft_command
+        from verifiers_rl.scripts.sft import sft_line
 
-        cmd = (
-            f"CUDA_VISIBLE_DEVICES={plan.visible(plan.gpus.trainer)} {shlex.join(sft_command(plan.sft['config_path']))}"
-        )
+        cmd = sft_line(plan.sft["config_path"], plan.visible(plan.gpus.trainer))
         out += ["", f"# SFT warm-start ({state}, a process of its own -> {plan.sft['final_dir']})", cmd]
     out += ["", "# sampling (every request states all of it)", describe_sampling(plan.args.sampling_args)]
     out += ["", "# serving plan", *plan.run.describe()]

@@ -145,6 +145,11 @@ def sft_command(config_path: str) -> list[str]:
     return [sys.executable, "-m", "verifiers_rl.scripts.sft", "@", str(Path(config_path).resolve())]
 
 
+def sft_line(config_path: str, visible_devices: str) -> str:
+    """The warm-start's command line as `vf-rl --dry-run` prints it and `run_sft_process` runs it."""
+    return f"CUDA_VISIBLE_DEVICES={visible_devices} {shlex.join(sft_command(config_path))}"
+
+
 def run_sft_process(config_path: str, visible_devices: str) -> None:
     """`vf-rl`'s SFT warm-start, in a process of its own that sees only `visible_devices` (the trainer's GPUs; ""
     on a CPU). In vf-rl's own process, Trainer would wrap the model in DataParallel over every visible GPU, the
@@ -153,8 +158,7 @@ def run_sft_process(config_path: str, visible_devices: str) -> None:
     from verifiers_rl.errors import TrainingError
     from verifiers_rl.rl.inference.launcher import _die_with_parent
 
-    cmd = sft_command(config_path)
-    line = f"CUDA_VISIBLE_DEVICES={visible_devices} {shlex.join(cmd)}"
+    cmd, line = sft_command(config_path), sft_line(config_path, visible_devices)
     print(f"vf-rl: SFT warm-start: {line}", flush=True)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices}
     # an exception here (Ctrl-C) kills it (subprocess.run); vf-rl killed outright takes it along (the kernel's
