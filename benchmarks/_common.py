@@ -85,13 +85,13 @@ def cpu_server(model: str, work: str, **serve_kwargs):
     """An `InferenceServer` (the trainer's launcher: free port, a health wait that fails fast with the log's tail,
     the process group stopped on exit) whose process runs `cpu.app.serve(model, **serve_kwargs)`: for benchmarks
     that compare server options the command line does not offer (the chat route, uvicorn's parser, model loading)."""
-    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.serving.launcher import InferenceServer
 
     class Variant(InferenceServer):
         def command(self) -> list[str]:
             options = "".join(f", {k}={v!r}" for k, v in serve_kwargs.items())
             code = (
-                "from verifiers_rl.rl.inference.cpu.app import serve; "
+                "from verifiers_rl.inference.cpu.app import serve; "
                 f"serve({model!r}, port={self.port}, log_level='warning', access_log=False{options})"
             )
             return [self.python, "-c", code]

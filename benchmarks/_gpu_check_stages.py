@@ -78,7 +78,7 @@ def trainer_logprobs(model, tokens: list[int], bf16: bool) -> list[float]:
 def break_sync() -> None:
     """--break-sync: every sync after the first moves nothing and tells the server nothing (what a lost sync
     looks like from the server), so the sync checks must fail."""
-    from verifiers_rl.rl.trainer.policy_sync import PolicySync
+    from verifiers_rl.sync.policy_sync import PolicySync
 
     real = PolicySync.sync
 
@@ -93,7 +93,7 @@ def train_stage(name: str, model_dir: str, work: str, steps: int, cpu: bool, bro
     from runs import tiny_rl_config
     from transformers import TrainerCallback
 
-    from verifiers_rl.rl.trainer import RLTrainer
+    from verifiers_rl.trainer import RLTrainer
 
     if broken:
         break_sync()
@@ -153,11 +153,11 @@ def memory_stage(use_lora: bool, cpu: bool, rec: Record, steps: int = 3) -> None
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from verifiers_rl.batch.microbatches import MicroBatch
+    from verifiers_rl.loss.forward import token_logprobs
     from verifiers_rl.models import training_kwargs
-    from verifiers_rl.rl.plan.memory import KNOWN, ModelShape, rank_parts
-    from verifiers_rl.rl.trainer.forward import token_logprobs
-    from verifiers_rl.rl.trainer.microbatches import MicroBatch
-    from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
+    from verifiers_rl.plan.memory import KNOWN, ModelShape, rank_parts
+    from verifiers_rl.sync.export import ReplicatedExport
 
     _, hidden, inter, layers, heads, kv, head_dim, vocab, tied = KNOWN["qwen3-0.6b"]
     seq_len, rows = 1024, 4

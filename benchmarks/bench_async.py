@@ -101,7 +101,7 @@ def make_clock(trainer_ref: dict):
 
 
 def read_metrics(out_dir: str) -> list[dict]:
-    from verifiers_rl.rl.trainer.callbacks import read_metrics as rows_of
+    from verifiers_rl.export.reward_curve import read_metrics as rows_of
 
     return [r for r in rows_of(out_dir) if "reward" in r]
 
@@ -125,7 +125,7 @@ def window_stats(marks: list[dict], first: int) -> dict:
 
 
 def rl_config(out_dir: str, **kw):
-    from verifiers_rl.rl.trainer import RLConfig
+    from verifiers_rl.trainer import RLConfig
 
     base = dict(
         output_dir=out_dir,
@@ -161,8 +161,8 @@ def run_rl(
     """Train with RLTrainer; returns step marks, metrics rows, construction/first-step timings. Always closes."""
     import torch
 
-    from verifiers_rl.rl.trainer import RLTrainer
-    from verifiers_rl.rl.trainer.callbacks import RichProgressCallback
+    from verifiers_rl.trainer import RLTrainer
+    from verifiers_rl.trainer.callbacks import RichProgressCallback
 
     saved_env = {k: os.environ.get(k) for k in (env_vars or {})}
     saved_threads = torch.get_num_threads()

@@ -32,7 +32,7 @@ MSG = [{"role": "user", "content": "Reverse the text: the quick brown fox"}]
 
 async def one_round(client, model: str, sampling: dict, concurrency: int, tag: str) -> tuple[float, float]:
     """(wall s, client CPU s) of `concurrency` requests in flight at once."""
-    from verifiers_rl.rl.trainer.rollout_client import ROLLOUT_KEY
+    from verifiers_rl.rollouts.client import ROLLOUT_KEY
 
     async def request(i: int):
         reply = await client.get_native_response(MSG, model, sampling, state={"input": {ROLLOUT_KEY: f"{tag}:{i}"}})
@@ -47,8 +47,8 @@ def measure(base_url: str, model: str, concurrency: int, rounds: int) -> dict:
     import openai
     from openai import AsyncOpenAI
 
-    from verifiers_rl.rl.trainer import RLConfig
-    from verifiers_rl.rl.trainer.rollout_client import RolloutClient
+    from verifiers_rl.rollouts.client import RolloutClient
+    from verifiers_rl.trainer import RLConfig
 
     sampling = RLConfig(output_dir="unused", use_cpu=True, max_tokens=8, report_to="none").sampling_args
 
@@ -84,7 +84,7 @@ def measure(base_url: str, model: str, concurrency: int, rounds: int) -> dict:
 
 
 def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
-    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.serving.launcher import InferenceServer
     from verifiers_rl.tiny import save_tiny_model
 
     t_start = time.perf_counter()

@@ -247,8 +247,8 @@ def run_trl(model_dir: str, train_rows, eval_rows, s: dict, out_dir: str, log, e
     from transformers import set_seed
     from trl import GRPOConfig, GRPOTrainer
 
+    from verifiers_rl.config.rl_config import DEFAULT_LORA_TARGETS
     from verifiers_rl.models import get_model, get_tokenizer
-    from verifiers_rl.rl.trainer.config import DEFAULT_LORA_TARGETS
 
     score = scorer()
 
@@ -394,7 +394,7 @@ def run_ours(
 def lora_init_matches(model_dir: str, trl_lora_a: dict) -> bool | None:
     """Does TRL's LoRA A init equal RLTrainer's (same seed, same config)? Checked on a fresh wrap, no server."""
     from verifiers_rl.models import get_model
-    from verifiers_rl.rl.trainer import RLTrainer
+    from verifiers_rl.trainer import RLTrainer
 
     args = rl_config(tempfile.mkdtemp(prefix="bench_e2e_lora_"), lora_rank=8, lora_alpha=32, seed=0)
     ours = RLTrainer._wrap_lora(get_model(model_dir), args)

@@ -71,9 +71,9 @@ def endure(tmp: str, steps: int) -> list[dict]:
     import verifiers as vf
     from transformers.trainer_callback import PrinterCallback
 
-    from verifiers_rl.rl.trainer import RLConfig, RLTrainer
-    from verifiers_rl.rl.trainer.callbacks import RichProgressCallback
     from verifiers_rl.tiny import save_tiny_model
+    from verifiers_rl.trainer import RLConfig, RLTrainer
+    from verifiers_rl.trainer.callbacks import RichProgressCallback
 
     model = str(save_tiny_model(os.path.join(tmp, "tiny"), hidden=64, layers=2))
     env = vf.load_environment("reverse-text", num_train_examples=64, num_eval_examples=4)

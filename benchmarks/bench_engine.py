@@ -114,7 +114,7 @@ async def _round(client, model_name: str, msgs: list, seed0: int) -> float:
 
 
 def _server(kind: str, model_dir: str, tmp: str):
-    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.serving.launcher import InferenceServer
 
     common = ["--max-model-len", "1024", "--max-num-seqs", "64"]
     if kind in ("ours", "ours_cb"):

@@ -111,7 +111,7 @@ def measure(client, model, n: int, rounds: int) -> dict:
 
 
 def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
-    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.serving.launcher import InferenceServer
     from verifiers_rl.tiny import build_tiny_model, save_tiny_model
 
     t_start = time.perf_counter()

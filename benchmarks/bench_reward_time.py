@@ -54,9 +54,9 @@ def warm_start(log, quick: bool = False) -> tuple[str, list[dict], list[dict], o
     stops the SFT after 4 steps (it only checks that the benchmark runs)."""
     import hashlib
 
+    from verifiers_rl.config.toml import load, validate
     from verifiers_rl.scripts.common import load_env
     from verifiers_rl.scripts.sft import run_sft
-    from verifiers_rl.scripts.toml_config import load, validate
 
     cfg = validate(load(DEMO_SFT), "vf-sft")
     if quick:
@@ -133,7 +133,7 @@ def evaluate(model, tok, rows, s: dict, greedy: bool = False, batch: int = 50) -
 def lora_config(s: dict):
     from peft import LoraConfig
 
-    from verifiers_rl.rl.trainer.config import DEFAULT_LORA_TARGETS
+    from verifiers_rl.config.rl_config import DEFAULT_LORA_TARGETS
 
     return LoraConfig(
         r=s["rank"], lora_alpha=s["alpha"], lora_dropout=0.0, target_modules=list(DEFAULT_LORA_TARGETS),

@@ -79,7 +79,7 @@ def bandwidth(mib: int = 1024, repeats: int = 5) -> dict:
 
 
 def _buffer(nbytes: int, huge: bool) -> torch.Tensor:
-    from verifiers_rl.rl.inference.cpu.memory import weight_buffer
+    from verifiers_rl.inference.cpu.memory import weight_buffer
 
     buf = weight_buffer(nbytes)[0].view(torch.float32) if huge else torch.empty(nbytes // 4)
     return buf.fill_(1.0)
@@ -121,10 +121,10 @@ def train_model_flops(config, seq_lens: list[int], lora_rank: int) -> float:
 def trainer_step(layers: int, n: int, seq: int, repeats: int, log) -> dict:
     from accelerate import Accelerator
 
-    from verifiers_rl.rl.trainer import RLTrainer
-    from verifiers_rl.rl.trainer.config import RLConfig
-    from verifiers_rl.rl.trainer.policy_step import run_microbatches
-    from verifiers_rl.rl.trainer.samples import PreparedBatch, Sample
+    from verifiers_rl.batch.samples import PreparedBatch, Sample
+    from verifiers_rl.config.rl_config import RLConfig
+    from verifiers_rl.trainer import RLTrainer
+    from verifiers_rl.trainer.policy_step import run_microbatches
 
     model, tok = shape_model(layers)
     args = RLConfig(
@@ -172,9 +172,9 @@ def engine_decode(layers: int, tokens: int, repeats: int, log, bw_mib: int = 102
     """Decode through the CPU server as users run it (its own process, its own thread rule), timed per request."""
     import httpx
 
+    from verifiers_rl.inference.cpu.app import engine_threads
     from verifiers_rl.models import weight_bytes as model_weight_bytes
-    from verifiers_rl.rl.inference.cpu.app import engine_threads
-    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.serving.launcher import InferenceServer
 
     model, tok = shape_model(layers)
     weight_bytes = model_weight_bytes(model)

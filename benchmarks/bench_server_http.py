@@ -41,8 +41,8 @@ VARIANTS = {  # name -> (fast_chat, uvicorn http)
 def measure(servers: dict, model: str, concurrency: int, rounds: int, max_tokens: int) -> dict:
     import aiohttp
 
-    from verifiers_rl.rl.trainer import RLConfig
-    from verifiers_rl.rl.trainer.rollout_client import chat_request_body
+    from verifiers_rl.rollouts.client import chat_request_body
+    from verifiers_rl.trainer import RLConfig
 
     sampling = RLConfig(output_dir="unused", use_cpu=True, max_tokens=max_tokens, report_to="none").sampling_args
 

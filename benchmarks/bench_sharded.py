@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
 
-from verifiers_rl.rl.plan.ranks import LAYOUTS  # noqa: E402
+from verifiers_rl.plan.ranks import LAYOUTS  # noqa: E402
 
 NAME = "bench_sharded"
 MODELS = {"full": ("~100M", 704, 22), "quick": ("~10M", 256, 16)}  # (label, hidden, layers) as bench_sync.py
@@ -70,7 +70,7 @@ def worker(model_dir: str, out: str, steps: int) -> None:
     import verifiers as vf
     from transformers import TrainerCallback
 
-    from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+    from verifiers_rl.trainer import RLConfig, RLTrainer
 
     rank = int(os.environ.get("RANK", "0"))
     memory = {"rss_before_model_kib": _status_kib("VmRSS")}
@@ -127,7 +127,7 @@ def launch(layout: str, model_dir: str, out: Path, steps: int, log) -> dict:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{layout} run failed ({r.returncode}): {r.stderr[-3000:]}")
-    from verifiers_rl.rl.trainer.callbacks import read_metrics
+    from verifiers_rl.export.reward_curve import read_metrics
 
     rows = [r for r in read_metrics(out) if "loss" in r]
     syncs = [r["timing/sync_s"] for r in rows if r["timing/sync_s"] > 0]  # 0: a step that trained nothing

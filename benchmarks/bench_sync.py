@@ -73,9 +73,9 @@ def unverified_sync(client, model) -> tuple[float, int]:
     back and reports nothing, and no checksums on the trainer's side; the same one request and buckets otherwise
     (`GlooSender.send` for a server that pauses itself), timed as the sender times itself. What the checksums cost
     is the difference."""
-    from verifiers_rl.rl.inference.transfer import gloo
-    from verifiers_rl.rl.inference.transfer.buckets import UpdateInfo, plan_buckets
-    from verifiers_rl.rl.inference.transfer.stream import as_stream
+    from verifiers_rl.sync import gloo
+    from verifiers_rl.sync.buckets import UpdateInfo, plan_buckets
+    from verifiers_rl.sync.stream import as_stream
 
     sender, version = client.sender, _next_version(client)
     t0 = time.perf_counter()
@@ -93,8 +93,8 @@ def per_tensor_sync(client, model, pool: ThreadPoolExecutor) -> tuple[float, int
     request describing that tensor alone while the trainer broadcasts that tensor alone; then finish, reset the
     prefix cache and resume. Tensors are broadcast in place (no packing copy), and the control requests reuse a
     thread pool and keep-alive connection, so this baseline is, if anything, flattered."""
-    from verifiers_rl.rl.inference.transfer import gloo
-    from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, UpdateInfo
+    from verifiers_rl.sync import gloo
+    from verifiers_rl.sync.buckets import TensorMeta, UpdateInfo
 
     if client.sender is None:
         raise RuntimeError("init_weight_transfer() first")
@@ -141,7 +141,7 @@ def measure_interleaved(fns, repeats: int) -> list[dict]:
 def _gloo_peer(host: str, port: int, nbytes: int, reps: int, fresh: bool = False) -> None:
     """Rank 1 of the raw-bandwidth test (runs in a child process). `fresh`: a new receive buffer per broadcast,
     as the current receiver allocates one per sync (its pages are faulted in while the data arrives)."""
-    from verifiers_rl.rl.inference.transfer import gloo
+    from verifiers_rl.sync import gloo
 
     g = gloo.create_group(host, port, 1, 2, timeout_s=120)
     buf = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
@@ -158,8 +158,8 @@ def _gloo_peer(host: str, port: int, nbytes: int, reps: int, fresh: bool = False
 def raw_gloo_bandwidth(nbytes: int, repeats: int, fresh: bool = False) -> dict:
     """One flat `nbytes` broadcast between two local processes; the clock covers the broadcast and a 1-byte
     ack from the receiver (so it measures delivery, not only the sender's buffer hand-off)."""
-    from verifiers_rl.rl.inference.net import free_port
-    from verifiers_rl.rl.inference.transfer import gloo
+    from verifiers_rl.config.net import free_port
+    from verifiers_rl.sync import gloo
 
     host, port = "127.0.0.1", free_port()
     reps = repeats + 1
@@ -194,7 +194,7 @@ def raw_gloo_bandwidth(nbytes: int, repeats: int, fresh: bool = False) -> dict:
 
 def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     from verifiers_rl.models import weight_bytes
-    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.serving.launcher import InferenceServer
     from verifiers_rl.tiny import build_tiny_model, save_tiny_model
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))

@@ -41,8 +41,8 @@ import torch  # noqa: E402
 from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
 
 if TYPE_CHECKING:
-    from verifiers_rl.rl.trainer.microbatches import MicroBatch
-    from verifiers_rl.rl.trainer.samples import Sample
+    from verifiers_rl.batch.microbatches import MicroBatch
+    from verifiers_rl.batch.samples import Sample
 
 NAME = "bench_train"
 CEILING_GOAL = 0.95  # packed vs padded: fraction of the speedup that removing the padding allows
@@ -53,7 +53,7 @@ MEMORY_GOAL = 0.5
 
 
 def make_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[Sample]:
-    from verifiers_rl.rl.trainer.samples import Sample
+    from verifiers_rl.batch.samples import Sample
 
     rng = random.Random(seed)
     out = []
@@ -73,7 +73,7 @@ def make_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> l
 
 
 def naive_microbatches(samples: list[Sample], micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
-    from verifiers_rl.rl.trainer.microbatches import collate_padded
+    from verifiers_rl.batch.microbatches import collate_padded
 
     return [collate_padded(samples[i : i + micro_batch_size], pad_id) for i in range(0, len(samples), micro_batch_size)]
 
@@ -83,7 +83,7 @@ def planned_microbatches(
 ) -> list[MicroBatch]:
     """rows=True: packed rows as wide as the micro-batch's longest sample (RLTrainer._packed_row_len under SDPA);
     False: one packed row per micro-batch (the flash-attention layout)."""
-    from verifiers_rl.rl.trainer.microbatches import collate_packed, collate_padded, plan_microbatches
+    from verifiers_rl.batch.microbatches import collate_packed, collate_padded, plan_microbatches
 
     plan = plan_microbatches([len(s.input_ids) for s in samples], budget, packed=packed, max_samples=max_samples)
     groups = [[samples[i] for i in idx] for idx in plan]
@@ -93,7 +93,7 @@ def planned_microbatches(
 
 def step_seconds(model, head, mbs: list[MicroBatch]) -> float:
     """Forward + simple PG loss + backward over every micro-batch (one optimizer step's worth of compute)."""
-    from verifiers_rl.rl.trainer.forward import token_logprobs
+    from verifiers_rl.loss.forward import token_logprobs
 
     n_loss = sum(mb.num_loss_tokens for mb in mbs)
     model.zero_grad(set_to_none=True)
@@ -108,7 +108,7 @@ def step_seconds(model, head, mbs: list[MicroBatch]) -> float:
 
 
 def time_variants(model, head, variants: dict[str, list[MicroBatch]], real: int, repeats: int, log, tag: str) -> dict:
-    from verifiers_rl.rl.trainer.microbatches import padding_fraction
+    from verifiers_rl.batch.microbatches import padding_fraction
 
     for mbs in variants.values():
         step_seconds(model, head, mbs[:1])  # warm-up: one micro-batch of each layout
@@ -138,8 +138,8 @@ def time_variants(model, head, variants: dict[str, list[MicroBatch]], real: int,
 def microbatch_throughput(quick: bool, log) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from verifiers_rl.rl.trainer.config import DEFAULT_LORA_TARGETS
-    from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
+    from verifiers_rl.config.rl_config import DEFAULT_LORA_TARGETS
+    from verifiers_rl.sync.export import ReplicatedExport
     from verifiers_rl.tiny import build_tiny_model
 
     hidden, layers = (128, 2) if quick else (256, 4)
@@ -218,7 +218,7 @@ def _peak_rss_bytes() -> int:
 
 def memory_child(method: str, vocab: int, hidden: int, n: int, repeats: int, chunk_size: int | None = None) -> dict:
     """Runs in a fresh process: peak RSS of one forward+backward of `method` above the RSS of its inputs."""
-    from verifiers_rl.rl.trainer import logprobs as L
+    from verifiers_rl.loss import logprobs as L
 
     torch.manual_seed(0)
     fn = {"chunked": L.chunked_logprobs, "full": L.full_logprobs}[method]

@@ -35,7 +35,7 @@ SHAPE_06B = dict(
 def lora_policy(shape: dict, dtype: torch.dtype, device: str, seed: int = 0):
     from peft import LoraConfig, get_peft_model
 
-    from verifiers_rl.rl.trainer.config import DEFAULT_LORA_TARGETS
+    from verifiers_rl.config.rl_config import DEFAULT_LORA_TARGETS
     from verifiers_rl.tiny import build_tiny_model
 
     model, _ = build_tiny_model(seed=seed, **shape)
@@ -52,7 +52,7 @@ def lora_policy(shape: dict, dtype: torch.dtype, device: str, seed: int = 0):
 
 
 def batch(prompt: int, completion: int, groups: int = 8, group: int = 8, seed: int = 0):
-    from verifiers_rl.rl.trainer.samples import PreparedBatch, Sample
+    from verifiers_rl.batch.samples import PreparedBatch, Sample
 
     rng = random.Random(seed)
     samples = []
@@ -78,7 +78,7 @@ def step_args(share: bool, micro: int, seq: int):
 
 
 def one_step(acc, model, prepared, layout: str, micro: int, seq: int, device: str):
-    import verifiers_rl.rl.trainer.policy_step as ps
+    import verifiers_rl.trainer.policy_step as ps
 
     from_plan, from_spans = ps._shared_plan, ps.by_spans
     if layout == "plain":
@@ -105,8 +105,8 @@ def one_step(acc, model, prepared, layout: str, micro: int, seq: int, device: st
 
 def _all_shared(samples, args):
     """The shared layout whatever the cost model says (for comparing layouts)."""
-    from verifiers_rl.rl.trainer.microbatches import plan_microbatches
-    from verifiers_rl.rl.trainer.prefix_sharing import plan_units, unit_length
+    from verifiers_rl.batch.microbatches import plan_microbatches
+    from verifiers_rl.batch.prefix_sharing import plan_units, unit_length
 
     units = plan_units(samples, args.micro_batch_size, args.token_budget)
     lengths = [len(s.input_ids) for s in samples]
@@ -127,7 +127,7 @@ def rel_diff(a: dict, b: dict) -> float:
 def compare(shape, dtype, device, prompt, completion, micro, repeats, log) -> dict:
     from accelerate import Accelerator
 
-    import verifiers_rl.rl.trainer.policy_step as ps
+    import verifiers_rl.trainer.policy_step as ps
 
     acc = Accelerator(cpu=device == "cpu")
     model = lora_policy(shape, dtype, device)

@@ -1,4 +1,4 @@
-"""Calibrate and check the memory planner (`verifiers_rl.rl.plan.memory.rank_parts`) on a real GPU.
+"""Calibrate and check the memory planner (`verifiers_rl.plan.memory.rank_parts`) on a real GPU.
 
 For a Qwen3-0.6B-shaped model with random weights (bf16, offline), measures the trainer's peak CUDA memory for a
 few optimizer steps of the trainer's own micro-batch loop shape (LoRA r=16 and full fine-tuning; with and
@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from verifiers_rl.rl.plan.memory import ModelShape, rank_parts  # noqa: E402
+from verifiers_rl.plan.memory import ModelShape, rank_parts  # noqa: E402
 
 GIB = 1 << 30
 
@@ -54,9 +54,9 @@ def qwen3_06b(layers: int = 28):
 def measure(use_lora: bool, tokens: int, checkpointing: bool, seq_len: int = 1024, steps: int = 3) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from verifiers_rl.rl.trainer.forward import token_logprobs
-    from verifiers_rl.rl.trainer.microbatches import MicroBatch
-    from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
+    from verifiers_rl.batch.microbatches import MicroBatch
+    from verifiers_rl.loss.forward import token_logprobs
+    from verifiers_rl.sync.export import ReplicatedExport
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -124,8 +124,8 @@ def measure(use_lora: bool, tokens: int, checkpointing: bool, seq_len: int = 102
 
 
 def _receiver(port: int, key: str, names_shapes: list, conn) -> None:
-    from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, plan_buckets
-    from verifiers_rl.rl.inference.transfer.gloo import GlooInitInfo, connect_group, receive_buckets
+    from verifiers_rl.sync.buckets import TensorMeta, plan_buckets
+    from verifiers_rl.sync.gloo import GlooInitInfo, connect_group, receive_buckets
 
     torch.cuda.set_device(0)
     params = {n: torch.zeros(s, dtype=torch.bfloat16, device="cuda") for n, s in names_shapes}
@@ -144,8 +144,8 @@ def _receiver(port: int, key: str, names_shapes: list, conn) -> None:
 
 def shared_gpu_sync() -> dict:
     """Trainer and receiver on one GPU; merged weights through host memory over gloo."""
-    from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, plan_buckets
-    from verifiers_rl.rl.inference.transfer.gloo import join_group, open_store, send_buckets
+    from verifiers_rl.sync.buckets import TensorMeta, plan_buckets
+    from verifiers_rl.sync.gloo import join_group, open_store, send_buckets
 
     model, _ = qwen3_06b()
     tensors = {n: p.detach() for n, p in model.named_parameters()}

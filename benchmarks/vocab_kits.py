@@ -32,9 +32,9 @@ def _status_kib(field: str) -> int:
 def child(kit: str) -> dict:
     import torch
 
-    from verifiers_rl.rl.inference.transfer.policy_weights import merged_weights
-    from verifiers_rl.rl.trainer.logprobs import chunked_logprobs
-    from verifiers_rl.rl.trainer.lora import lora_config, wrap_lora
+    from verifiers_rl.config.lora import lora_config, wrap_lora
+    from verifiers_rl.loss.logprobs import chunked_logprobs
+    from verifiers_rl.sync.policy_weights import merged_weights
 
     torch.set_num_threads(2)
     if kit == "qwen":

@@ -49,7 +49,7 @@ def write_cfg(
 def tiny_rl_config(tmp_path: Path, **kw):
     """The RLConfig of the in-process trainer tests: the tiny model's geometry, 2 steps, no checkpoints, a server of
     its own; `kw` wins."""
-    from verifiers_rl.rl.trainer import RLConfig
+    from verifiers_rl.trainer import RLConfig
 
     base = dict(
         output_dir=str(tmp_path / "run"),
@@ -86,7 +86,7 @@ def start(cfg: Path, *extra, env: dict | None = None) -> subprocess.Popen:
 
 def steps(out: Path) -> list[int]:
     """Steps of metrics.jsonl's training rows, in file order."""
-    from verifiers_rl.rl.trainer.callbacks import read_metrics
+    from verifiers_rl.export.reward_curve import read_metrics
 
     return [row["step"] for row in read_metrics(out) if "reward" in row]
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from verifiers_rl.rl.inference.launcher import InferenceServer
+from verifiers_rl.serving.launcher import InferenceServer
 
 VLLM_PYTHON = os.environ.get("VF_VLLM_PYTHON")
 ENGINES = [

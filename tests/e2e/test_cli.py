@@ -165,7 +165,7 @@ def test_vf_sft_writes_a_checkpoint_rl_can_use(tmp_path, tiny_model_dir):
 
 
 def test_vf_train_against_a_running_server(tmp_path, tiny_model_dir):
-    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.serving.launcher import InferenceServer
 
     out = tmp_path / "train"
     cfg = _write(tmp_path, TINY_RL.format(model=tiny_model_dir, out=out))

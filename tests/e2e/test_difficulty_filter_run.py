@@ -10,8 +10,8 @@ import pytest
 from rl_envs import WORDS, half_constant_env
 from runs import tiny_rl_config
 
-from verifiers_rl.rl.trainer import RLTrainer
-from verifiers_rl.rl.trainer.callbacks import read_metrics
+from verifiers_rl.export.reward_curve import read_metrics
+from verifiers_rl.trainer import RLTrainer
 
 
 def _train(tiny_model_dir, tmp_path: Path, name: str, resume: str | None = None) -> list[dict]:

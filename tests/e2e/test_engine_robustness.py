@@ -12,8 +12,8 @@ import httpx
 import pytest
 from servers import ENGINES
 
-from verifiers_rl.rl.inference.launcher import InferenceServer
-from verifiers_rl.rl.inference.layout import ADAPTER_NAME
+from verifiers_rl.plan.layout import ADAPTER_NAME
+from verifiers_rl.serving.launcher import InferenceServer
 
 
 @pytest.fixture(scope="module", params=["slots", "cb", *ENGINES[1:]])
@@ -92,8 +92,8 @@ def test_dead_generation_loop_makes_health_fail(tiny_model_dir):
     and requests fail at once with a 500 instead of hanging."""
     from fastapi.testclient import TestClient
 
-    from verifiers_rl.rl.inference.cpu.app import create_app
-    from verifiers_rl.rl.inference.cpu.engines import load_engine
+    from verifiers_rl.inference.cpu.app import create_app
+    from verifiers_rl.inference.cpu.engines import load_engine
 
     engine = load_engine(tiny_model_dir, max_model_len=128, max_num_seqs=2)
 

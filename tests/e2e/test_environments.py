@@ -16,7 +16,7 @@ import reverse_text as rt
 import verifiers as vf
 from openai import AsyncOpenAI
 
-from verifiers_rl.rl.inference.launcher import InferenceServer
+from verifiers_rl.serving.launcher import InferenceServer
 
 
 def _user(text):

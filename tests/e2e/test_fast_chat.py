@@ -8,9 +8,9 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from verifiers_rl.rl.inference.cpu.app import create_app
-from verifiers_rl.rl.inference.cpu.engines import load_engine
-from verifiers_rl.rl.inference.cpu.fast_chat import ChatFastPath
+from verifiers_rl.inference.cpu.app import create_app
+from verifiers_rl.inference.cpu.engines import load_engine
+from verifiers_rl.inference.cpu.fast_chat import ChatFastPath
 
 MSG = [{"role": "user", "content": "Reverse: hello"}]
 

@@ -68,7 +68,7 @@ def _wait_survivors_gone(pid: int, timeout: float = 20) -> list[str]:
 # SIGTERM's save, exit 143 and resume run in the fast suite as test_reliability's requeue test (twice over)
 @pytest.mark.parametrize("sig, code", [pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow), (signal.SIGINT, 130)])
 def test_signal_saves_the_last_step_and_resume_continues(tmp_path, tiny_model_dir, sig, code):
-    from verifiers_rl.rl.trainer.checkpoints import checkpoints, problem
+    from verifiers_rl.export.checkpoints import checkpoints, problem
 
     out = tmp_path / "out"
     cfg = _cfg(tmp_path, tiny_model_dir, steps=40, save_steps=100)  # no scheduled save before the signal
@@ -125,7 +125,7 @@ def test_frozen_server_ends_the_run_within_the_deadline(tmp_path, tiny_model_dir
 
 
 def test_killed_server_without_restarts_is_one_line_with_its_log_and_the_resume(tmp_path, tiny_model_dir):
-    from verifiers_rl.rl.trainer.checkpoints import checkpoints, problem
+    from verifiers_rl.export.checkpoints import checkpoints, problem
 
     cfg = _cfg(tmp_path, tiny_model_dir, save_steps=100, extra="server_restarts = 0\n")  # restarts: test_reliability
     proc = _start(cfg)
@@ -152,7 +152,7 @@ def test_weight_sync_store_listens_on_loopback_only_and_needs_the_run_key(tiny_m
 
     import torch.distributed as dist
 
-    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.serving.launcher import InferenceServer
 
     with InferenceServer(tiny_model_dir, engine="cpu", output_dir=tmp_path) as client:
         client.init_weight_transfer("gloo")
@@ -174,8 +174,8 @@ def test_weight_sync_store_listens_on_loopback_only_and_needs_the_run_key(tiny_m
 def test_user_started_server_has_a_control_token(tiny_model_dir, tmp_path):
     import httpx
 
-    from verifiers_rl.rl.inference.control_auth import read_token_file
-    from verifiers_rl.rl.inference.net import free_port
+    from verifiers_rl.config.net import free_port
+    from verifiers_rl.serving.auth import read_token_file
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "VF_CONTROL_TOKEN"}
@@ -350,7 +350,7 @@ def test_every_corruption_of_a_real_checkpoint_is_named_before_resuming(tmp_path
     itself is the next test's)."""
     import shutil
 
-    from verifiers_rl.rl.trainer.checkpoints import problem
+    from verifiers_rl.export.checkpoints import problem
 
     folder = tmp_path / "checkpoint-4"
     shutil.copytree(two_checkpoints / "out" / "checkpoint-4", folder)
@@ -419,8 +419,8 @@ def test_wrong_types_name_the_key_and_are_fast(tmp_path, body, args, message):
 def test_control_routes_answer_bad_values_with_400(tiny_model_dir, tmp_path):
     import httpx
 
-    from verifiers_rl.rl.inference.launcher import InferenceServer
-    from verifiers_rl.rl.inference.net import free_port
+    from verifiers_rl.config.net import free_port
+    from verifiers_rl.serving.launcher import InferenceServer
 
     with InferenceServer(tiny_model_dir, engine="cpu", output_dir=tmp_path) as client:
         auth = {"Authorization": f"Bearer {client.control_token}"}

@@ -29,9 +29,9 @@ from servers import VLLM_PYTHON, start_server
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from wandb_files import history, offline_run, tables
 
-from verifiers_rl.rl.inference.net import free_port
-from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+from verifiers_rl.config.net import free_port
 from verifiers_rl.scripts.rl import run_command
+from verifiers_rl.trainer import RLConfig, RLTrainer
 
 ENV_ARGS = {"system_prompt": "Reverse the text.", "num_train_examples": 32, "num_eval_examples": 4}
 LIBRARIES = ("transformers", "peft", "accelerate")
@@ -158,7 +158,7 @@ def _logits(model, ids):
 def test_merged_equals_adapter_applied_and_the_trainers_policy(run, tiny_model_dir):
     from peft import PeftModel
 
-    from verifiers_rl.rl.trainer.lora import quiet_peft_wrap
+    from verifiers_rl.config.lora import quiet_peft_wrap
 
     final = run["out"] / "final"
     ids = [[3, 17, 100, 42, 250, 7, 9, 61], [120, 5, 5, 77, 201, 13, 1, 2]]

@@ -14,9 +14,9 @@ import torch
 from servers import ENGINES, VLLM_PYTHON, start_server
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from verifiers_rl.rl.trainer.config import RLConfig
-from verifiers_rl.rl.trainer.logprobs import chunked_logprobs
-from verifiers_rl.rl.trainer.rollout_client import chat_request_body
+from verifiers_rl.config.rl_config import RLConfig
+from verifiers_rl.loss.logprobs import chunked_logprobs
+from verifiers_rl.rollouts.client import chat_request_body
 
 MSG = [{"role": "user", "content": "Reverse: hello"}]
 # Qwen3's shipped sampling defaults
@@ -98,7 +98,7 @@ def test_a_users_vllm_applies_the_checkpoint_defaults_unless_the_request_states_
     """A server the trainer only connects to may be started without `--generation-config vllm` (here
     `--generation-config auto`, vLLM's own default): it samples a bare request with top_k 20 / temperature 0.6, and
     only the fields the trainer's request states explicitly keep the sampled distribution the scored one."""
-    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.serving.launcher import InferenceServer
 
     srv = InferenceServer(
         defaults_model_dir, engine="vllm", output_dir=tmp_path / "srv", python=VLLM_PYTHON, startup_timeout=240,

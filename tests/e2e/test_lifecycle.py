@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from verifiers_rl.rl.inference.client import ServerError
-from verifiers_rl.rl.inference.launcher import InferenceServer
+from verifiers_rl.serving.client import ServerError
+from verifiers_rl.serving.launcher import InferenceServer
 
 
 def _alive(pid: int) -> bool:
@@ -55,7 +55,7 @@ def test_kill_9_of_parent_takes_server_down(tiny_model_dir, tmp_path):
     script = textwrap.dedent(
         f"""
         import sys, time
-        from verifiers_rl.rl.inference.launcher import InferenceServer
+        from verifiers_rl.serving.launcher import InferenceServer
         srv = InferenceServer({tiny_model_dir!r}, engine="cpu", output_dir={str(tmp_path)!r})
         srv.start()
         print(srv.process.pid, srv.port, flush=True)
@@ -119,7 +119,7 @@ def test_crash_during_start_reports_log_tail(tmp_path):
 
 def _vf_vllm(*args, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "verifiers_rl.rl.inference.server", *args],
+        [sys.executable, "-m", "verifiers_rl.inference.server", *args],
         capture_output=True,
         text=True,
         timeout=60,

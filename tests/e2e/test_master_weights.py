@@ -11,7 +11,7 @@ from runs import tiny_rl_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verifiers_rl import models
-from verifiers_rl.rl.trainer import RLTrainer
+from verifiers_rl.trainer import RLTrainer
 
 
 def test_full_finetuning_under_bf16_moves_the_weights_at_lr_1e_6(tiny_model_dir, tmp_path, monkeypatch):

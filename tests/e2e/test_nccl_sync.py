@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from verifiers_rl.rl.inference.launcher import InferenceServer
-from verifiers_rl.rl.inference.transfer.nccl import SyncControl
+from verifiers_rl.serving.launcher import InferenceServer
+from verifiers_rl.sync.nccl import SyncControl
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("VF_VLLM_PYTHON", "")

@@ -15,7 +15,7 @@ import nbformat
 from nbclient import NotebookClient
 from runs import steps
 
-from verifiers_rl.rl.trainer.callbacks import read_metrics
+from verifiers_rl.export.reward_curve import read_metrics
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 ANSWERS = {w[::-1] for w in ["cat", "dog", "sun", "map", "pen", "cup", "hat", "box"]}

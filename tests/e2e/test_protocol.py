@@ -236,7 +236,7 @@ def test_merged_sync_matches_trainer_model(server, oai, tiny_model_dir):
 
 def _rollout_client_replies(server, model, lean: bool, sampling: dict, n: int = 6):
     """n seeded rollout requests through RolloutClient (the trainer's client), lean path or the SDK's."""
-    from verifiers_rl.rl.trainer.rollout_client import ROLLOUT_KEY, RolloutClient
+    from verifiers_rl.rollouts.client import ROLLOUT_KEY, RolloutClient
 
     async def go():
         client = RolloutClient(AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0), 7, lean=lean)
@@ -254,8 +254,8 @@ def _rollout_client_replies(server, model, lean: bool, sampling: dict, n: int = 
 def test_rollout_client_lean_path_equals_the_sdk_path(server, tiny_model_dir):
     """The trainer's lean request path sends what the SDK sends and parses to the same verifiers Response: same
     seeded tokens, logprobs, finish reasons, policy version; and the server's replies need no SDK fallback."""
-    from verifiers_rl.rl.trainer import RLConfig
-    from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY
+    from verifiers_rl.rollouts.rollouts import POLICY_VERSIONS_KEY
+    from verifiers_rl.trainer import RLConfig
 
     args = RLConfig(output_dir="unused", use_cpu=True, max_tokens=10, top_k=50, min_p=0.01, report_to="none")
     sampling = args.sampling_args
@@ -280,8 +280,8 @@ def test_rollout_client_errors_are_the_sdks(server, tiny_model_dir):
     from openai import APIConnectionError, BadRequestError
     from verifiers.errors import OverlongPromptError
 
-    from verifiers_rl.rl.inference.net import free_port
-    from verifiers_rl.rl.trainer.rollout_client import RolloutClient
+    from verifiers_rl.config.net import free_port
+    from verifiers_rl.rollouts.client import RolloutClient
 
     def error(base_url, prompt, sampling, lean):
         async def go():

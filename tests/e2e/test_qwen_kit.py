@@ -10,7 +10,7 @@ from pathlib import Path
 from rl_envs import again_env
 from runs import tiny_rl_config
 
-from verifiers_rl.rl.trainer import RLTrainer
+from verifiers_rl.trainer import RLTrainer
 
 
 def test_multi_turn_non_thinking_trains_every_environment_turn(qwen_model_dir, tmp_path):

@@ -50,7 +50,7 @@ def test_one_configuration_error_in_every_rollout_stops_at_that_step(tmp_path, t
     from rl_envs import python_env_without_key
 
     from verifiers_rl.errors import TrainingError
-    from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+    from verifiers_rl.trainer import RLConfig, RLTrainer
 
     monkeypatch.delenv("PRIME_API_KEY", raising=False)
     args = RLConfig(output_dir=str(tmp_path), use_cpu=True, batch_size=8, rollouts_per_example=4, micro_batch_size=4,
@@ -327,7 +327,7 @@ sys.addaudithook(_full_disk)
 
 @pytest.mark.slow  # 40 s; in `pytest -m reliability` (CI time)
 def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_resumes(tmp_path, tiny_model_dir):
-    from verifiers_rl.rl.trainer.checkpoints import problem
+    from verifiers_rl.export.checkpoints import problem
 
     out = tmp_path / "out"
     hook = tmp_path / "hook"
@@ -393,7 +393,7 @@ def test_a_server_the_trainer_spawned_is_restarted_in_process(tmp_path, tiny_mod
     from rl_envs import reverse_env
     from transformers import TrainerCallback
 
-    from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+    from verifiers_rl.trainer import RLConfig, RLTrainer
 
     class KillTheServerAfterStep1(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -451,8 +451,8 @@ def test_a_connected_server_that_dies_is_awaited_then_the_run_stops_with_the_com
 
     from procs import BIN
 
-    from verifiers_rl.rl.inference.net import free_port
-    from verifiers_rl.rl.trainer.checkpoints import checkpoints, problem
+    from verifiers_rl.config.net import free_port
+    from verifiers_rl.export.checkpoints import checkpoints, problem
 
     port, out = free_port(), tmp_path / "out"
     grace = 60 if comes_back else 3
@@ -497,8 +497,8 @@ def test_vf_rl_restarts_the_server_its_trainer_processes_use(tmp_path, tiny_mode
 
     import httpx
 
-    from verifiers_rl.rl.inference.launcher import InferenceServer
     from verifiers_rl.scripts.rl import supervise
+    from verifiers_rl.serving.launcher import InferenceServer
 
     server = InferenceServer(tiny_model_dir, engine="cpu", output_dir=tmp_path)
     server.start()

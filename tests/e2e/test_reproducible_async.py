@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from rl_envs import reverse_env
 
-from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+from verifiers_rl.trainer import RLConfig, RLTrainer
 
 
 def _burn(stop) -> None:  # a CPU hog: what a busy machine looks like to the trainer and the server

@@ -19,11 +19,11 @@ from rl_envs import MADE_AT_RUN_TIME, PIDS, WORDS, char_match, only_where_made, 
 from runs import steps
 from runs import tiny_rl_config as _args
 
-from verifiers_rl.rl.trainer import RLTrainer
-from verifiers_rl.rl.trainer.orchestrator import GenerationError
-from verifiers_rl.rl.trainer.rollout_process import trim_outputs
-from verifiers_rl.rl.trainer.rollouts import POLICY_VERSIONS_KEY, REWARD_ERRORS_KEY, rollouts_from_outputs
-from verifiers_rl.rl.trainer.stages import Stages, stuck_message
+from verifiers_rl.rollouts.orchestrator import GenerationError
+from verifiers_rl.rollouts.process import trim_outputs
+from verifiers_rl.rollouts.rollouts import POLICY_VERSIONS_KEY, REWARD_ERRORS_KEY, rollouts_from_outputs
+from verifiers_rl.rollouts.stages import Stages, stuck_message
+from verifiers_rl.trainer import RLTrainer
 
 
 def _env(extra_funcs=()) -> vf.SingleTurnEnv:

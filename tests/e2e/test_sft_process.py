@@ -12,10 +12,10 @@ import subprocess
 import textwrap
 import tomllib
 
-from verifiers_rl.rl.inference.launcher import _die_with_parent
+from verifiers_rl.config.toml import validate
 from verifiers_rl.scripts.rl_plan import build_plan
 from verifiers_rl.scripts.sft import sft_command
-from verifiers_rl.scripts.toml_config import validate
+from verifiers_rl.serving.launcher import _die_with_parent
 
 
 def _configs(tmp_path, model: str) -> tuple:
@@ -52,15 +52,15 @@ def _configs(tmp_path, model: str) -> tuple:
 
 
 def _plan(rl, gpus: int):
-    from verifiers_rl.rl.plan.run import probe_machine
+    from verifiers_rl.plan.run import probe_machine
 
     cfg = validate(tomllib.loads(rl.read_text()), "vf-rl")
     return build_plan(cfg, str(rl), [], probe_machine(gpus, 80), dry_run=True)
 
 
 def test_the_warm_start_is_a_child_on_the_trainers_gpus(tmp_path, tiny_model_dir, monkeypatch):
-    from verifiers_rl.rl.inference.launcher import InferenceServer
     from verifiers_rl.scripts import rl
+    from verifiers_rl.serving.launcher import InferenceServer
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     rl_cfg, sft_cfg = _configs(tmp_path, tiny_model_dir)

@@ -140,7 +140,7 @@ def test_a_wrongly_gathered_shard_stops_the_run_right_after_its_sync(tiny_model_
 def test_two_node_ddp_matches_one_process(single, tiny_model_dir, tmp_path):
     """Two "machines" on loopback: two torchrun agents (--nnodes 2, one process each, one rendezvous) form one DDP
     world over gloo; the server belongs to global rank 0. The same three steps as one process."""
-    from verifiers_rl.rl.inference.net import free_port
+    from verifiers_rl.config.net import free_port
 
     port, out = free_port(), tmp_path / "two-node"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -194,12 +194,12 @@ def test_a_server_on_another_address_is_trained_over_connect(tiny_model_dir, tmp
     import httpx
     from rl_envs import reverse_env
 
-    from verifiers_rl.rl.inference.net import free_port
-    from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+    from verifiers_rl.config.net import free_port
+    from verifiers_rl.trainer import RLConfig, RLTrainer
 
     port, token = free_port("127.0.0.2"), "remote-run-token"
     server = subprocess.Popen(
-        [sys.executable, "-m", "verifiers_rl.rl.inference.server", "--engine", "cpu", "--model", tiny_model_dir,
+        [sys.executable, "-m", "verifiers_rl.inference.server", "--engine", "cpu", "--model", tiny_model_dir,
          "--host", "127.0.0.2", "--port", str(port), "--allow-remote-control", "--max-model-len", "512"],
         env={**os.environ, "VF_CONTROL_TOKEN": token}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip

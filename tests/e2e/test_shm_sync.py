@@ -13,10 +13,10 @@ import os
 
 import pytest
 
-from verifiers_rl.rl.inference.launcher import InferenceServer
-from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, plan_buckets
-from verifiers_rl.rl.inference.transfer.shm import SHM_DIR, SharedSlots
-from verifiers_rl.rl.inference.transfer.verify import FAULT_ENV, SyncMismatch
+from verifiers_rl.serving.launcher import InferenceServer
+from verifiers_rl.sync.buckets import TensorMeta, plan_buckets
+from verifiers_rl.sync.shm import SHM_DIR, SharedSlots
+from verifiers_rl.sync.verify import FAULT_ENV, SyncMismatch
 from verifiers_rl.tiny import build_tiny_model
 
 BUCKET_BYTES = 16 * 1024  # several buckets, and the embedding (261 x 64 fp32, 67 KB) larger than one
@@ -91,7 +91,7 @@ def test_a_padded_parameter_buffer_takes_every_path(tmp_path):
     bucket holding the 259-row embedding and the first q_proj is no longer one span of its buffer. Each tensor
     still lands in place (read-back checksums equal the trainer's): from a shared slot, from a bucket too large for
     a slot, and over gloo alone."""
-    from verifiers_rl.rl.inference.cpu.memory import page_aligned_offsets
+    from verifiers_rl.inference.cpu.memory import page_aligned_offsets
 
     shape = dict(hidden=512, layers=2, head_dim=64, intermediate_size=1536)
     model, tok = build_tiny_model(**shape)

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from verifiers_rl.rl.inference.client import InferenceClient, ServerError
+from verifiers_rl.serving.client import InferenceClient, ServerError
 
 
 class ClosesAfterAnError(BaseHTTPRequestHandler):

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from peft_models import lora_model
 
-from verifiers_rl.rl.inference.client import InferenceClient
-from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights, merged_stream
+from verifiers_rl.serving.client import InferenceClient
+from verifiers_rl.sync.policy_weights import adapter_weights, merged_stream
 
 REQUEST_TIMEOUT_S, DELAY_S = 0.5, 1.5
 
@@ -26,8 +26,8 @@ REQUEST_TIMEOUT_S, DELAY_S = 0.5, 1.5
 def served(tiny_model_dir):
     import uvicorn
 
-    from verifiers_rl.rl.inference.cpu.app import create_app
-    from verifiers_rl.rl.inference.cpu.engines import load_engine
+    from verifiers_rl.inference.cpu.app import create_app
+    from verifiers_rl.inference.cpu.engines import load_engine
 
     engine = load_engine(tiny_model_dir, max_model_len=128, max_num_seqs=2)
     with socket.socket() as s:

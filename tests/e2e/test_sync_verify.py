@@ -22,12 +22,12 @@ from rl_envs import reverse_env
 from runs import tiny_rl_config
 
 from verifiers_rl.errors import TrainingError
-from verifiers_rl.rl.inference.launcher import InferenceServer
-from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, plan_buckets
-from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights
-from verifiers_rl.rl.inference.transfer.verify import FAULT_ENV, SyncMismatch
-from verifiers_rl.rl.trainer import RLTrainer
+from verifiers_rl.serving.launcher import InferenceServer
+from verifiers_rl.sync.buckets import TensorMeta, plan_buckets
+from verifiers_rl.sync.policy_weights import adapter_weights
+from verifiers_rl.sync.verify import FAULT_ENV, SyncMismatch
 from verifiers_rl.tiny import build_tiny_model
+from verifiers_rl.trainer import RLTrainer
 
 BUCKET_BYTES = 16 * 1024  # the tiny model in several buckets
 
@@ -144,8 +144,8 @@ def _train(model_dir, args) -> tuple[str | None, list[dict]]:
 def _corrupt_export(monkeypatch):
     """The trainer's export sends one half of every tensor where the other half belongs (one rank's shard twice)
     while its own weights stay right: the server checksums the same wrong bytes the trainer sent."""
-    from verifiers_rl.rl.inference.transfer.stream import WeightStream
-    from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
+    from verifiers_rl.sync.export import ReplicatedExport
+    from verifiers_rl.sync.stream import WeightStream
 
     stream = ReplicatedExport.stream
 
@@ -169,8 +169,8 @@ def _send_nothing(monkeypatch, finish: bool = True):
     """A sender that moves no byte and still finishes the update, so the server takes the new version number (an
     NCCL communicator that vLLM could not back with libnccl would: vLLM's own engine reports no checksums); with
     `finish=False` not even the version moves."""
-    from verifiers_rl.rl.inference.client import InferenceClient
-    from verifiers_rl.rl.inference.transfer.sender import SyncStats
+    from verifiers_rl.serving.client import InferenceClient
+    from verifiers_rl.sync.sender import SyncStats
 
     def update_weights(self, tensors, *, version):
         if finish:

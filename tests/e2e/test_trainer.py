@@ -11,7 +11,7 @@ import torch
 from rl_envs import again_env, reverse_env
 from runs import tiny_rl_config as _args
 
-from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+from verifiers_rl.trainer import RLConfig, RLTrainer
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -209,11 +209,11 @@ def test_trainer_and_engine_logprobs_agree_at_temperature(tiny_model_dir, tmp_pa
     from openai import OpenAI
     from transformers import AutoModelForCausalLM
 
-    from verifiers_rl.rl.inference.launcher import InferenceServer
-    from verifiers_rl.rl.trainer.forward import token_logprobs
-    from verifiers_rl.rl.trainer.microbatches import collate_packed
-    from verifiers_rl.rl.trainer.samples import Sample
-    from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
+    from verifiers_rl.batch.microbatches import collate_packed
+    from verifiers_rl.batch.samples import Sample
+    from verifiers_rl.loss.forward import token_logprobs
+    from verifiers_rl.serving.launcher import InferenceServer
+    from verifiers_rl.sync.export import ReplicatedExport
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     samples = []
@@ -273,7 +273,7 @@ def test_verifiers_shim_exposes_our_classes():
 
     assert vf.RLTrainer is RLTrainer
     assert vf.RLConfig is RLConfig
-    from verifiers_rl.rl.trainer import GRPOConfig, GRPOTrainer, grpo_defaults, lora_defaults
+    from verifiers_rl.trainer import GRPOConfig, GRPOTrainer, grpo_defaults, lora_defaults
 
     assert issubclass(vf.GRPOTrainer, RLTrainer) and vf.GRPOTrainer is GRPOTrainer
     with pytest.warns(DeprecationWarning, match="use RLConfig"):
@@ -289,7 +289,7 @@ def test_verifiers_shim_exposes_our_classes():
 def test_long_prompts_are_filtered_once_and_counted():
     from datasets import Dataset
 
-    from verifiers_rl.rl.trainer.prompts import filter_prompts
+    from verifiers_rl.rollouts.prompts import filter_prompts
     from verifiers_rl.tiny import build_tokenizer
 
     tok = build_tokenizer()

@@ -19,8 +19,8 @@ import pytest
 from ports import default_port_exclusive
 from procs import BIN, ROOT, run_command, survivors
 
-from verifiers_rl.rl.inference.control_auth import read_token_file
-from verifiers_rl.rl.inference.net import port_in_use
+from verifiers_rl.config.net import port_in_use
+from verifiers_rl.serving.auth import read_token_file
 
 UPSTREAM_SCRIPT = """
 import verifiers as vf
@@ -105,8 +105,8 @@ class _NotAnInferenceServer(http.server.BaseHTTPRequestHandler):
 def test_a_foreign_listener_on_the_named_port_is_one_clear_error(tiny_model_dir, tmp_path):
     from rl_envs import reverse_env
 
-    from verifiers_rl.rl.inference.client import ServerError
-    from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+    from verifiers_rl.serving.client import ServerError
+    from verifiers_rl.trainer import RLConfig, RLTrainer
 
     httpd = http.server.HTTPServer(("127.0.0.1", 0), _NotAnInferenceServer)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -179,7 +179,7 @@ def test_every_prompt_filtered_is_an_error_before_anything_starts(tiny_model_dir
     from rl_envs import reverse_env
 
     from verifiers_rl.errors import TrainingError
-    from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+    from verifiers_rl.trainer import RLConfig, RLTrainer
 
     args = RLConfig(output_dir=str(tmp_path), use_cpu=True, batch_size=8, rollouts_per_example=4, micro_batch_size=4,
                     max_tokens=8, max_seq_len=24)  # fmt: skip
@@ -191,7 +191,7 @@ def test_every_rollout_erroring_stops_with_the_environments_error(tiny_model_dir
     from rl_envs import sandbox_env_without_key
 
     from verifiers_rl.errors import TrainingError
-    from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+    from verifiers_rl.trainer import RLConfig, RLTrainer
 
     args = RLConfig(output_dir=str(tmp_path), use_cpu=True, batch_size=8, rollouts_per_example=4, micro_batch_size=4,
                     max_tokens=4, max_seq_len=128, max_steps=5, max_empty_steps=2, save_strategy="no",

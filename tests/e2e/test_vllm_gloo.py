@@ -86,7 +86,7 @@ def _vllm_server(model_dir: str, log_path: Path, extra=(), env=None):
     """Start real vLLM with the gloo backend on a free loopback port; always kill its process group."""
     import httpx
 
-    from verifiers_rl.rl.inference.vllm.command import build_vllm_command
+    from verifiers_rl.inference.vllm.command import build_vllm_command
 
     port = _free_port()
     argv, env_add = build_vllm_command(
@@ -194,7 +194,7 @@ def test_plugin_registers_in_vllm_venv():
         "from vllm.distributed.weight_transfer.base import WeightTransferEngine\n"
         "cls = F._registry['gloo']()\n"
         "assert issubclass(cls, WeightTransferEngine), cls\n"
-        "from verifiers_rl.rl.inference.vllm.command import check_vllm\n"
+        "from verifiers_rl.inference.vllm.command import check_vllm\n"
         "print(cls.__name__, check_vllm())\n"
     )
     out = subprocess.run([VLLM_PYTHON, "-c", code], capture_output=True, text=True, timeout=120)
@@ -232,7 +232,7 @@ class TestTwoEngines:
         core happens to clear its caches when it pauses with mode=keep (its route's docstring says keep ignores
         clear_cache); this pause skips that, so the sender's own reset has to do the job. Both engines run
         requests through the sync; the prompt is cached on engine 0."""
-        from verifiers_rl.rl.inference.client import InferenceClient
+        from verifiers_rl.serving.client import InferenceClient
         from verifiers_rl.tiny import build_tiny_model
 
         http, name = server["client"], server["model"]
@@ -296,7 +296,7 @@ class TestTwoEngines:
     def test_a_tensor_the_model_lacks_fails_the_sync_at_once(self, server):
         """The workers keep receiving after a failed load, so the trainer hears the reason instead of
         broadcasting into the void until the group timeout. Last in the class: the weights are undefined after."""
-        from verifiers_rl.rl.inference.client import InferenceClient, ServerError
+        from verifiers_rl.serving.client import InferenceClient, ServerError
         from verifiers_rl.tiny import build_tiny_model
 
         tensors = list(build_tiny_model(seed=0)[0].named_parameters())
@@ -318,9 +318,9 @@ def test_checksums_of_every_engine_are_compared(tiny_model_dir, tmp_path):
     """Data-parallel engine 1 (gloo rank 2) drops one bucket on purpose ($VF_TEST_SYNC_FAULT, honoured by our gloo
     receive path): vLLM's HTTP answer comes from engine 0, which loaded everything, yet the sync fails naming rank
     2 and the tensors it never handed to load_weights; engine 0's own report, read from the store, was clean."""
-    from verifiers_rl.rl.inference.client import InferenceClient
-    from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, plan_buckets
-    from verifiers_rl.rl.inference.transfer.verify import FAULT_ENV, SyncMismatch
+    from verifiers_rl.serving.client import InferenceClient
+    from verifiers_rl.sync.buckets import TensorMeta, plan_buckets
+    from verifiers_rl.sync.verify import FAULT_ENV, SyncMismatch
     from verifiers_rl.tiny import build_tiny_model
 
     model = build_tiny_model(seed=1)[0]
@@ -374,7 +374,7 @@ def _check_serves(server, model, other, dp_ranks=(None,)):
 @contextlib.contextmanager
 def _trainer_group(client, bucket_bytes: int):
     """Rank 0 of the gloo group, formed concurrently with the server's /init_weight_transfer_engine."""
-    from verifiers_rl.rl.inference.transfer.gloo import create_group
+    from verifiers_rl.sync.gloo import create_group
 
     store_port = _free_port()
     world = 1 + _ok(client.get("/get_world_size"))["world_size"]  # every worker of every engine joins
@@ -396,8 +396,8 @@ def _trainer_group(client, bucket_bytes: int):
 
 def _sync(client, pg, pool, model, version: int, bucket_bytes: int) -> int:
     """One weight sync in the wire protocol our CPU engine shares; returns the number of buckets used."""
-    from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, UpdateInfo, plan_buckets
-    from verifiers_rl.rl.inference.transfer.gloo import send_buckets
+    from verifiers_rl.sync.buckets import TensorMeta, UpdateInfo, plan_buckets
+    from verifiers_rl.sync.gloo import send_buckets
 
     tensors = {name: p.detach() for name, p in model.named_parameters()}
     metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
@@ -436,7 +436,7 @@ def test_tensor_parallel_gloo_sync_tied_lm_head(tmp_path):
 
 def _launch(model_dir: str, out_dir: Path, *, extra=(), env=None, **kwargs):
     """vLLM started as the trainer starts it (InferenceServer -> vf-vllm -> vLLM), with our gloo backend."""
-    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.serving.launcher import InferenceServer
 
     srv = InferenceServer(
         model_dir,
@@ -508,16 +508,17 @@ def _set_step(peft, step: int, scale: float = 0.05) -> None:
 @pytest.fixture(scope="module")
 def lora(tiny_model_dir, tmp_path_factory):
     """One vLLM server in adapter mode, started as vf-rl starts it: AdapterServing flags with a zero adapter of the
-    trainer's layout (`lora.write_zero_adapter`; the trainer is another process), our worker extension, an API
+    trainer's layout (`adapter.write_zero_adapter`; the trainer is another process), our worker extension, an API
     key, and the launcher's control token. The trainer-spawned path writes its real step-0 adapter with the same
     `write_adapter` (tests/e2e/test_trainer.py runs it on our engine)."""
     from types import SimpleNamespace
 
     from peft import LoraConfig, get_peft_model
 
-    from verifiers_rl.rl.inference.client import VLLMClient
-    from verifiers_rl.rl.inference.layout import ADAPTER_NAME, AdapterServing
-    from verifiers_rl.rl.trainer.lora import lora_ranks, write_zero_adapter
+    from verifiers_rl.config.lora import lora_ranks
+    from verifiers_rl.plan.layout import ADAPTER_NAME, AdapterServing
+    from verifiers_rl.serving.client import VLLMClient
+    from verifiers_rl.sync.adapter import write_zero_adapter
     from verifiers_rl.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("vllm_lora")
@@ -577,7 +578,7 @@ def _adapter_diff(lora, temperature=0.0, prompts=PROMPTS, engine: int | None = N
 
 
 def test_adapter_is_served_by_name_next_to_the_base(lora, tiny_model_dir):
-    from verifiers_rl.rl.inference.vllm.extension import reported_gpus
+    from verifiers_rl.serving.session import reported_gpus
     from verifiers_rl.tiny import build_tiny_model
 
     models = {m["id"]: m for m in lora["client"].models()}
@@ -649,7 +650,7 @@ def test_in_flight_request_survives_an_adapter_sync(lora):
 def test_refused_adapter_updates_leave_the_adapter_serving(lora):
     import dataclasses
 
-    from verifiers_rl.rl.inference.client import ServerError
+    from verifiers_rl.serving.client import ServerError
 
     client, good = lora["client"], _adapter_weights(lora["peft"])
     version = client.weight_version()  # vLLM starts at "default"
@@ -672,7 +673,7 @@ def test_a_refusal_by_the_second_engine_fails_the_sync(lora):
     trainer through the weight group's store, and fails the sync."""
     import dataclasses
 
-    from verifiers_rl.rl.inference.client import ServerError
+    from verifiers_rl.serving.client import ServerError
 
     client, good = lora["client"], _adapter_weights(lora["peft"])
     refused = dataclasses.replace(good, peft_config={**good.peft_config, "vf_test_refuse_on_engine": 1})
@@ -699,6 +700,6 @@ def test_runtime_lora_routes_need_the_control_token(lora):
 
 
 def _adapter_weights(peft):
-    from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights
+    from verifiers_rl.sync.policy_weights import adapter_weights
 
     return adapter_weights(peft)

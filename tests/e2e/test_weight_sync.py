@@ -14,10 +14,10 @@ import torch
 from openai import OpenAI
 from peft_models import lora_model
 
-from verifiers_rl.rl.inference.client import ServerError
-from verifiers_rl.rl.inference.launcher import InferenceServer
-from verifiers_rl.rl.inference.transfer.adapter import lora_module
-from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights, merged_weights
+from verifiers_rl.serving.client import ServerError
+from verifiers_rl.serving.launcher import InferenceServer
+from verifiers_rl.sync.adapter import lora_module
+from verifiers_rl.sync.policy_weights import adapter_weights, merged_weights
 from verifiers_rl.tiny import build_tiny_model
 
 BUCKET_BYTES = 4 * 1024  # several buckets even for the adapter: A and B of one module land in different ones
@@ -162,8 +162,8 @@ def _engine_names(weights):
 
 @pytest.fixture(params=["slots", "cb"])
 def engine_cls(request):
-    from verifiers_rl.rl.inference.cpu.cb_engine import CPUEngine
-    from verifiers_rl.rl.inference.cpu.slot_engine import SlotEngine
+    from verifiers_rl.inference.cpu.cb_engine import CPUEngine
+    from verifiers_rl.inference.cpu.slot_engine import SlotEngine
 
     return SlotEngine if request.param == "slots" else CPUEngine
 
@@ -200,7 +200,7 @@ def test_every_receiving_rank_reports_through_the_store():
 
     import torch.distributed as dist
 
-    from verifiers_rl.rl.inference.transfer import gloo
+    from verifiers_rl.sync import gloo
 
     store = gloo.open_store("127.0.0.1", 0, world_size=3, timeout_s=10)  # closes its own listening descriptor
     peer = dist.TCPStore("127.0.0.1", store.port, 3, is_master=False, timeout=datetime.timedelta(seconds=10))

@@ -27,12 +27,12 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 from rl_envs import reverse_env  # noqa: E402
 
-import verifiers_rl.rl.trainer.trainer as trainer_module  # noqa: E402
+import verifiers_rl.trainer.trainer as trainer_module  # noqa: E402
 from verifiers_rl.errors import TrainingError  # noqa: E402
-from verifiers_rl.rl.trainer import RLConfig, RLTrainer  # noqa: E402
-from verifiers_rl.rl.trainer.checkpoints import ORCHESTRATOR_STATE, STAGING, checkpoints  # noqa: E402
-from verifiers_rl.rl.trainer.orchestrator import Orchestrator, RolloutBatch  # noqa: E402
-from verifiers_rl.rl.trainer.rollouts import Rollout, Turn  # noqa: E402
+from verifiers_rl.export.checkpoints import ORCHESTRATOR_STATE, STAGING, checkpoints  # noqa: E402
+from verifiers_rl.rollouts.orchestrator import Orchestrator, RolloutBatch  # noqa: E402
+from verifiers_rl.rollouts.rollouts import Rollout, Turn  # noqa: E402
+from verifiers_rl.trainer import RLConfig, RLTrainer  # noqa: E402
 
 PROTOCOL = "saver> "
 model_dir, out = sys.argv[1], sys.argv[2]

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl_envs import reverse_env  # noqa: E402
 from runs import tiny_rl_config  # noqa: E402
 
-from verifiers_rl.rl.trainer import RLTrainer  # noqa: E402
+from verifiers_rl.trainer import RLTrainer  # noqa: E402
 
 model_dir, out = sys.argv[1], sys.argv[2]
 # test_sync_verify's geometry: micro-batches of 4, on-policy

@@ -18,7 +18,7 @@ import sys
 import verifiers as vf
 from datasets import Dataset
 
-from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+from verifiers_rl.trainer import RLConfig, RLTrainer
 
 model_dir, output_root, modes = sys.argv[1], sys.argv[2], sys.argv[3:]
 

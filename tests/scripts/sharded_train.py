@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl_envs import reverse_env  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from verifiers_rl.rl.trainer import RLConfig, RLTrainer, weight_export  # noqa: E402
+from verifiers_rl.sync import export as weight_export
+from verifiers_rl.trainer import RLConfig, RLTrainer  # noqa: E402
 
 model_dir, out, policy = sys.argv[1], sys.argv[2], sys.argv[3]
 resume = "--resume" in sys.argv

@@ -235,8 +235,8 @@ def serve(engine_client) -> int:
 def merged_stream(seed: int, rows: int = 48):
     """A stream like a merged LoRA sync: each tensor (W + B @ A) computed when it is pulled, in storage whose
     release is observable (numpy-backed), so the report can say how many bytes of it were alive at once."""
-    from verifiers_rl.rl.inference.transfer.buckets import TensorMeta
-    from verifiers_rl.rl.inference.transfer.stream import WeightStream
+    from verifiers_rl.sync.buckets import TensorMeta
+    from verifiers_rl.sync.stream import WeightStream
 
     gen = torch.Generator().manual_seed(seed)
     base = [(f"model.layers.{i // 4}.mlp.w{i % 4}.weight", torch.randn(rows, 64, generator=gen)) for i in range(24)]
@@ -289,7 +289,7 @@ def sync_report(client, workers, engine_client, bucket_bytes: int) -> dict:
 
 def cpu_refusal() -> str:
     """Before the device is faked: what a trainer without CUDA is told (vLLM itself imports fine here)."""
-    from verifiers_rl.rl.inference.transfer.nccl import NCCLSender
+    from verifiers_rl.sync.nccl import NCCLSender
 
     try:
         NCCLSender(client=None).init()
@@ -299,7 +299,7 @@ def cpu_refusal() -> str:
 
 
 def sync_scenarios(report: dict) -> None:
-    from verifiers_rl.rl.inference.client import InferenceClient
+    from verifiers_rl.serving.client import InferenceClient
 
     bucket_bytes = 40 * 1024
     workers = make_workers(tp=2)
@@ -337,8 +337,8 @@ def sync_scenarios(report: dict) -> None:
 
 def init_faults(report: dict) -> None:
     """The init's stages, each made to fail or never end; a sender with INIT_BOUND_S per stage."""
-    from verifiers_rl.rl.inference.client import InferenceClient
-    from verifiers_rl.rl.inference.transfer.nccl import NCCLSender
+    from verifiers_rl.serving.client import InferenceClient
+    from verifiers_rl.sync.nccl import NCCLSender
 
     StoreCommunicator.trainer_disabled = False
     faults = {}

@@ -3,7 +3,7 @@ data-parallel engine gives when the update's config asks for it (`REFUSE_KEY`), 
 from the others would. vLLM's /collective_rpc answers with the first engine's results only; the test shows the
 trainer still hears engine 1's refusal. Imported by vLLM's worker processes (tests/scripts on PYTHONPATH)."""
 
-from verifiers_rl.rl.inference.vllm.extension import WorkerExtension
+from verifiers_rl.inference.vllm.extension import WorkerExtension
 
 REFUSE_KEY = "vf_test_refuse_on_engine"
 

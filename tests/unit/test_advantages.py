@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from verifiers_rl.rl.trainer.advantages import AdvantageResult, compute_advantages
+from verifiers_rl.batch.advantages import AdvantageResult, compute_advantages
 
 
 def test_group_scale_hand_computed():

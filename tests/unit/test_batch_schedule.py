@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 from rl_envs import reverse_env
 
-from verifiers_rl.rl.trainer.orchestrator import Orchestrator
-from verifiers_rl.rl.trainer.runtime import InferenceRuntime
+from verifiers_rl.rollouts.orchestrator import Orchestrator
+from verifiers_rl.trainer.runtime import InferenceRuntime
 
 
 def _orchestrator(k: int, per: int) -> Orchestrator:

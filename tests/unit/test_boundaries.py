@@ -12,9 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-INFERENCE = Path(__file__).resolve().parents[2] / "verifiers_rl" / "rl" / "inference"
-# peft is allowed: transfer/policy_weights.py maps a peft model to engine names on the trainer side of a sync
-FORBIDDEN = ("verifiers_rl.rl.trainer", "verifiers_rl.scripts", "accelerate", "verifiers", "trl", "datasets")
+PACKAGE = Path(__file__).resolve().parents[2] / "verifiers_rl"
+SERVING_SIDE = ("inference", "serving")
+TRAINING_SIDE = ("trainer", "rollouts", "batch", "loss", "scripts")
+FORBIDDEN = tuple(f"verifiers_rl.{p}" for p in TRAINING_SIDE) + ("accelerate", "verifiers", "trl", "datasets")
 
 
 def _imports(path: Path) -> list[str]:
@@ -29,8 +30,9 @@ def _imports(path: Path) -> list[str]:
 
 def test_no_module_under_inference_imports_the_trainer():
     offenders = {
-        str(p.relative_to(INFERENCE)): name
-        for p in INFERENCE.rglob("*.py")
+        str(p.relative_to(PACKAGE)): name
+        for side in SERVING_SIDE
+        for p in (PACKAGE / side).rglob("*.py")
         for name in _imports(p)
         if name in FORBIDDEN or name.startswith(tuple(f + "." for f in FORBIDDEN))
     }
@@ -40,12 +42,12 @@ def test_no_module_under_inference_imports_the_trainer():
 def test_serving_a_model_loads_no_training_stack(tiny_model_dir):
     code = f"""
 import sys
-import verifiers_rl.rl.inference.cpu.app, verifiers_rl.rl.inference.server, verifiers_rl.rl.inference.client
-from verifiers_rl.rl.inference.cpu.cb_engine import CPUEngine
+import verifiers_rl.inference.cpu.app, verifiers_rl.inference.server, verifiers_rl.serving.client
+from verifiers_rl.inference.cpu.cb_engine import CPUEngine
 engine = CPUEngine.from_pretrained({tiny_model_dir!r}, max_model_len=64, max_num_seqs=2)
 engine.close()
-bad = ("verifiers", "trl", "peft", "datasets", "wandb", "transformers.trainer", "verifiers_rl.rl.trainer",
-       "verifiers_rl.scripts")
+bad = ("verifiers", "trl", "peft", "datasets", "wandb", "transformers.trainer", "verifiers_rl.trainer",
+       "verifiers_rl.rollouts", "verifiers_rl.batch", "verifiers_rl.loss", "verifiers_rl.scripts")
 print(sorted(m for m in sys.modules if m in bad or m.startswith(tuple(b + "." for b in bad))))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

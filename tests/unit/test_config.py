@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from transformers import TrainingArguments
 
-from verifiers_rl.rl.trainer.config import DEFAULT_LORA_TARGETS, RLConfig
-from verifiers_rl.rl.trainer.config_checks import describe_sampling
+from verifiers_rl.config.checks import describe_sampling
+from verifiers_rl.config.rl_config import DEFAULT_LORA_TARGETS, RLConfig
 
 LIB = Path(__file__).resolve().parents[2] / "verifiers_rl"
 OURS = [
@@ -45,7 +45,7 @@ def test_established_field_names_exist():
 @pytest.mark.parametrize("name", OURS)
 def test_every_field_is_read_by_the_library(name):
     src = _library_source()
-    config_src = (LIB / "rl" / "trainer" / "config.py").read_text()
+    config_src = (LIB / "config" / "rl_config.py").read_text()
     used = re.search(rf"\.{name}\b", src) or re.search(rf"self\.{name}\b", config_src.split("def __post_init__")[1])
     assert used, f"RLConfig.{name} is never read: it would do nothing"
 
@@ -110,8 +110,8 @@ def test_defaults():
 
 
 def test_lora_fields_reach_peft():
-    from verifiers_rl.rl.trainer.trainer import RLTrainer
     from verifiers_rl.tiny import build_tiny_model
+    from verifiers_rl.trainer.trainer import RLTrainer
 
     model, _ = build_tiny_model()
     cfg = _cfg(
@@ -158,6 +158,6 @@ def test_gradient_checkpointing_is_taken_as_activation_checkpointing_without_a_w
 def test_final_model_rules(kw, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         _cfg(**kw)
-    from verifiers_rl.scripts.config_schema import load_schema, rule_errors
+    from verifiers_rl.config.schema import load_schema, rule_errors
 
     assert any(message in e for e in rule_errors(kw, load_schema())), "the TOML check says the same before torch"

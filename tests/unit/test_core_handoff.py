@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from verifiers_rl.rl.trainer.core_handoff import CoreHandoff
+from verifiers_rl.inference.cpu.core_handoff import CoreHandoff
 
 
 @pytest.fixture

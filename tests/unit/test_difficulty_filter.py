@@ -12,11 +12,11 @@ import pytest
 import torch
 from rl_envs import reverse_env
 
-from verifiers_rl.rl.trainer.difficulty_filter import DifficultyFilter, prompts_drawn, select_groups
-from verifiers_rl.rl.trainer.orchestrator import Orchestrator, batch_rows
-from verifiers_rl.rl.trainer.policy_version import PolicyVersion
-from verifiers_rl.rl.trainer.rollout_client import ROLLOUT_KEY
-from verifiers_rl.rl.trainer.rollouts import Rollout
+from verifiers_rl.rollouts.client import ROLLOUT_KEY
+from verifiers_rl.rollouts.difficulty_filter import DifficultyFilter, prompts_drawn, select_groups
+from verifiers_rl.rollouts.orchestrator import Orchestrator, batch_rows
+from verifiers_rl.rollouts.rollouts import Rollout
+from verifiers_rl.sync.policy_version import PolicyVersion
 
 
 def _group(group: int, rewards, error: str | None = None, truncated: bool = False) -> list[Rollout]:

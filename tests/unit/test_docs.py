@@ -18,7 +18,7 @@ def test_configuration_reference_lists_every_rlconfig_field():
 
     from transformers import TrainingArguments
 
-    from verifiers_rl.rl.trainer.config import RLConfig
+    from verifiers_rl.config.rl_config import RLConfig
 
     doc = (ROOT / "docs" / "configuration.md").read_text()
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
@@ -78,8 +78,8 @@ def test_readme_performance_table_is_the_committed_full_run():
 def test_protocol_states_the_code_s_default_bucket_size():
     import dataclasses
 
-    from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES
-    from verifiers_rl.rl.trainer.config import RLConfig
+    from verifiers_rl.config.rl_config import RLConfig
+    from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES
 
     doc = (ROOT / "docs" / "protocol.md").read_text()
     stated = re.findall(r"buckets \(default (\d+) MiB", doc)

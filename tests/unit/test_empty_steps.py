@@ -4,11 +4,11 @@ from collections import Counter
 
 import pytest
 
+from verifiers_rl.batch.samples import PreparedBatch
+from verifiers_rl.config.limits import request_fits, room_for_prompt
 from verifiers_rl.errors import TrainingError
-from verifiers_rl.rl.inference.limits import request_fits, room_for_prompt
-from verifiers_rl.rl.trainer.diagnose import EmptySteps, configuration_error, explain_empty_step, summarize
-from verifiers_rl.rl.trainer.rollouts import Rollout
-from verifiers_rl.rl.trainer.samples import PreparedBatch
+from verifiers_rl.rollouts.rollouts import Rollout
+from verifiers_rl.trainer.diagnose import EmptySteps, configuration_error, explain_empty_step, summarize
 
 
 def _rollout(error=None, kind=None):

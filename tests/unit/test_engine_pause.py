@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from verifiers_rl.inference.cpu.cb_engine import CPUEngine
 from verifiers_rl.models import get_model, get_tokenizer
-from verifiers_rl.rl.inference.cpu.cb_engine import CPUEngine
 
 
 def test_pause_and_resume_from_different_threads_then_close(tiny_model_dir):

@@ -8,10 +8,11 @@ from collections import Counter
 
 import pytest
 
+from verifiers_rl.config.checks import check_ratios
 from verifiers_rl.errors import TrainingError
-from verifiers_rl.rl.trainer.env_mix import MixedRows, check_ratios, env_name_of
-from verifiers_rl.rl.trainer.metrics import rollout_metrics
-from verifiers_rl.rl.trainer.rollouts import Rollout
+from verifiers_rl.rollouts.env_mix import MixedRows, env_name_of
+from verifiers_rl.rollouts.metrics import rollout_metrics
+from verifiers_rl.rollouts.rollouts import Rollout
 
 ROWS = {"a": list(range(0, 10)), "b": list(range(10, 13))}  # dataset rows of each environment
 
@@ -110,7 +111,7 @@ def test_metrics_split_reward_by_environment():
 def test_python_api_takes_a_list_or_an_env_group():
     import verifiers as vf
 
-    from verifiers_rl.rl.trainer.env_mix import RATIOS, as_environment, mix_environments
+    from verifiers_rl.rollouts.env_mix import RATIOS, as_environment, mix_environments
     from verifiers_rl.scripts.environments import load_environment
 
     a = load_environment("reverse-text", {"num_train_examples": 4, "num_eval_examples": 2})

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from verifiers_rl.config.hosted import NOTED
+from verifiers_rl.config.toml import apply_overrides, validate
 from verifiers_rl.errors import ConfigError
-from verifiers_rl.rl.plan.run import probe_machine
-from verifiers_rl.scripts.hosted_config import NOTED
+from verifiers_rl.plan.run import probe_machine
 from verifiers_rl.scripts.rl_plan import build_plan, render
-from verifiers_rl.scripts.toml_config import apply_overrides, validate
 
 HOSTED = Path(__file__).resolve().parents[1] / "data" / "upstream" / "hosted"
 TWO = 'model = "m"\n[[env]]\nid = "reverse-text"\nratio = 2\n[[env]]\nid = "alphabet-sort"\n[env.args]\nseed = 1\n'

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from verifiers_rl.rl.trainer.env_tokens import after_turn, common_suffix, environment_part, extends
-from verifiers_rl.rl.trainer.rollouts import rollouts_from_outputs
-from verifiers_rl.rl.trainer.samples import build_samples
+from verifiers_rl.batch.samples import build_samples
+from verifiers_rl.rollouts.env_tokens import after_turn, common_suffix, environment_part, extends
+from verifiers_rl.rollouts.rollouts import rollouts_from_outputs
 
 SYSTEM = {"role": "system", "content": "Keep the list sorted."}
 ASK = {"role": "user", "content": "Sort: pear, fig"}
@@ -138,7 +138,7 @@ def test_byte_kit_history_extends_and_trains_the_same_span(tiny_model_dir):
     text, counts = _trained_env_text(tok, r)
     assert text == ENV_TURN
     assert counts["turns_history_rerendered"] == 0
-    from verifiers_rl.rl.trainer.env_tokens import environment_tokens
+    from verifiers_rl.rollouts.env_tokens import environment_tokens
 
     n = environment_tokens(
         tok, r.messages[: r.turns[1].message_index], 2, r.turns[1].prompt_ids, r.turns[0].completion_ids

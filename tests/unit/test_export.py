@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from verifiers_rl.config.lora import lora_config, wrap_lora
 from verifiers_rl.export.card import ModelCard, eval_rows, run_history
 from verifiers_rl.export.sources import layout
 from verifiers_rl.export.writer import EXPORT_MANIFEST, export_model, is_export
-from verifiers_rl.rl.trainer.final import without_secrets
-from verifiers_rl.rl.trainer.lora import lora_config, wrap_lora
 from verifiers_rl.tiny import build_tiny_model
+from verifiers_rl.trainer.final import without_secrets
 
 
 @pytest.fixture

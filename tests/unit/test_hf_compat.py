@@ -6,7 +6,7 @@ import dataclasses
 
 import transformers
 
-from verifiers_rl.rl.trainer import RLConfig
+from verifiers_rl.trainer import RLConfig
 
 NEW_NAMES = "activation_checkpointing" in {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
 

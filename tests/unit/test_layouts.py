@@ -11,11 +11,11 @@ import textwrap
 
 import pytest
 
-from verifiers_rl.rl.plan.devices import child_visible_devices
-from verifiers_rl.rl.plan.run import PLAN_ENV, probe_machine
-from verifiers_rl.rl.plan.serving import ServingPlan, plan_serving
+from verifiers_rl.config.toml import rl_config, validate
+from verifiers_rl.plan.devices import child_visible_devices
+from verifiers_rl.plan.run import PLAN_ENV, probe_machine
+from verifiers_rl.plan.serving import ServingPlan, plan_serving
 from verifiers_rl.scripts.rl_plan import build_plan, trainer_env
-from verifiers_rl.scripts.toml_config import rl_config, validate
 
 POLICIES = {
     "full": {"use_lora": False},
@@ -112,7 +112,7 @@ def test_plan_indices_count_the_visible_gpus(monkeypatch):
     """Under CUDA_VISIBLE_DEVICES=4,5,6 the plan's GPU 1 is physical GPU 5, for the server and the trainer alike
     (a child's CUDA_VISIBLE_DEVICES replaces its parent's: passing "1" on would pick physical GPU 1)."""
     from verifiers_rl.errors import ConfigError
-    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.serving.launcher import InferenceServer
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
     assert child_visible_devices([1, 2]) == "5,6"
@@ -142,8 +142,8 @@ def _fake_gpus(monkeypatch, uuids: list[str], current: int = 0):
 def test_a_trainer_on_the_servers_gpu_is_refused_before_nccl_hangs(monkeypatch, tmp_path):
     """vf-rl planned NCCL between GPU 0 (server) and GPU 1 (trainer); a trainer process that nonetheless sees the
     server's GPU as its own (CUDA_VISIBLE_DEVICES not narrowed) stops with one line, by UUID."""
-    from verifiers_rl.rl.inference.errors import ServerError
-    from verifiers_rl.rl.trainer.server_session import ServerSession
+    from verifiers_rl.errors import ServerError
+    from verifiers_rl.serving.session import ServerSession
 
     plan = plan_serving(
         _args(), mode="spawn", engine="vllm", cuda_count=2, server_uuids=["GPU-a"], trainer_uuids=["GPU-b"]
@@ -167,7 +167,7 @@ def test_one_process_never_spreads_over_several_gpus():
 
 
 def test_connected_servers_gpus(monkeypatch):
-    from verifiers_rl.rl.plan.serving import connected_server_uuids
+    from verifiers_rl.plan.serving import connected_server_uuids
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert connected_server_uuids(["G1"], local=True, cuda_count=1, trainer_uuids=["G0"]) == ("G1",)  # it said
@@ -182,7 +182,7 @@ def test_connected_servers_gpus(monkeypatch):
 
 
 def _args(**kw):
-    from verifiers_rl.rl.trainer import RLConfig
+    from verifiers_rl.trainer import RLConfig
 
     return RLConfig(output_dir="/tmp/x", use_cpu=True, server_engine="vllm", **kw)
 
@@ -196,8 +196,9 @@ def test_vf_rl_starts_vllm_with_a_zero_adapter_of_the_trainers_layout(tmp_path, 
     from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors.torch import load_file
 
-    from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights
-    from verifiers_rl.rl.trainer.lora import lora_ranks, write_zero_adapter
+    from verifiers_rl.config.lora import lora_ranks
+    from verifiers_rl.sync.adapter import write_zero_adapter
+    from verifiers_rl.sync.policy_weights import adapter_weights
     from verifiers_rl.tiny import build_tiny_model
 
     config = LoraConfig(r=8, lora_alpha=16, rank_pattern={"v_proj": 4}, target_modules=["q_proj", "v_proj", "up_proj"])
@@ -252,8 +253,8 @@ def test_multi_node_plan_prints_every_machine(tmp_path):
 
 def test_dry_run_refuses_a_trainer_rank_that_cannot_fit():
     from verifiers_rl.errors import ConfigError
-    from verifiers_rl.rl.plan.memory import fit_training, rank_parts, shape_of
-    from verifiers_rl.rl.plan.ranks import training_layout
+    from verifiers_rl.plan.memory import fit_training, rank_parts, shape_of
+    from verifiers_rl.plan.ranks import training_layout
 
     shape = shape_of("Qwen/Qwen3-8B")
     kw = {"use_lora": False, "lora_rank": 8, "micro_batch_tokens": 2048, "max_seq_len": 2048}
@@ -278,7 +279,7 @@ def test_fsdp2_is_requested_by_the_launcher_or_by_trainingarguments(monkeypatch)
     """Both routes docs/scaling.md names: accelerate's exported FSDP settings, and `fsdp` + `fsdp_config` version 2."""
     from types import SimpleNamespace
 
-    from verifiers_rl.rl.trainer.sharding import fsdp2_requested
+    from verifiers_rl.config.sharding import fsdp2_requested
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     monkeypatch.delenv("FSDP_VERSION", raising=False)
@@ -301,7 +302,7 @@ def test_zero3_on_cpu_sizes_the_buckets_its_config_leaves_out():
 
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    from verifiers_rl.rl.trainer.sharding import size_zero3_buckets_on_cpu
+    from verifiers_rl.config.sharding import size_zero3_buckets_on_cpu
 
     def accelerator(zero):
         ds = HfTrainerDeepSpeedConfig({"zero_optimization": zero})
@@ -398,7 +399,7 @@ def test_the_committed_h200_runs_of_the_trainer_with_the_cpu_engine_passed():
 def test_the_cpu_engine_beside_gpus_is_described_on_the_cpu():
     """`vf-rl --dry-run` with `[inference] engine = "cpu"` on a GPU machine (as run on an H200, gpu-status.md): the
     server holds its weights in host memory, so the plan does not say it shares or sits on a GPU."""
-    from verifiers_rl.rl.plan.devices import GpuPlan
+    from verifiers_rl.plan.devices import GpuPlan
 
     gpus = GpuPlan(cuda=1, inference=[0], trainer=[0], shared=True)
     assert gpus.describe("cpu") == "1 CUDA device(s): trainer on [0]; the CPU engine serves on the CPU (no GPU)"

@@ -14,11 +14,11 @@ import torch
 from decoders import KINDS, decoder
 from safetensors.torch import load_file, save_file
 
+from verifiers_rl.inference.cpu.engines import load_engine
+from verifiers_rl.inference.cpu.kv_cache import SlotKVCache
+from verifiers_rl.inference.cpu.lean_forward import LeanDecoder, unsupported_reason
+from verifiers_rl.inference.cpu.lean_model import LeanCausalLM, load_lean_model
 from verifiers_rl.models import get_model
-from verifiers_rl.rl.inference.cpu.engines import load_engine
-from verifiers_rl.rl.inference.cpu.kv_cache import SlotKVCache
-from verifiers_rl.rl.inference.cpu.lean_forward import LeanDecoder, unsupported_reason
-from verifiers_rl.rl.inference.cpu.lean_model import LeanCausalLM, load_lean_model
 from verifiers_rl.tiny import build_tokenizer
 
 
@@ -175,7 +175,7 @@ def test_the_server_loads_without_transformers_modeling_code(tmp_path):
     folder = _saved(tmp_path, "qwen3")
     probe = (
         "import sys\n"
-        "from verifiers_rl.rl.inference.cpu.engines import load_engine\n"
+        "from verifiers_rl.inference.cpu.engines import load_engine\n"
         f"engine = load_engine({folder!r}, max_model_len=64, max_num_seqs=2)\n"
         "heavy = ['transformers.modeling_utils', 'torch._dynamo', 'sympy']\n"
         "print(type(engine.model).__name__, [m for m in heavy if m in sys.modules])\n"

@@ -10,8 +10,8 @@ import pytest
 import verifiers as vf
 from peft import LoraConfig
 
+from verifiers_rl.config.legacy import REMOVED
 from verifiers_rl.rl.trainer import GRPOConfig, RLConfig, RLTrainer, grpo_defaults, lora_defaults
-from verifiers_rl.rl.trainer.legacy import REMOVED
 
 # Every field verifiers 0.1.14's RLConfig declared, at a value a user could have set (bf16 off: this is a CPU).
 UPSTREAM_0_1_14 = dict(

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from verifiers_rl.rl.trainer.logprobs import chunked_logprobs, full_logprobs
+from verifiers_rl.loss.logprobs import chunked_logprobs, full_logprobs
 
 N, H, V = 13, 8, 50
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from verifiers_rl.rl.trainer.losses import LOSS_TYPES, METRIC_REDUCTIONS, k3, policy_loss
+from verifiers_rl.loss.losses import LOSS_TYPES, METRIC_REDUCTIONS, k3, policy_loss
 
 # Two sequences, T=4. Row 0 trains tokens 1..3 (A=+1), row 1 trains tokens 0..1 (A=-2).
 LP = [[-9.0, -1.0, -2.0, -0.5], [-0.3, -1.2, 5.0, 7.0]]

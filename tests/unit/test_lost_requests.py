@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from verifiers_rl.rl.trainer.server_recovery import quiet_lost_requests
+from verifiers_rl.serving.recovery import quiet_lost_requests
 
 LOST = [
     "Aborted rollout due to ModelError() -> APIConnectionError('Connection error.')",

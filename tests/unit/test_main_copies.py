@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent(
     import dataclasses, json, re, sys
     from functools import partial
 
-    from verifiers_rl.rl.trainer.main_copies import copy_of
+    from verifiers_rl.rollouts.main_copies import copy_of
 
     VOWELS = re.compile(r"[aeiou]")
     calls = 0
@@ -67,7 +67,7 @@ SCRIPT = textwrap.dedent(
 LOAD = textwrap.dedent(
     """
     import json, sys
-    from verifiers_rl.rl.trainer.main_copies import load_copy
+    from verifiers_rl.rollouts.main_copies import load_copy
 
     funcs = load_copy(open(sys.argv[1], "rb").read())
     print(json.dumps([f(t) for t in ("  abba ", "xyz") for f in funcs]))

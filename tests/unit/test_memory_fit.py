@@ -8,7 +8,7 @@ import re
 import pytest
 
 from verifiers_rl.errors import ConfigError
-from verifiers_rl.rl.plan.memory import GIB, chunk_rows, fit_training, shape_of
+from verifiers_rl.plan.memory import GIB, chunk_rows, fit_training, shape_of
 
 
 def _fit(model: str, gpu_gib: float, **kw):
@@ -86,7 +86,7 @@ def test_a_written_gpu_memory_utilization_is_kept_or_refused_with_both_numbers()
 
 
 def test_chunk_rows_follow_the_trainers_logprobs():
-    from verifiers_rl.rl.trainer.logprobs import auto_chunk_size
+    from verifiers_rl.loss.logprobs import auto_chunk_size
 
     for vocab in (261, 512, 32000, 151936, 262144):
         assert chunk_rows(vocab) == auto_chunk_size(vocab)

@@ -28,7 +28,7 @@ pytest.importorskip("peft")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from verifiers_rl.rl.plan.memory import ModelShape, activation_bytes, logprob_bytes  # noqa: E402
+from verifiers_rl.plan.memory import ModelShape, activation_bytes, logprob_bytes  # noqa: E402
 
 TOKENS = (128, 128)  # two samples packed in one row
 
@@ -73,7 +73,7 @@ class LiveBytes(TorchDispatchMode):
 def _model(use_lora: bool, checkpointing: bool):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from verifiers_rl.rl.trainer.lora import lora_config, wrap_lora
+    from verifiers_rl.config.lora import lora_config, wrap_lora
 
     cfg = Qwen3Config(
         vocab_size=512, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=16,
@@ -93,7 +93,7 @@ def _model(use_lora: bool, checkpointing: bool):
 
 def _step(model) -> None:
     """forward.token_logprobs' path for a head every rank holds: hidden states out, chunked logprobs."""
-    from verifiers_rl.rl.trainer.logprobs import chunked_logprobs
+    from verifiers_rl.loss.logprobs import chunked_logprobs
 
     n = sum(TOKENS)
     ids = torch.randint(0, 512, (1, n))

@@ -9,15 +9,15 @@ import random
 import pytest
 import torch
 
-from verifiers_rl.rl.trainer.losses import LOSS_TYPES, policy_loss
-from verifiers_rl.rl.trainer.microbatches import (
+from verifiers_rl.batch.microbatches import (
     collate_packed,
     collate_padded,
     padding_fraction,
     plan_microbatches,
     plan_rows,
 )
-from verifiers_rl.rl.trainer.samples import Sample
+from verifiers_rl.batch.samples import Sample
+from verifiers_rl.loss.losses import LOSS_TYPES, policy_loss
 
 
 def _cost(lengths, mb, packed=False):
@@ -130,7 +130,7 @@ def test_microbatch_to_moves_every_tensor_and_keeps_the_counts():
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_empty_microbatch_is_marked_and_still_trains_a_target(packed):
-    from verifiers_rl.rl.trainer.policy_step import empty_microbatch
+    from verifiers_rl.trainer.policy_step import empty_microbatch
 
     mb = empty_microbatch(packed)
     # one trained target, so its (zero-weighted) loss still reaches every parameter DDP all-reduces

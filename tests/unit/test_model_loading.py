@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from verifiers_rl.models import ensure_pad_token, get_tokenizer, resolve_model_path, weight_bytes
-from verifiers_rl.rl.trainer import get_model, get_model_and_tokenizer
 from verifiers_rl.tiny import build_tiny_model
+from verifiers_rl.trainer import get_model, get_model_and_tokenizer
 
 
 def test_local_path_cpu_defaults(tiny_model_dir):

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from verifiers_rl.config.net import free_port
+from verifiers_rl.config.toml import apply_overrides, validate
 from verifiers_rl.errors import ConfigError
-from verifiers_rl.rl.inference.net import free_port
-from verifiers_rl.rl.plan.run import PLAN_ENV, probe_machine
+from verifiers_rl.plan.run import PLAN_ENV, probe_machine
 from verifiers_rl.scripts.rl_plan import SERVER_PORT, build_plan, render
-from verifiers_rl.scripts.toml_config import apply_overrides, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 UPSTREAM = ROOT / "tests" / "data" / "upstream"
@@ -50,14 +50,14 @@ def _printed(text: str, section: str) -> str:
 def _launch(plan, monkeypatch) -> dict:
     """vf-rl's `run(plan)` with process creation recorded: the server's and the trainer's command lines and
     environments as vf-rl hands them to the OS (a harmless process stands in for each)."""
-    from verifiers_rl.rl.inference.launcher import InferenceServer
     from verifiers_rl.scripts import rl
+    from verifiers_rl.serving.launcher import InferenceServer
 
     seen: dict = {}
     real_popen = subprocess.Popen
 
     def popen(cmd, **kw):
-        role = "server" if "verifiers_rl.rl.inference.server" in cmd else "trainer"
+        role = "server" if "verifiers_rl.inference.server" in cmd else "trainer"
         seen[role] = (list(cmd), dict(kw.get("env") or {}))
         stand_in = ["sleep", "30"] if role == "server" else ["true"]
         return real_popen(stand_in, start_new_session=True)
@@ -161,7 +161,7 @@ def test_the_tutorials_wandb_table(monkeypatch, tmp_path):
 
     import wandb
 
-    from verifiers_rl.rl.trainer import RLConfig, RLTrainer
+    from verifiers_rl.trainer import RLConfig, RLTrainer
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
@@ -242,9 +242,10 @@ def test_rltrainer_in_a_script_plans_with_the_same_function(monkeypatch, tmp_pat
     shares, or, since its model is built already, a refusal that names what to set."""
     import torch
 
-    from verifiers_rl.rl.plan.memory import _KNOWN_KEYS, KNOWN, ModelShape
-    from verifiers_rl.rl.plan.run import plan_run
-    from verifiers_rl.rl.trainer import RLConfig
+    from verifiers_rl.plan.memory import _KNOWN_KEYS, KNOWN, ModelShape
+    from verifiers_rl.plan.run import plan_run
+    from verifiers_rl.serving.launcher import server_of
+    from verifiers_rl.trainer import RLConfig
 
     class Props:  # one 24 GiB GPU, as torch.cuda describes it (the device is all that is faked)
         uuid, total_memory = "GPU-0", 24 << 30
@@ -262,7 +263,8 @@ def test_rltrainer_in_a_script_plans_with_the_same_function(monkeypatch, tmp_pat
 
     run = plan_run(args(activation_checkpointing=True), "m", machine, shape=shape, apply=False)
     assert run.serving.shared_gpu and run.memory.measures == {}
-    share = run.server.command()[run.server.command().index("--gpu-memory-utilization") + 1]
+    command = server_of(run).command()  # what ServerSession._spawn starts
+    share = command[command.index("--gpu-memory-utilization") + 1]
     assert float(share) == pytest.approx(run.memory.gpu_memory_utilization)
     with pytest.raises(ConfigError, match="does not fit its GPU as configured: set activation_checkpointing=True"):
         plan_run(args(micro_batch_size=64), "m", machine, shape=shape, apply=False)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from verifiers_rl.rl.plan.devices import assign_gpus
-from verifiers_rl.rl.plan.run import Machine, plan_run
-from verifiers_rl.rl.plan.serving import (
+from verifiers_rl.plan.devices import assign_gpus
+from verifiers_rl.plan.run import Machine, plan_run
+from verifiers_rl.plan.serving import (
     ServingPlan,
     cpu_thread_split,
     plan_serving,
@@ -17,14 +17,15 @@ from verifiers_rl.rl.plan.serving import (
     resolve_lora_sync,
     resolve_mode,
 )
+from verifiers_rl.serving.launcher import server_of
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "verifiers_rl"
-PLAN = PACKAGE / "rl" / "plan" / "serving.py"
+PLAN = PACKAGE / "plan" / "serving.py"
 
 
 def _cfg(**kw):
-    from verifiers_rl.rl.trainer import RLConfig
+    from verifiers_rl.trainer import RLConfig
 
     return RLConfig(output_dir="/tmp/x", use_cpu=True, **kw)
 
@@ -127,6 +128,26 @@ def test_no_module_imports_in_a_cycle():
     assert not _cycles(_import_graph())
 
 
+def _package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else "verifiers_rl"  # a top-level module (errors, models) is the root
+
+
+def test_no_stage_package_imports_in_a_cycle():
+    """The stage packages (config, plan, sync, serving, inference, rollouts, batch, loss, export, trainer) form a
+    layering: a package never needs, through any chain of imports, a package that needs it."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in _import_graph().items():
+        packages.setdefault(_package_of(module), set()).update(
+            p for p in map(_package_of, targets) if p != _package_of(module)
+        )
+    for targets in list(packages.values()):
+        for p in targets:
+            packages.setdefault(p, set())
+    assert not _cycles(packages)
+    assert "trainer" not in packages["rollouts"] and "trainer" not in packages["export"]
+
+
 def test_the_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -159,7 +180,7 @@ def test_engine_mode_and_lora_sync_rules():
 def test_vf_rl_and_the_runtime_make_the_same_plan_for_a_shared_gpu_on_two_gpus():
     """[inference] gpus = 0 on a 2-GPU host: the device split says shared; the plan the trainer follows is the
     same object, so its sync backend and LoRA sync agree with the server vf-rl starts."""
-    from verifiers_rl.rl.plan.run import Layout
+    from verifiers_rl.plan.run import Layout
 
     assert assign_gpus(2, 0, 1).shared
     machine = Machine(2, 80 << 30, ("cuda:0", "cuda:1"), vllm=True, real=False)
@@ -169,7 +190,7 @@ def test_vf_rl_and_the_runtime_make_the_same_plan_for_a_shared_gpu_on_two_gpus()
     plan = run.serving
     assert run.gpus.shared and plan.shared_gpu
     assert (plan.lora_sync, plan.sync_backend, plan.server_weight_backend) == ("adapter", "adapter", "gloo")
-    assert run.server.command().count("--gpu-memory-utilization") == 1
+    assert server_of(run).command().count("--gpu-memory-utilization") == 1
     again = plan_serving(_cfg(), mode="connect", engine="vllm", cuda_count=2, trainer_uuids=["cuda:1"])
     assert (again.sync_backend, again.lora_sync) == ("nccl", "merged")  # a server elsewhere: what it reports decides
     assert ServingPlan.from_json(plan.to_json()) == plan
@@ -217,11 +238,11 @@ def test_cpu_thread_split(monkeypatch):
 
 def test_openmp_spin_is_bounded_for_what_the_commands_start(monkeypatch):
     """libgomp's idle workers spin 300k iterations by default, which stalls torch when anything else runs on the
-    cores (verifiers_rl/rl/plan/openmp.py has the measurements); a user's own spin or wait policy wins."""
+    cores (verifiers_rl/inference/cpu/openmp.py has the measurements); a user's own spin or wait policy wins."""
     import subprocess
     import sys
 
-    from verifiers_rl.rl.plan.openmp import SPIN_COUNT, bound_openmp_spin
+    from verifiers_rl.inference.cpu.openmp import SPIN_COUNT, bound_openmp_spin
     from verifiers_rl.scripts.common import run_cli
 
     assert bound_openmp_spin(env := {}) and env == {"GOMP_SPINCOUNT": SPIN_COUNT}

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from verifiers_rl.errors import ConfigError
-from verifiers_rl.rl.plan.devices import assign_gpus
-from verifiers_rl.rl.plan.memory import GIB, ModelShape, fit_training, rank_parts, shape_of
-from verifiers_rl.rl.plan.serving import resolve_sync_backend
+from verifiers_rl.plan.devices import assign_gpus
+from verifiers_rl.plan.memory import GIB, ModelShape, fit_training, rank_parts, shape_of
+from verifiers_rl.plan.serving import resolve_sync_backend
 
 MEASURED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "shared_gpu_memory.json"
 

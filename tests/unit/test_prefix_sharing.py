@@ -11,10 +11,8 @@ import pytest
 import torch
 from peft_models import lora_model
 
-from verifiers_rl.rl.trainer.forward import token_logprobs
-from verifiers_rl.rl.trainer.losses import LOSS_TYPES, policy_loss
-from verifiers_rl.rl.trainer.microbatches import collate_packed
-from verifiers_rl.rl.trainer.prefix_sharing import (
+from verifiers_rl.batch.microbatches import collate_packed
+from verifiers_rl.batch.prefix_sharing import (
     additive_mask,
     collate_shared,
     layer_costs,
@@ -25,9 +23,11 @@ from verifiers_rl.rl.trainer.prefix_sharing import (
     spans_cost,
     unit_length,
 )
-from verifiers_rl.rl.trainer.samples import Sample
-from verifiers_rl.rl.trainer.span_attention import block_pairs, query_blocks
-from verifiers_rl.rl.trainer.weight_export import ReplicatedExport
+from verifiers_rl.batch.samples import Sample
+from verifiers_rl.batch.span_attention import block_pairs, query_blocks
+from verifiers_rl.loss.forward import token_logprobs
+from verifiers_rl.loss.losses import LOSS_TYPES, policy_loss
+from verifiers_rl.sync.export import ReplicatedExport
 
 
 def _sample(prompt, completion, group=0, advantage=1.0, trained=None):
@@ -239,7 +239,7 @@ def _batch(prompt_len, completion_len, group=8, seed=0):
 
 
 def test_microbatches_choose_the_cheaper_layout(policy):
-    from verifiers_rl.rl.trainer.policy_step import microbatches
+    from verifiers_rl.trainer.policy_step import microbatches
 
     acc, model = _OneProcess(), policy.base_model.model
 
@@ -299,7 +299,7 @@ def test_span_gradients_equal_plain_under_activation_checkpointing():
     too (the switch covers the backward), so LoRA gradients match the plain layout's."""
     from accelerate import Accelerator
 
-    from verifiers_rl.rl.trainer.policy_step import run_microbatches
+    from verifiers_rl.trainer.policy_step import run_microbatches
 
     model = lora_model(seed=4)
     model.train()
@@ -326,7 +326,7 @@ def test_span_gradients_equal_plain_under_activation_checkpointing():
 def test_spans_are_a_cpu_layout_for_full_attention_sdpa(policy):
     """Span attention on CPU under SDPA; the dense mask elsewhere: on CUDA (an H100 measured SDPA's kernels under the
     mask faster, benchmarks/gpu_prefix_layouts.py), under eager, and with sliding-window layers."""
-    from verifiers_rl.rl.trainer.policy_step import by_spans
+    from verifiers_rl.trainer.policy_step import by_spans
 
     model = policy.base_model.model
     assert by_spans(model)

@@ -11,8 +11,8 @@ import verifiers as vf
 from datasets import Dataset
 
 from verifiers_rl.errors import TrainingError
-from verifiers_rl.rl.trainer.reward_checks import _rubrics, check_dataset, check_reward_inputs, guard_rewards
-from verifiers_rl.rl.trainer.rollouts import REWARD_ERRORS_KEY
+from verifiers_rl.rollouts.reward_checks import _rubrics, check_dataset, check_reward_inputs, guard_rewards
+from verifiers_rl.rollouts.rollouts import REWARD_ERRORS_KEY
 
 
 def _env(func, rows=None) -> vf.SingleTurnEnv:
@@ -79,7 +79,7 @@ def test_a_timed_out_reward_function_leads_the_message_even_when_requests_starte
     the server is cleared in so many words only when no request waits on it."""
     import time
 
-    from verifiers_rl.rl.trainer.stages import Stages, stuck_message
+    from verifiers_rl.rollouts.stages import Stages, stuck_message
 
     stages = Stages()
     with stages.track("generation", "the inference server"), stages.track("generation", "the inference server"):

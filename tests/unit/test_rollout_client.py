@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from verifiers_rl.rl.trainer.rollout_client import chat_request_body, rollout_seed
+from verifiers_rl.rollouts.client import chat_request_body, rollout_seed
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -56,7 +56,7 @@ def test_lean_path_sends_the_sdks_headers_and_path():
     from openai import AsyncOpenAI
     from openai.types.chat import ChatCompletion
 
-    from verifiers_rl.rl.trainer.rollout_client import RolloutClient
+    from verifiers_rl.rollouts.client import RolloutClient
 
     seen = {}
 

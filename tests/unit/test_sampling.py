@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from verifiers_rl.rl.inference.cpu.sampling import (
+from verifiers_rl.inference.cpu.sampling import (
     SamplingParams,
     apply_min_p,
     apply_penalties,

@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, plan_buckets
-from verifiers_rl.rl.inference.transfer.gloo import in_place
-from verifiers_rl.rl.trainer.shard_gather import Ring, carve, carved_bytes, chunk_rows, flat_lengths, place_pieces
+from verifiers_rl.sync.buckets import TensorMeta, plan_buckets
+from verifiers_rl.sync.gloo import in_place
+from verifiers_rl.sync.shard_gather import Ring, carve, carved_bytes, chunk_rows, flat_lengths, place_pieces
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 7, 8, 261])
@@ -105,8 +105,8 @@ def _shapes():
 def _gather_worker(rank: int, init: str, world: int, share: str) -> None:
     import torch.distributed as dist
 
-    from verifiers_rl.rl.trainer import shard_gather
-    from verifiers_rl.rl.trainer.shard_gather import Pieces, Ring, ToRankZero
+    from verifiers_rl.sync import shard_gather
+    from verifiers_rl.sync.shard_gather import Pieces, Ring, ToRankZero
 
     os.environ["VF_RL_SHARD_GATHER_SHM"] = "0" if share == "0" else "1"
     if share == "no-shm" and rank == 0:  # rank 0 cannot make the buffers: every rank falls back together

@@ -1,4 +1,4 @@
-"""The slot engine (verifiers_rl.rl.inference.cpu.slot_engine) and its parts: tensor-level checks of the lean forward's
+"""The slot engine (verifiers_rl.inference.cpu.slot_engine) and its parts: tensor-level checks of the lean forward's
 math against transformers' modules, the slot KV cache, and the engine's outputs against a teacher-forced HF
 forward pass (exactness, seeds, n > 1, stop strings, weight updates, slot reuse, preemption, failures)."""
 
@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from decoders import decoder
 
-from verifiers_rl.rl.inference.cpu import lean_forward
-from verifiers_rl.rl.inference.cpu import slot_engine as se
-from verifiers_rl.rl.inference.cpu.cb_engine import CPUEngine
-from verifiers_rl.rl.inference.cpu.engine_api import EngineError
-from verifiers_rl.rl.inference.cpu.engines import create_engine
-from verifiers_rl.rl.inference.cpu.kv_cache import DEFAULT_CACHE_BYTES, SlotKVCache, token_budget
-from verifiers_rl.rl.inference.cpu.lean_forward import (
+from verifiers_rl.inference.cpu import lean_forward
+from verifiers_rl.inference.cpu import slot_engine as se
+from verifiers_rl.inference.cpu.cb_engine import CPUEngine
+from verifiers_rl.inference.cpu.engine_api import EngineError
+from verifiers_rl.inference.cpu.engines import create_engine
+from verifiers_rl.inference.cpu.kv_cache import DEFAULT_CACHE_BYTES, SlotKVCache, token_budget
+from verifiers_rl.inference.cpu.lean_forward import (
     LeanDecoder,
     apply_rope,
     cache_rows,
@@ -27,7 +27,7 @@ from verifiers_rl.rl.inference.cpu.lean_forward import (
     rope_tables,
     unsupported_reason,
 )
-from verifiers_rl.rl.inference.cpu.sampling import SamplingParams, UniformStream, request_generator
+from verifiers_rl.inference.cpu.sampling import SamplingParams, UniformStream, request_generator
 from verifiers_rl.tiny import build_tiny_model, build_tokenizer
 
 # ------------------------------------------------------------------------------------------ pure functions
@@ -174,7 +174,7 @@ def test_unsupported_models_fall_back_to_continuous_batching(caplog):
     cfg = Qwen3Config(vocab_size=261, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=32, use_sliding_window=True, sliding_window=16,
                       layer_types=["sliding_attention", "full_attention"])  # fmt: skip
-    with caplog.at_level("WARNING", logger="verifiers_rl.rl.inference.cpu.engines"):
+    with caplog.at_level("WARNING", logger="verifiers_rl.inference.cpu.engines"):
         eng = create_engine(Qwen3ForCausalLM(cfg).eval(), build_tokenizer(), max_model_len=64, max_num_seqs=2)
     try:
         assert isinstance(eng, CPUEngine) and "sliding-window layers" in caplog.text
@@ -294,8 +294,8 @@ def test_adapter_sync_writes_through_the_packed_views():
     gate/up buffers the forward reads; the pristine copies are the base, not views of the live weights."""
     from peft_models import lora_model
 
-    from verifiers_rl.rl.inference.transfer.adapter import lora_module
-    from verifiers_rl.rl.inference.transfer.policy_weights import adapter_weights, merged_weights
+    from verifiers_rl.sync.adapter import lora_module
+    from verifiers_rl.sync.policy_weights import adapter_weights, merged_weights
 
     model, tok = build_tiny_model()  # the base of lora_model(seed=0)
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -336,8 +336,8 @@ def test_buckets_of_a_sync_arrive_in_the_served_parameters():
     trainer's sync has a place there (received there, or copied there from the shared-memory slot, with no staging);
     the forward reads that memory, q/k/v and gate/up included. A bucket in another order still lands tensor by
     tensor; one over a parameter whose storage was replaced since is staged and copied instead."""
-    from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, pack, plan_buckets
-    from verifiers_rl.rl.inference.transfer.wire import end_to_end, scatter
+    from verifiers_rl.sync.buckets import TensorMeta, pack, plan_buckets
+    from verifiers_rl.sync.wire import end_to_end, scatter
 
     model, tok = build_tiny_model(hidden=64, layers=2)
     new, _ = build_tiny_model(hidden=64, layers=2, seed=1)
@@ -379,7 +379,7 @@ def test_large_weights_start_on_page_boundaries_of_a_huge_page_buffer():
     """memory.py: every weight of at least 1 MiB starts on a 4 KiB boundary (Qwen3's 512-byte q/k norms no longer
     shift the next layer's matrices), small ones stay end to end, the q/k/v and gate/up views the decoder packs
     are still spans of the buffer, and on Linux with THP allowed the buffer is advised as huge pages."""
-    from verifiers_rl.rl.inference.cpu.memory import PAGE, page_aligned_offsets
+    from verifiers_rl.inference.cpu.memory import PAGE, page_aligned_offsets
 
     mib = 1 << 20
     offsets, total = page_aligned_offsets([512, mib, 512, 512, mib])
@@ -427,7 +427,7 @@ def test_control_threads_keep_one_intra_op_thread_when_the_loop_sets_more():
     process-wide count: otherwise their first large op would build a second OpenMP team next to the loop's."""
     import threading
 
-    from verifiers_rl.rl.inference.cpu.app import _one_intra_op_thread
+    from verifiers_rl.inference.cpu.app import _one_intra_op_thread
 
     before = torch.get_num_threads()
     seen, ready, go = {}, threading.Event(), threading.Event()
@@ -452,7 +452,7 @@ def test_control_threads_keep_one_intra_op_thread_when_the_loop_sets_more():
 
 
 def test_engine_threads_rule():
-    from verifiers_rl.rl.inference.cpu.app import ALL_CORES_WEIGHT_BYTES, engine_threads
+    from verifiers_rl.inference.cpu.app import ALL_CORES_WEIGHT_BYTES, engine_threads
 
     assert engine_threads(10 << 20, cores=2) == 1  # the demos' tiny models: the event loop keeps a core
     assert engine_threads(ALL_CORES_WEIGHT_BYTES, cores=2) == 2  # bandwidth-bound decode: every core

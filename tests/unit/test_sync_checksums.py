@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from verifiers_rl.rl.inference.transfer.buckets import UpdateInfo
-from verifiers_rl.rl.inference.transfer.verify import SyncMismatch, dropped_buckets, tensor_checksum, verify
-from verifiers_rl.rl.trainer.sync_guard import MismatchGuard
+from verifiers_rl.sync.buckets import UpdateInfo
+from verifiers_rl.sync.guard import MismatchGuard
+from verifiers_rl.sync.verify import SyncMismatch, dropped_buckets, tensor_checksum, verify
 
 
 def test_same_bytes_same_checksum_wherever_they_sit():
@@ -28,7 +28,7 @@ def test_same_bytes_same_checksum_wherever_they_sit():
 def test_cpu_and_gpu_arithmetic_agree():
     """A vLLM worker on a GPU checksums with torch, the trainer on CPU with numpy: the same sums modulo 2**64, also
     where the int64 sums wrap around."""
-    from verifiers_rl.rl.inference.transfer.verify import _cpu_sums, _torch_sums
+    from verifiers_rl.sync.verify import _cpu_sums, _torch_sums
 
     gen = torch.Generator().manual_seed(0)
     for n in (0, 7, 1024, 5000, 1024 * 300 + 11):

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verifiers_rl.errors import TrainingError
-from verifiers_rl.rl.trainer.prompts import filter_prompts, prompt_length, template_kwargs
+from verifiers_rl.rollouts.prompts import filter_prompts, prompt_length, template_kwargs
 from verifiers_rl.tiny.qwen import ADDED_TOKENS, BPE_RANKS, MODEL_ROWS
 
 USER = {"role": "user", "content": "Sort: pear, fig"}

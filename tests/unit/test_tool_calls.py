@@ -1,13 +1,13 @@
 import json
 
-from verifiers_rl.rl.inference.cpu.protocol import (
+from verifiers_rl.inference.cpu.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_response,
     completion_choices,
     parse_tool_calls,
 )
-from verifiers_rl.rl.inference.cpu.sampling import Completion
+from verifiers_rl.inference.cpu.sampling import Completion
 from verifiers_rl.tiny import build_tokenizer
 
 

@@ -14,10 +14,10 @@ import asyncio
 import pytest
 import torch
 
-from verifiers_rl.rl.inference.cpu import slot_engine as se
-from verifiers_rl.rl.inference.cpu.protocol import ChatCompletionRequest, chat_response
-from verifiers_rl.rl.inference.cpu.sampling import SamplingParams
-from verifiers_rl.rl.trainer.logprobs import chunked_logprobs
+from verifiers_rl.inference.cpu import slot_engine as se
+from verifiers_rl.inference.cpu.protocol import ChatCompletionRequest, chat_response
+from verifiers_rl.inference.cpu.sampling import SamplingParams
+from verifiers_rl.loss.logprobs import chunked_logprobs
 from verifiers_rl.tiny.qwen import MODEL_ROWS
 
 USER = [{"role": "user", "content": "Say something."}]
@@ -72,8 +72,8 @@ def test_engine_samples_them_with_the_trainers_logprobs_and_they_decode_to_nothi
 def test_a_turn_after_such_tokens_still_trains_the_environments_tokens(qwen_tokenizer):
     """The reply "ok" with a row past the tokenizer in the middle: its text is "ok", so the next prompt does not
     hold that token (history re-rendered), and the user's turn is what the environment trained."""
-    from verifiers_rl.rl.trainer.rollouts import rollouts_from_outputs
-    from verifiers_rl.rl.trainer.samples import build_samples
+    from verifiers_rl.batch.samples import build_samples
+    from verifiers_rl.rollouts.rollouts import rollouts_from_outputs
 
     tok = qwen_tokenizer
     ok = tok("ok", add_special_tokens=False)["input_ids"]

@@ -1,4 +1,4 @@
-"""Per-request attention for the CPU engine (verifiers_rl.rl.inference.cpu.varlen_attention): tensor-level checks
+"""Per-request attention for the CPU engine (verifiers_rl.inference.cpu.varlen_attention): tensor-level checks
 against the dense block-diagonal reference that transformers' continuous batching uses, plus the engine's
 outputs with and without it."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verifiers_rl.rl.inference.cpu.varlen_attention import varlen_layout, varlen_sdpa
+from verifiers_rl.inference.cpu.varlen_attention import varlen_layout, varlen_sdpa
 
 
 def dense_reference(q, k, v, cu_q, cu_k, scale=None):
@@ -66,9 +66,9 @@ def test_layout_costs_and_padding():
 
 
 def test_engine_outputs_do_not_depend_on_the_attention_path(tiny_model_dir):
+    from verifiers_rl.inference.cpu.cb_engine import CPUEngine
+    from verifiers_rl.inference.cpu.sampling import SamplingParams
     from verifiers_rl.models import get_model, get_tokenizer
-    from verifiers_rl.rl.inference.cpu.cb_engine import CPUEngine
-    from verifiers_rl.rl.inference.cpu.sampling import SamplingParams
 
     tok = get_tokenizer(tiny_model_dir)
     prompts = [tok(f"{'abcdefgh'[: 1 + i % 8]} prompt {i}")["input_ids"] for i in range(12)]

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from verifiers_rl.rl.inference.vllm import command as vllm_command
-from verifiers_rl.rl.inference.vllm.command import build_vllm_command, check_vllm
+from verifiers_rl.inference.vllm import command as vllm_command
+from verifiers_rl.inference.vllm.command import build_vllm_command, check_vllm
 
 
 def _values(argv: list[str], flag: str) -> list[str]:
@@ -123,7 +123,7 @@ def test_check_vllm_compares_numerically(monkeypatch, version):
 
 
 def test_plugin_module_imports_without_vllm():
-    from verifiers_rl.rl.inference.vllm import plugin as vllm_plugin
+    from verifiers_rl.inference.vllm import plugin as vllm_plugin
 
     info = vllm_plugin.UpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[2, 3]])
     assert info.shapes == [[2, 3]]
@@ -138,7 +138,7 @@ def test_plugin_module_imports_without_vllm():
 def test_worker_rank_numbers_tp_and_dp_workers_apart():
     from types import SimpleNamespace
 
-    from verifiers_rl.rl.inference.vllm.plugin import _worker_rank
+    from verifiers_rl.inference.vllm.plugin import _worker_rank
 
     # what the workers of a TP2 x DP2 server report: DP engines differ only in data_parallel_index
     ranks = [
@@ -152,7 +152,7 @@ def test_worker_rank_numbers_tp_and_dp_workers_apart():
 
 
 def test_adapter_serving_flags():
-    from verifiers_rl.rl.inference.layout import LORA_EXTENSION, AdapterServing
+    from verifiers_rl.plan.layout import LORA_EXTENSION, AdapterServing
 
     argv = AdapterServing("policy", "/run/adapter0", rank=12).vllm_args()
     assert argv == [
@@ -175,7 +175,7 @@ def test_adapter_serving_flags():
 
 
 def test_server_spec_adds_adapter_flags_for_vllm_only():
-    from verifiers_rl.rl.inference.layout import AdapterServing, ServerSpec
+    from verifiers_rl.plan.layout import AdapterServing, ServerSpec
 
     serving = AdapterServing("policy", "/run/adapter0", rank=4)
     vllm = ServerSpec("m", "vllm", port=9000, adapter=serving, extra_args=["--enforce-eager"]).argv("py")
@@ -189,8 +189,8 @@ def test_server_spec_adds_adapter_flags_for_vllm_only():
 
 
 def test_a_cpu_engine_the_trainer_starts_writes_no_line_per_request():
-    from verifiers_rl.rl.inference.layout import ServerSpec
-    from verifiers_rl.rl.inference.server import build_parser
+    from verifiers_rl.inference.server import build_parser
+    from verifiers_rl.plan.layout import ServerSpec
 
     flag = "--disable-uvicorn-access-log"
     cpu = ServerSpec("m", "cpu", port=9000).argv("py")
@@ -202,7 +202,7 @@ def test_a_cpu_engine_the_trainer_starts_writes_no_line_per_request():
 def _guard_status(path: str, headers: dict[str, str], client: str = "127.0.0.1") -> int:
     import asyncio
 
-    from verifiers_rl.rl.inference.control_auth import ControlGuard
+    from verifiers_rl.serving.auth import ControlGuard
 
     sent = []
 
@@ -238,7 +238,7 @@ def test_control_guard_covers_vllm_lora_routes_with_its_own_header():
 
 
 def test_client_sends_both_credentials_to_lora_routes():
-    from verifiers_rl.rl.inference.client import VLLMClient
+    from verifiers_rl.serving.client import VLLMClient
 
     client = VLLMClient(port=1, control_token="ctl", api_key="sk-api")
     try:
@@ -258,7 +258,7 @@ def test_vf_vllm_hands_the_flags_it_parses_on_to_vllm(monkeypatch):
     import signal
     import subprocess
 
-    from verifiers_rl.rl.inference import server
+    from verifiers_rl.inference import server
 
     started = []
 

@@ -13,8 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verifiers_rl.rl.trainer.callbacks import read_metrics
-from verifiers_rl.rl.trainer.reward_curve import has_rewards, save_reward_curve
+from verifiers_rl.export.reward_curve import has_rewards, read_metrics, save_reward_curve
 
 RUN_INFO = "vf_rl_run.json"  # in checkpoints and exports: base model, environment, config
 CURVE = "reward_curve.png"

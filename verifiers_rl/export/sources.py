@@ -76,7 +76,7 @@ def _refuse(folder: Path, kind: str) -> ConfigError:
             "export cannot consolidate it yet; save full state dicts (fsdp_config state_dict_type=FULL_STATE_DICT), "
             "or consolidate with torch.distributed.checkpoint.format_utils.dcp_to_torch_save first"
         )
-    from verifiers_rl.rl.trainer.checkpoints import checkpoints
+    from verifiers_rl.export.checkpoints import checkpoints
 
     inside = [p.name for p in checkpoints(folder)] + ["final"] * (folder / "final").is_dir()
     if inside:  # a run's output folder
@@ -137,7 +137,7 @@ def open_checkpoint(folder: str | os.PathLike, base: str | None = None) -> Check
     else:
         from peft import PeftModel
 
-        from verifiers_rl.rl.trainer.lora import quiet_peft_wrap
+        from verifiers_rl.config.lora import quiet_peft_wrap
 
         source = _base_model(folder, base, info)
         model = _load(AutoModelForCausalLM, source, f"the base model of {folder},", dtype="auto")

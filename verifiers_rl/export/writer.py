@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from verifiers_rl.export.card import RUN_INFO, ModelCard
-from verifiers_rl.rl.inference.transfer.policy_weights import merged_weights
-from verifiers_rl.rl.trainer.checkpoints import publish, write_manifest
+from verifiers_rl.export.checkpoints import publish, write_manifest
+from verifiers_rl.sync.policy_weights import merged_weights
 
 FINAL_DIR = "final"
 ADAPTER_DIR = "adapter"

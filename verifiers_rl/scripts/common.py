@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from verifiers_rl.scripts.toml_config import ConfigError, flags_from_args, resolve_path  # noqa: F401 - re-exported
+from verifiers_rl.config.toml import ConfigError, flags_from_args, resolve_path  # noqa: F401 - re-exported
 
 TINY_CACHE = Path("outputs") / "tiny-models"
 
@@ -105,7 +105,7 @@ def resolve_model(cfg: dict[str, Any], config_path: str | Path | None = None, dr
     spec = {"hidden": 64, "layers": 2, "seed": 0, "head_dim": 32, **cfg.get("tiny", {})}
     path = TINY_CACHE / f"h{spec['hidden']}-l{spec['layers']}-d{spec['head_dim']}-s{spec['seed']}"
     if not dry_run and not (path / "config.json").exists():
-        from verifiers_rl.rl.trainer.checkpoints import staged
+        from verifiers_rl.export.checkpoints import staged
         from verifiers_rl.tiny import save_tiny_model
 
         try:
@@ -150,7 +150,7 @@ def evaluations(trainer, ev: dict[str, Any], when: str) -> dict[str, dict]:
 def evaluate_base(model: str, env, args, ev: dict[str, Any]) -> dict[str, dict]:
     """[eval] base = true: the model the [sft] warm-start starts from, evaluated as the RL policy is, on a server
     of its own (started and stopped here, before the run's server), so the warm-start's share shows."""
-    from verifiers_rl.rl.trainer import RLTrainer
+    from verifiers_rl.trainer import RLTrainer
 
     apply_eval_settings(args, ev)
     print(f"vf-rl: evaluating the model before the warm-start ({model})", flush=True)
@@ -167,9 +167,9 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
     unless trainer.args.resume_from_checkpoint = false; the main process writes the report, then <output_dir>/final
     (whose model card shows the evaluations). `server` and `serving`: the server vf-rl started and the plan it
     started it by; `base`: evaluate_base()'s metrics, for the report."""
-    from verifiers_rl.rl.trainer import RLTrainer
-    from verifiers_rl.rl.trainer.checkpoints import has_checkpoint
+    from verifiers_rl.export.checkpoints import has_checkpoint
     from verifiers_rl.scripts.report import write_report
+    from verifiers_rl.trainer import RLTrainer
 
     ev = cfg.get("eval", {})
     apply_eval_settings(args, ev)
@@ -209,7 +209,7 @@ def _actionable(e: Exception) -> bool:
     if isinstance(e, TrainingError):
         return True
     client, orchestrator = (
-        sys.modules.get(m) for m in ("verifiers_rl.rl.inference.client", "verifiers_rl.rl.trainer.orchestrator")
+        sys.modules.get(m) for m in ("verifiers_rl.serving.client", "verifiers_rl.rollouts.orchestrator")
     )
     return (client is not None and isinstance(e, client.ServerError)) or (
         orchestrator is not None and isinstance(e, orchestrator.GenerationError)
@@ -218,7 +218,7 @@ def _actionable(e: Exception) -> bool:
 
 def run_cli(prog: str, body: Callable[[], int]) -> int:
     """Run a command body; known failures become one line on stderr and a non-zero exit, no traceback."""
-    from verifiers_rl.rl.plan.openmp import bound_openmp_spin
+    from verifiers_rl.inference.cpu.openmp import bound_openmp_spin
 
     bound_openmp_spin()  # before torch loads, here and in every process the command starts
     try:

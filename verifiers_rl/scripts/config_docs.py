@@ -109,8 +109,8 @@ def _default(f) -> str:
 
 
 def render() -> str:
-    from verifiers_rl.rl.trainer.config import RLConfig
-    from verifiers_rl.scripts.toml_config import SCHEMA, aliases
+    from verifiers_rl.config.rl_config import RLConfig
+    from verifiers_rl.config.toml import SCHEMA, aliases
 
     inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
     lines = [HEADER, "## TOML keys by section\n", "| section | keys |", "|---|---|"]

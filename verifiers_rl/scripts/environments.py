@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from verifiers_rl.scripts.toml_config import ConfigError, _suggest
+from verifiers_rl.config.toml import ConfigError, _suggest
 
 
 def module_name(env_id: str) -> str:
@@ -114,7 +114,7 @@ def load_environments(entries: list[dict[str, Any]]):
     """[[env]] tables -> one `vf.EnvGroup` with a sampling ratio per environment (env_mix.py); each environment is
     loaded and checked as a single [env] is, and a failure names its entry (`env[1]: ...`). Names: the ids' last
     part (`primeintellect/reverse-text` -> `reverse-text`), numbered when one id comes twice."""
-    from verifiers_rl.rl.trainer.env_mix import mix_environments
+    from verifiers_rl.rollouts.env_mix import mix_environments
 
     envs = []
     for i, entry in enumerate(entries):

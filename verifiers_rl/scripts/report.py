@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from verifiers_rl.rl.trainer.callbacks import read_metrics
+from verifiers_rl.export.reward_curve import read_metrics
 
 
 def plot_reward_curve(output_dir: str | Path, before: float | None = None, after: float | None = None) -> Path | None:
     """<output_dir>/reward_curve.png from metrics.jsonl (None when it holds no reward)."""
-    from verifiers_rl.rl.trainer.reward_curve import save_reward_curve
+    from verifiers_rl.export.reward_curve import save_reward_curve
 
     rows = read_metrics(output_dir)
     path = Path(output_dir) / "reward_curve.png"

@@ -17,8 +17,14 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from verifiers_rl.config.toml import (
+    apply_overrides,
+    load,
+    rl_config,
+    validate,
+)
 from verifiers_rl.errors import ConfigError
-from verifiers_rl.rl.plan.run import probe_machine
+from verifiers_rl.plan.run import probe_machine
 from verifiers_rl.scripts.common import (
     USAGE,
     evaluate_base,
@@ -29,12 +35,6 @@ from verifiers_rl.scripts.common import (
     train_and_evaluate,
 )
 from verifiers_rl.scripts.rl_plan import SERVER_PORT, Plan, build_plan, render, trainer_env
-from verifiers_rl.scripts.toml_config import (
-    apply_overrides,
-    load,
-    rl_config,
-    validate,
-)
 
 
 def run(plan: Plan) -> int:
@@ -53,7 +53,7 @@ def run(plan: Plan) -> int:
         run_sft_process(plan.sft["config_path"], plan.visible(plan.gpus.trainer))
     server = plan.server
     if server.spec.adapter is not None:
-        from verifiers_rl.rl.trainer.lora import write_zero_adapter
+        from verifiers_rl.sync.adapter import write_zero_adapter
 
         write_zero_adapter(plan.model, plan.args, server.spec.adapter.path)
     print(f"vf-rl: starting the {plan.engine} inference server (log: {server.log_path})", flush=True)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from verifiers_rl.config.net import DEFAULT_PORT
+from verifiers_rl.config.toml import resolve_path, rl_config
 from verifiers_rl.errors import ConfigError
-from verifiers_rl.rl.inference.layout import flag_value
-from verifiers_rl.rl.inference.net import DEFAULT_PORT
+from verifiers_rl.plan.layout import flag_value
 from verifiers_rl.scripts.common import resolve_model
-from verifiers_rl.scripts.toml_config import resolve_path, rl_config
 
 RENDEZVOUS_PORT = 29500
 

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verifiers_rl.config.checks import describe_sampling
+from verifiers_rl.config.toml import resolve_path, rl_config
 from verifiers_rl.errors import ConfigError
-from verifiers_rl.rl.plan.devices import child_visible_devices
-from verifiers_rl.rl.plan.run import PLAN_ENV, Layout, Machine, RunPlan, plan_run
-from verifiers_rl.rl.trainer.config_checks import describe_sampling
+from verifiers_rl.plan.devices import child_visible_devices
+from verifiers_rl.plan.run import PLAN_ENV, Layout, Machine, RunPlan, plan_run
 from verifiers_rl.scripts.common import resolve_model
-from verifiers_rl.scripts.toml_config import resolve_path, rl_config
+from verifiers_rl.serving.launcher import server_of
 
 SERVER_PORT = "<server port>"  # in the trainer's command until the server has one
 
@@ -71,7 +72,7 @@ def build_plan(cfg: dict[str, Any], config_path: str, overrides: list[str], mach
                dry_run: bool) -> Plan:  # fmt: skip
     """`machine`, or a function that probes it: called once the model is known to exist (probing imports torch,
     and a missing model is reported in well under a second)."""
-    from verifiers_rl.rl.plan.memory import shape_of
+    from verifiers_rl.plan.memory import shape_of
     from verifiers_rl.scripts.sft import sft_plan
 
     sft = None
@@ -93,6 +94,7 @@ def build_plan(cfg: dict[str, Any], config_path: str, overrides: list[str], mach
     shape = shape_of(model) or (shape_of(sft["cfg"]["model"]) if sft else None) or _tiny_shape(cfg)
     user_set = frozenset(cfg.get("trainer", {}).get("args", {}))
     run = plan_run(args, model, machine, layout, shape=shape, user_set=user_set)
+    run.server = server_of(run)
     procs = run.gpus.trainer_processes
     if args.batch_size % (args.micro_batch_size * procs):
         raise ConfigError(
@@ -110,7 +112,7 @@ def _tiny_shape(cfg: dict[str, Any]):
     """The offline tiny model's shape, from its spec, before it is built."""
     if cfg.get("model") != "tiny":
         return None
-    from verifiers_rl.rl.plan.memory import ModelShape
+    from verifiers_rl.plan.memory import ModelShape
     from verifiers_rl.tiny import TinySpec, build_config, build_tokenizer
 
     return ModelShape.from_config(build_config(build_tokenizer(), TinySpec(**cfg.get("tiny", {}))))
@@ -157,7 +159,7 @@ def trainer_command(config_path: str, overrides: list[str], launch: list[str], h
 def trainer_env(plan: Plan, token: str) -> dict[str, str]:
     """What the trainer processes get besides vf-rl's environment: their GPUs, the server's control token, and
     the plan, once (they follow it instead of making their own)."""
-    from verifiers_rl.rl.trainer.server_recovery import RUN_COMMAND_ENV
+    from verifiers_rl.serving.recovery import RUN_COMMAND_ENV
 
     return {
         RUN_COMMAND_ENV: shlex.join(["vf-rl", *sys.argv[1:]]),  # what a trainer that must stop says to run again

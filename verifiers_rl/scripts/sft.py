@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from verifiers_rl.rl.trainer.lora import LORA_ALPHA, LORA_DROPOUT, LORA_RANK, lora_config, quiet_peft_wrap
+from verifiers_rl.config.lora import LORA_ALPHA, LORA_DROPOUT, LORA_RANK, lora_config, quiet_peft_wrap
+from verifiers_rl.config.toml import ConfigError, _suggest, apply_overrides, load, resolve_path, validate
 from verifiers_rl.scripts.common import resolve_model, run_cli, split_argv
-from verifiers_rl.scripts.toml_config import ConfigError, _suggest, apply_overrides, load, resolve_path, validate
 
 LORA_KEYS = {
     "use_lora": False,
@@ -156,7 +156,7 @@ def run_sft_process(config_path: str, visible_devices: str) -> None:
     server's too, and the CUDA context and cached memory would stay for the whole run; a child's end frees them.
     Its output goes to the terminal as it comes; a failure is one line naming its exit code and command."""
     from verifiers_rl.errors import TrainingError
-    from verifiers_rl.rl.inference.launcher import _die_with_parent
+    from verifiers_rl.serving.launcher import _die_with_parent
 
     cmd, line = sft_command(config_path), sft_line(config_path, visible_devices)
     print(f"vf-rl: SFT warm-start: {line}", flush=True)
@@ -192,7 +192,7 @@ def run_sft(cfg: dict[str, Any], config_path: str) -> str:
     model = trainer.model
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
-    from verifiers_rl.rl.trainer.checkpoints import staged
+    from verifiers_rl.export.checkpoints import staged
 
     model.config.use_cache = use_cache
     with staged(final) as tmp:  # `final/config.json` marks the warm-start done: it appears with the weights

@@ -19,8 +19,14 @@ from __future__ import annotations
 import torch
 from trl import SFTTrainer
 
-from verifiers_rl.rl.trainer.logprobs import _ChunkedLogprobs, _entropy, _in_head_dtype, _scaled_logits, auto_chunk_size
-from verifiers_rl.rl.trainer.weight_export import output_head
+from verifiers_rl.loss.logprobs import (
+    _ChunkedLogprobs,
+    _entropy,
+    _in_head_dtype,
+    _scaled_logits,
+    auto_chunk_size,
+    output_head,
+)
 
 
 class _LogprobsAndHits(_ChunkedLogprobs):

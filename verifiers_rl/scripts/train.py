@@ -9,11 +9,11 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
-from verifiers_rl.rl.inference.net import DEFAULT_PORT
-from verifiers_rl.rl.plan.run import from_ranks_env
+from verifiers_rl.config.net import DEFAULT_PORT
+from verifiers_rl.config.toml import apply_overrides, load, resolve_path, rl_config, validate
+from verifiers_rl.plan.run import from_ranks_env
 from verifiers_rl.scripts.common import load_env, resolve_model, run_cli, split_argv, train_and_evaluate
 from verifiers_rl.scripts.rl_plan import check_model
-from verifiers_rl.scripts.toml_config import apply_overrides, load, resolve_path, rl_config, validate
 
 
 def main(argv: list[str] | None = None) -> NoReturn:

@@ -1,35 +1,16 @@
-"""The trainer package (public path used by verifiers 0.1.14's `verifiers.rl` shim).
-
-Names are resolved on first use (PEP 562), so that light modules of this package (config checks, LoRA defaults)
-can be imported by the command-line tools without importing torch and transformers first.
-"""
+"""verifiers 0.1.14 import path: `verifiers_rl.rl.trainer` (RLTrainer, RLConfig, GRPOTrainer, GRPOConfig,
+grpo_defaults, lora_defaults, get_model, get_model_and_tokenizer), resolved lazily from `verifiers_rl.trainer`."""
 
 from __future__ import annotations
 
-import importlib
+import verifiers_rl.trainer as _trainer
 
-_EXPORTS = {
-    "RLTrainer": "verifiers_rl.rl.trainer.trainer",
-    "RLConfig": "verifiers_rl.rl.trainer.config",
-    "GRPOTrainer": "verifiers_rl.rl.trainer.compat",
-    "GRPOConfig": "verifiers_rl.rl.trainer.compat",
-    "grpo_defaults": "verifiers_rl.rl.trainer.compat",
-    "lora_defaults": "verifiers_rl.rl.trainer.compat",
-    "get_model": "verifiers_rl.models",
-    "get_model_and_tokenizer": "verifiers_rl.models",
-    "LiveRewardCurve": "verifiers_rl.rl.trainer.reward_curve",
-}
-
-__all__ = list(_EXPORTS)
+__all__ = list(_trainer.__all__)
 
 
 def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(_trainer, name)
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(__all__))

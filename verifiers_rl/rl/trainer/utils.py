@@ -1,24 +1,6 @@
-"""Public path of verifiers 0.1.14's shim (`vf.get_model`, `verifiers.rl.trainer.utils`).
+"""verifiers 0.1.14 import path: `verifiers_rl.trainer.utils` under its old name (the same module object)."""
 
-Model loading lives in `verifiers_rl.models`, so that the inference server can load a model without importing
-the trainer."""
+import importlib
+import sys
 
-from verifiers_rl.models import (
-    default_attn_implementation,
-    default_dtype,
-    ensure_pad_token,
-    get_model,
-    get_model_and_tokenizer,
-    get_tokenizer,
-    resolve_model_path,
-)
-
-__all__ = [
-    "default_attn_implementation",
-    "default_dtype",
-    "ensure_pad_token",
-    "get_model",
-    "get_model_and_tokenizer",
-    "get_tokenizer",
-    "resolve_model_path",
-]
+sys.modules[__name__] = importlib.import_module("verifiers_rl.trainer.utils")

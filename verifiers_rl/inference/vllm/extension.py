@@ -1,0 +1,22 @@
+"""The worker extension every vLLM server started by `vf-vllm` gets (`--worker-extension-cls`): adapter sync
+(`lora.py`), and what the trainer asks the workers about themselves before it plans: the GPUs they run on.
+
+vLLM mixes the class into every worker; `POST /collective_rpc {"method": ...}` calls a method on each and lists
+their answers.
+Nothing here imports vLLM at module level; the trainer asks through `serving.session.reported_gpus`.
+"""
+
+from __future__ import annotations
+
+from verifiers_rl.inference.vllm.lora import LoraSyncExtension
+
+
+class WorkerExtension(LoraSyncExtension):
+    def vf_device_uuids(self) -> str:
+        """This worker's GPU by UUID (the name a GPU has in every process); "" for a worker without one."""
+        import torch
+
+        device = getattr(self, "device", None)
+        if device is None or getattr(device, "type", "cpu") != "cuda" or not torch.cuda.is_available():
+            return ""
+        return str(torch.cuda.get_device_properties(device).uuid)

@@ -1,0 +1,265 @@
+"""The serving plan: every decision about how the policy is served and synced, made once.
+
+Inputs are the run's settings (some of them "auto"), the machine, and, for a server the trainer connects to,
+what that server says it runs. The output is a frozen `ServingPlan`: `vf-rl --dry-run` prints it, `vf-rl` and
+the trainer's runtime start the server from it, and the trainer syncs by it. This module is the only place an
+"auto" is resolved (`tests/unit/test_plan.py` fails if another module compares a setting with "auto").
+
+    engine        cpu | vllm         auto: vLLM where CUDA and vLLM are both present, else our CPU engine
+    mode          spawn | connect    auto: the RL server already answering at host:port, else spawn one
+    shared_gpu    bool               the server's GPU is one of the trainer's (NCCL cannot sync them)
+    lora_sync     merged | adapter   auto: adapter for a LoRA policy on a shared GPU, merged otherwise
+    sync_backend  gloo|nccl|adapter  auto: NCCL between separate GPUs, gloo through host memory otherwise
+    server_pauses bool               the server pauses itself around a sync (our CPU engine: one request)
+    threads       (server, trainer)  CPU threads when the CPU engine and an overlapping trainer share cores
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from verifiers_rl.config.choices import (
+    CPU_ENGINES,
+    ENGINES,
+    LORA_SYNC,
+    SERVER_MODES,
+    SYNC_BACKENDS,
+)
+from verifiers_rl.plan.devices import visible_devices
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - a broken CUDA setup is no CUDA here
+        return False
+
+
+# ---------------------------------------------------------------------------------------------- the rules
+
+
+def resolve_engine(requested: str, *, cuda: bool | None = None, vllm: bool | None = None) -> str:
+    """'auto' -> 'vllm' when CUDA and vLLM are both present, else 'cpu'; 'cpu'/'vllm' stay as asked."""
+    if requested not in ENGINES:
+        raise ValueError(f"engine={requested!r}; allowed: {', '.join(ENGINES)}")
+    if requested != "auto":
+        return requested
+    cuda = cuda_available() if cuda is None else cuda
+    vllm = vllm_installed() if vllm is None else vllm
+    return "vllm" if cuda and vllm else "cpu"
+
+
+def resolve_cpu_engine(requested: str, unsupported: str | None) -> str:
+    """The CPU engine's loop: 'slots' unless the lean forward cannot run the model (`unsupported` says why)."""
+    if requested not in CPU_ENGINES:
+        raise ValueError(f"cpu engine {requested!r}; allowed: {', '.join(CPU_ENGINES)}")
+    if requested == "auto":
+        return "cb" if unsupported else "slots"
+    if requested == "slots" and unsupported:
+        raise ValueError(f"the slot engine does not support this model: {unsupported}")
+    return requested
+
+
+def resolve_mode(requested: str, discover: Callable[[], str]) -> str:
+    """'auto' asks `discover()` ('connect' when an RL server answers where the trainer looks, else 'spawn')."""
+    if requested not in SERVER_MODES:
+        raise ValueError(f"server_mode={requested!r}; allowed: {', '.join(SERVER_MODES)}")
+    return discover() if requested == "auto" else requested
+
+
+def shares_gpu(engine: str, server_uuids: Sequence[str] | None, trainer_uuids: Sequence[str]) -> bool:
+    """Does a vLLM server run on one of the trainer's GPUs? (The CPU engine uses none.) GPUs are compared by UUID,
+    the one name a GPU has in every process whatever its CUDA_VISIBLE_DEVICES; None: the server's are not known."""
+    if engine != "vllm" or server_uuids is None:
+        return False
+    return bool(set(server_uuids) & set(trainer_uuids))
+
+
+def connected_server_uuids(
+    reported: Sequence[str] | None, *, local: bool, cuda_count: int, trainer_uuids: Sequence[str]
+) -> tuple[str, ...] | None:
+    """The GPUs of a server the trainer connects to: what it reports (vf-vllm's workers answer `vf_device_uuids`);
+    for a server that does not say, a local one on a machine whose only GPU the trainer sees without narrowing
+    (CUDA_VISIBLE_DEVICES unset) can only be on that GPU; otherwise they are not known."""
+    if reported is not None:
+        return tuple(reported)
+    if local and cuda_count == 1 and visible_devices() is None:
+        return tuple(trainer_uuids)
+    return None
+
+
+def resolve_lora_sync(requested: str, *, use_lora: bool, modules_to_save, shared_gpu: bool) -> str:
+    """'merged' for full fine-tuning; 'auto': adapter for a LoRA policy on a shared GPU (no NCCL there, and 1-2%
+    of the bytes) unless modules are trained in full beside the adapter, merged otherwise."""
+    if requested not in LORA_SYNC:
+        raise ValueError(f"lora_sync={requested!r}; allowed: {', '.join(LORA_SYNC)}")
+    if not use_lora:
+        return "merged"
+    if requested == "auto":
+        return "adapter" if shared_gpu and not modules_to_save else "merged"
+    return requested
+
+
+def resolve_sync_backend(requested: str, engine: str, *, shared_gpu: bool = False, lora_sync: str = "merged") -> str:
+    """How the weights travel: 'adapter' (LoRA A/B over gloo into the served adapter), 'gloo' (host memory: the
+    CPU engine, or a server on the trainer's own GPU) or 'nccl' (GPU to GPU, vLLM's own engine)."""
+    if requested not in SYNC_BACKENDS:
+        raise ValueError(f"sync_backend={requested!r}; allowed: {', '.join(SYNC_BACKENDS)}")
+    if engine not in ("cpu", "vllm"):
+        raise ValueError(f"engine={engine!r} is not resolved; call resolve_engine first")
+    if engine == "cpu" and requested == "nccl":
+        raise ValueError("sync_backend='nccl' needs a vLLM server; the CPU engine syncs over gloo")
+    if shared_gpu and requested == "nccl":
+        raise ValueError("sync_backend='nccl' cannot sync a server on the trainer's own GPU; use gloo")
+    if lora_sync == "adapter":
+        return "adapter"
+    if engine == "cpu" or shared_gpu:
+        return "gloo"
+    return "nccl" if requested == "auto" else requested
+
+
+def cpu_thread_split(
+    engine: str, *, local: bool, max_async_level: int, cuda: bool, cores: int | None = None
+) -> tuple[int, int] | None:
+    """(server threads, trainer threads) when the CPU engine and an overlapping trainer share this machine's cores.
+
+    With max_async_level >= 1 generation and training run at the same time; each process defaulting to every
+    core oversubscribes them (measured on 2 cores: 1.17 s/step at 2+2 threads vs 0.68 s at 1+1, benchmarks/
+    bench_async.py). None when they do not share cores or do not overlap (each phase then gets every core), or
+    when OMP_NUM_THREADS is set (the user's choice wins). The trainer takes the server's share too while no batch
+    is being generated (trainer/core_handoff.py).
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = cores or os.cpu_count() or 1
+    if cores < 2 or max_async_level < 1 or engine == "vllm" or not local or cuda:
+        return None
+    server = cores // 2
+    return server, cores - server
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    engine: str  # "cpu" | "vllm"
+    mode: str  # "spawn" | "connect"
+    shared_gpu: bool
+    lora_sync: str  # "merged" | "adapter" (full fine-tuning: "merged")
+    sync_backend: str  # "gloo" | "nccl" | "adapter"
+    server_pauses: bool  # the server pauses, finishes and resumes by itself around a sync
+    server_gpus: tuple[int, ...] | None = None  # GPUs of a server we start, as indices of our visible GPUs
+    server_uuids: tuple[str, ...] | None = None  # the same GPUs by UUID: one name in every process
+    data_parallel: int = 1
+    threads: tuple[int, int] | None = None  # (server, trainer) CPU threads
+
+    @property
+    def weights(self) -> str:
+        """What the trainer sends each sync: 'adapter' (LoRA A/B only) or 'merged' (every weight, LoRA merged)."""
+        return "adapter" if self.lora_sync == "adapter" else "merged"
+
+    @property
+    def server_weight_backend(self) -> str | None:
+        """vLLM's --weight-transfer-backend for a server we start: gloo for our gloo group (merged or adapter),
+        vLLM's own default (NCCL) otherwise; None for the CPU engine (it only speaks gloo)."""
+        if self.engine != "vllm":
+            return None
+        return "nccl" if self.sync_backend == "nccl" else "gloo"
+
+    def server_env(self) -> dict[str, str] | None:
+        """The server's share of the CPU threads, as environment for its process."""
+        return {"OMP_NUM_THREADS": str(self.threads[0])} if self.threads else None
+
+    def to_json(self) -> str:
+        """For a trainer process that another process planned for (vf-rl's `accelerate launch` ranks)."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ServingPlan:
+        fields = json.loads(text)
+        for key in ("server_gpus", "server_uuids", "threads"):
+            if fields.get(key) is not None:
+                fields[key] = tuple(fields[key])
+        return cls(**fields)
+
+    def describe(self) -> list[str]:
+        if self.engine == "cpu":  # it holds its weights in host memory whatever GPUs its process can see
+            where = " on the CPU"
+        elif self.shared_gpu:
+            where = " on a GPU it shares with the trainer"
+        elif self.server_gpus:
+            where = f" on GPU {','.join(map(str, self.server_gpus))}"
+        else:
+            where = ""
+        lines = [f"engine {self.engine}, {self.mode}ed{where}"]
+        how = {"nccl": "NCCL (GPU to GPU)", "gloo": "gloo (host memory)", "adapter": "gloo, LoRA A/B only"}
+        lines.append(f"weight sync: {self.weights} weights over {how[self.sync_backend]}")
+        lines.append("pauses: " + ("the server, inside one sync request" if self.server_pauses else "the trainer"))
+        if self.threads:
+            lines.append(f"CPU threads: server {self.threads[0]}, trainer {self.threads[1]}")
+        return lines
+
+
+def plan_serving(
+    args,
+    *,
+    mode: str,
+    engine: str,
+    cuda_count: int,
+    server_uuids: Sequence[str] | None = None,
+    trainer_uuids: Sequence[str] = (),
+    server_gpus: Sequence[int] | None = None,
+    data_parallel: int = 1,
+) -> ServingPlan:
+    """The plan for `args` (an RLConfig) once the mode and the engine are known (`resolve_mode`, and
+    `resolve_engine` or, for a server the trainer connects to, what it says it runs). GPUs by UUID: the server's
+    (None: not known) and this trainer's; `server_gpus` are the server's as indices of our visible GPUs, for its
+    CUDA_VISIBLE_DEVICES. The memory split of a shared GPU is the run plan's (`run.plan_run`)."""
+    from verifiers_rl.config.net import is_local
+
+    local = is_local(args.vllm_server_host)
+    shared = shares_gpu(engine, server_uuids, trainer_uuids)
+    lora_sync = resolve_lora_sync(
+        args.lora_sync, use_lora=args.use_lora, modules_to_save=args.lora_modules_to_save, shared_gpu=shared
+    )
+    backend = resolve_sync_backend(args.sync_backend, engine, shared_gpu=shared, lora_sync=lora_sync)
+    threads = cpu_thread_split(engine, local=local, max_async_level=args.max_async_level, cuda=cuda_count > 0)
+    return ServingPlan(
+        engine=engine,
+        mode=mode,
+        shared_gpu=shared,
+        lora_sync=lora_sync,
+        sync_backend=backend,
+        server_pauses=engine == "cpu" and backend == "gloo",  # our engine folds the sync into one request
+        server_gpus=tuple(server_gpus) if server_gpus is not None else None,
+        server_uuids=tuple(server_uuids) if server_uuids is not None and engine == "vllm" else None,
+        data_parallel=data_parallel,
+        threads=threads,
+    )
+
+
+def placement_problem(plan: ServingPlan, trainer_uuid: str | None) -> str | None:
+    """Why this trainer process cannot sync by `plan`, or None. NCCL cannot put the trainer and a server worker
+    on one GPU: when the trainer's own GPU (by UUID, whatever each process's CUDA_VISIBLE_DEVICES) is one of the
+    server's while the plan syncs over NCCL, the first sync would fail deep inside NCCL."""
+    if plan.sync_backend != "nccl" or not plan.server_uuids or trainer_uuid is None:
+        return None
+    if trainer_uuid not in plan.server_uuids:
+        return None
+    return (
+        f"the trainer runs on GPU {trainer_uuid}, which the inference server uses too, but weights would travel "
+        "over NCCL, which cannot put two ranks on one GPU: give the trainer its own GPU (CUDA_VISIBLE_DEVICES, "
+        '[trainer] gpus / server_gpus), or share it on purpose with sync_backend = "gloo"'
+    )

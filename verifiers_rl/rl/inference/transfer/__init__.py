@@ -1,1 +1,0 @@
-"""Weight transfer trainer -> engine: bucket planning and packing, the gloo group, peft name mapping, NCCL."""

@@ -1,0 +1,35 @@
+"""The weight-sync backends by name: one module each (gloo, adapter, NCCL), imported only when chosen, so the
+client loads without torch.distributed's extras or vLLM."""
+
+from __future__ import annotations
+
+from verifiers_rl.config.net import LOOPBACK
+from verifiers_rl.sync.sender import WeightSender
+
+
+def create_sender(
+    backend: str,
+    client,
+    *,
+    host: str = LOOPBACK,
+    bucket_bytes: int | None = None,
+    timeout_s: float = 300.0,
+) -> WeightSender:
+    """`backend`: 'gloo' (merged weights over a gloo group), 'adapter' (LoRA A/B only, into the server's LoRA
+    slot for the policy adapter; see transfer/adapter.py) or 'nccl' (vLLM's own packed NCCL engine; GPU only)."""
+    from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES
+
+    bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
+    if backend == "gloo":
+        from verifiers_rl.sync.gloo import GlooSender
+
+        return GlooSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    if backend == "adapter":
+        from verifiers_rl.sync.adapter import AdapterSender
+
+        return AdapterSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    if backend == "nccl":
+        from verifiers_rl.sync.nccl import NCCLSender
+
+        return NCCLSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    raise ValueError(f"weight-sync backend={backend!r}; allowed: gloo, adapter, nccl")

@@ -1,0 +1,280 @@
+"""Weight export: the training model turned into what the server and the loss need, whatever the parallel layout.
+
+Two consumers read the model's weights, and both go through here:
+
+- the sync: `stream(kind, bucket_bytes)` is a `WeightStream` of the tensors the server loads ("merged": every weight
+  with LoRA merged out of place; "adapter": LoRA A/B only), described up front and produced in order. The plan
+  of a sync (`policy_weights.merged_items` / `adapter_items`) comes from the model's structure; each layout only
+  says how its parameters are spread over the ranks.
+- the loss: the output projection. A replicated head is applied to the trained positions' hidden states in
+  chunks (`loss.forward`); a sharded one is reached inside the model's own forward (`head_in_forward`), whose
+  hooks gather it and route its gradient back to the shards.
+
+`weight_export(model, accelerator)` picks the implementation:
+
+- `ReplicatedExport`: one process, DDP, ZeRO-1/2 (every rank holds every parameter).
+- `ZeRO3Export`: DeepSpeed ZeRO-3 (flat partitions, `ds_tensor`; `deepspeed.zero.GatheredParameters` otherwise).
+- `FSDP2Export`: FSDP2's DTensor parameters (dim-0 shards; `full_tensor()` otherwise).
+
+Under a sharded layout producing a tensor is a collective: every rank iterates the stream in the same order
+(`collective = True`). Only rank 0 sends, so a sync brings the pieces to rank 0 alone (shard_gather.py:
+point-to-point, or through shared memory on one host), a group of about `bucket_bytes` at a time, the next group
+in flight while rank 0 sends this one: no rank holds more than about two groups beyond its shard, and rank 0
+receives into buffers it reuses.
+(`gathered(names)`, every parameter whole on every rank, serves `lora_state` and layouts the sync does not
+know.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+
+from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES
+from verifiers_rl.sync.policy_weights import (
+    ExportItem,
+    adapter_items,
+    materialize,
+    merged_items,
+    replicated_stream,
+    unit_scaling_config,
+    unwrap_peft,
+)
+from verifiers_rl.sync.shard_gather import Pieces, Ring, ToRankZero, chunk_rows, flat_lengths
+from verifiers_rl.sync.stream import WeightStream
+
+# the reused receive buffers of each sharded model's syncs (rank 0), kept as long as the model
+_RINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+KINDS = ("merged", "adapter")
+
+
+class WeightExport(Protocol):
+    collective: bool  # producing the stream is a collective: every rank iterates it
+    head_in_forward: bool  # the output projection is reached inside the model's forward (sharded head)
+
+    def stream(self, kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightStream: ...
+
+
+def _items(model, kind: str, dtype: torch.dtype | None = None) -> tuple[list[ExportItem], dict | None, int]:
+    if kind == "adapter":
+        items, ranks = adapter_items(model)
+        return items, unit_scaling_config(ranks), max(ranks.values())
+    if kind == "merged":
+        return merged_items(model, dtype), None, 0
+    raise ValueError(f"weight export kind={kind!r}; allowed: {', '.join(KINDS)}")
+
+
+class ReplicatedExport:
+    """Every rank holds the whole model (one process, DDP, ZeRO-1/2): tensors are read as they are."""
+
+    collective = False
+    head_in_forward = False
+
+    def __init__(self, model, dtype: torch.dtype | None = None):
+        self.model = model  # unwrapped: peft or transformers names, no DDP prefix
+        self.dtype = dtype  # merged sync's transfer dtype (`weight_export`); None: each parameter's own
+
+    def stream(self, kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightStream:
+        items, config, rank = _items(self.model, kind, self.dtype)
+        return replicated_stream(self.model, items, config, rank)
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        """The LoRA weights as peft names them in the model's state dict, whole, on the CPU (for a saved adapter)."""
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if is_adapter_weight(k)}
+
+
+class ShardedExport(ABC):
+    """Parameters live in shards across ranks; `gathered(names)` makes a group of them whole on every rank."""
+
+    collective = True
+    head_in_forward = True
+
+    def __init__(self, model, dtype: torch.dtype | None = None):
+        self.model, self.dtype = model, dtype
+        self.inner, _ = unwrap_peft(model)
+        self.params = dict(self.inner.named_parameters())
+
+    @abstractmethod
+    def gathered(self, names: list[str]) -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
+        """The named parameters whole, on every rank, for the duration of the context (ZeRO3Export, FSDP2Export)."""
+
+    def stream(self, kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightStream:
+        items, config, rank = _items(self.model, kind, self.dtype)
+        return WeightStream([i.meta for i in items], lambda: self._produce(items, bucket_bytes), config, rank)
+
+    @abstractmethod
+    def pieces(self, p) -> Pieces | None:
+        """How parameter `p` is spread over the ranks, in a layout the sync gathers point-to-point to rank 0
+        (shard_gather.py); None for any other (whole on every rank, or a layout only `gathered` knows)."""
+
+    def _produce(self, items: list[ExportItem], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        # Rank 0 alone sends, so only it receives the whole tensors; the other ranks send their pieces and yield
+        # nothing. Group k+1 travels while the sender handles group k. No copies: the tensors are views of the
+        # ring's buffers (valid while the sender can read them, see Ring), fresh `full_tensor()` results, or
+        # parameters that no optimizer step changes during a sync.
+        import torch.distributed as dist
+
+        groups = list(_groups(items, bucket_bytes))
+        ring = _RINGS.get(self.inner)
+        if ring is None or ring.slot_bytes < bucket_bytes:
+            ring = _RINGS[self.inner] = Ring(bucket_bytes + (1 << 16))  # room for dtype alignment
+        source = dist.get_rank() == 0
+        pending = self._start(_sources(groups[0]), ring, 0) if groups else None
+        for k, group in enumerate(groups):
+            full = pending()
+            pending = self._start(_sources(groups[k + 1]), ring, k + 1) if k + 1 < len(groups) else None
+            if source:
+                out = [(item.name, materialize(item, full)) for item in group]
+                del full
+                yield from out
+
+    def _start(self, names: list[str], ring: Ring, index: int) -> Callable[[], dict[str, torch.Tensor]]:
+        """Post a group's transfers (every rank, in the same order); the callable waits for them and gives
+        {name: whole tensor} on rank 0. Parameters without `pieces` go through `gathered` first (a collective
+        on every rank, as the layout does it), then travel as parameters whole on every rank."""
+        pieces, others, group = {}, [], None
+        for n in names:
+            pc = self.pieces(self.params[n])
+            if pc is not None and (pc.group is None or group is None or pc.group is group):
+                pieces[n] = pc  # one process group per transfer (a second one, if any, takes `gathered`)
+                group = group if pc.group is None else pc.group
+            else:
+                others.append(n)
+        if others:
+            # whole on every rank now; rank 0 copies them into the group's buffer with the rest, in order, so the
+            # group still lies as its bucket (the gathered memory is kept alive by these references meanwhile)
+            with self.gathered(others) as g:
+                gathered = {n: Pieces.whole_here(g[n]) for n in others}
+            pieces = {n: pieces.get(n) or gathered[n] for n in names}
+        return ToRankZero(pieces, ring, index).wait
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        """As `ReplicatedExport.lora_state`; every rank gathers, each gets the whole adapter (it is small)."""
+        prefix = "base_model.model." if self.inner is not self.model else ""
+        names = [n for n in self.params if is_adapter_weight(n)]
+        with self.gathered(names) as full:
+            return {prefix + n: full[n].detach().cpu().clone() for n in names}
+
+
+def is_adapter_weight(name: str) -> bool:
+    """What peft saves as the adapter: the LoRA factors and the trained copies of `modules_to_save`."""
+    return ".lora_" in name or ".modules_to_save." in name
+
+
+def _sources(group: list[ExportItem]) -> list[str]:
+    """The parameters a group of items is computed from, each once, in order."""
+    return list(dict.fromkeys(s for item in group for s in item.sources))
+
+
+def _groups(items: list[ExportItem], bucket_bytes: int) -> Iterator[list[ExportItem]]:
+    """Consecutive items whose tensors add up to about one bucket (a larger item makes a group of its own)."""
+    group, size = [], 0
+    for item in items:
+        if group and size + item.meta.nbytes > bucket_bytes:
+            yield group
+            group, size = [], 0
+        group.append(item)
+        size += item.meta.nbytes
+    if group:
+        yield group
+
+
+class ZeRO3Export(ShardedExport):
+    """DeepSpeed ZeRO-3: each rank holds a slice of every parameter (an empty tensor outside a gather)."""
+
+    @contextlib.contextmanager
+    def gathered(self, names):
+        import deepspeed
+
+        params = [self.params[n] for n in names]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield {n: p.data for n, p in zip(names, params)}
+
+    def pieces(self, p) -> Pieces | None:
+        """ZeRO-3's partition: the parameter flattened and padded to `world` equal slices, rank r holding slice r
+        (`ds_tensor`). Persistent (small, kept whole), in-use, secondary (ZeRO++) and quantized partitions are
+        left to `gathered`: reading a persistent parameter's whole `data` directly instead made the merged LoRA
+        weights of tests/e2e/test_sharded.py differ from one process's by ~2 lr after 3 steps (GatheredParameters
+        releases it on exit, so the next forward fetches it from its partition)."""
+        import torch.distributed as dist
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        part = getattr(p, "ds_tensor", None)
+        if part is None:
+            return Pieces.whole_here(p.data)  # not ZeRO's: whole on every rank
+        if getattr(p, "ds_persist", False) or p.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            return None
+        if getattr(p, "ds_secondary_tensor", None) is not None or hasattr(part, "ds_quant_scale"):
+            return None
+        group = getattr(p, "ds_process_group", None) or dist.group.WORLD
+        world, size = dist.get_world_size(group), getattr(part, "ds_numel", part.numel())
+        if part.numel() != size or size * world < p.ds_numel or dist.get_global_rank(group, 0) != 0:
+            return None
+        lengths = flat_lengths(p.ds_numel, size, world)
+        local = part.detach().reshape(-1)[: lengths[dist.get_rank(group)]]
+        return Pieces(tuple(p.ds_shape), part.dtype, lengths, local, group)
+
+
+class FSDP2Export(ShardedExport):
+    """FSDP2: DTensor parameters, sharded on dim 0 (torch.chunk's rows) on a 1-D mesh, gathered to rank 0 for a
+    sync; another DTensor layout takes `full_tensor()` (an all-gather each). Parameters added after sharding (a
+    LoRA adapter on a model sharded at load time) stay whole on every rank and are read as they are."""
+
+    @contextlib.contextmanager
+    def gathered(self, names):
+        from torch.distributed.tensor import DTensor
+
+        full = {}
+        for n in names:
+            p = self.params[n].detach()
+            full[n] = p.full_tensor() if isinstance(p, DTensor) else p
+        yield full
+
+    def pieces(self, p) -> Pieces | None:
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, Shard
+
+        if not isinstance(p, DTensor):
+            return Pieces.whole_here(p)  # added after sharding (a LoRA adapter): whole on every rank
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or p.ndim == 0:
+            return None
+        group, world, rank = p.device_mesh.get_group(), p.device_mesh.size(), p.device_mesh.get_local_rank()
+        rows, local = chunk_rows(p.shape[0], world), p.to_local().detach()
+        if tuple(local.shape) != (rows[rank], *p.shape[1:]) or dist.get_global_rank(group, 0) != 0:
+            return None
+        inner = math.prod(p.shape[1:])
+        return Pieces(tuple(p.shape), p.dtype, [r * inner for r in rows], local.reshape(-1), group)
+
+
+def parallel_layout(model) -> str:
+    """'zero3', 'fsdp2' or 'replicated', from how the parameters are held (not from configs: a model is what it is)."""
+    for p in model.parameters():
+        if hasattr(p, "ds_shape"):
+            return "zero3"
+        if type(p.data).__name__ == "DTensor" or type(p).__name__ == "DTensor":
+            return "fsdp2"
+    return "replicated"
+
+
+def weight_export(model, accelerator=None) -> WeightExport:
+    """The export for the model's parallel layout (`model` as the Trainer holds it; `accelerator` unwraps it).
+    Under bf16/fp16 mixed precision a merged sync sends the compute dtype: full fine-tuning keeps float32 master
+    weights (models.training_kwargs), and the server serves what the forward computes with, at half the bytes."""
+    unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
+    dtype = _HALF.get(getattr(accelerator, "mixed_precision", None))
+    layout = parallel_layout(unwrapped)
+    if layout == "zero3":
+        return ZeRO3Export(unwrapped, dtype)
+    if layout == "fsdp2":
+        return FSDP2Export(unwrapped, dtype)
+    return ReplicatedExport(unwrapped, dtype)
+
+
+_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}

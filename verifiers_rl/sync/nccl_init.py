@@ -1,0 +1,125 @@
+"""The NCCL weight-transfer init with every stage bounded, and named when it fails.
+
+vLLM's `NCCLTrainerWeightTransferEngine.trainer_init` sends the server's init request on a side thread, opens the
+trainer's endpoint (a TCP store rendezvous, then `PyNcclCommunicator`, whose `ncclCommInitRank` waits for every
+rank) and only then reads the request's answer. A worker that fails after it reached the store never joins the
+communicator: the trainer waits in `ncclCommInitRank` forever, while the error that says why is already in the
+request's answer. Here the same three stages run in turn, each on a daemon thread the caller watches: the request's
+failure ends whichever stage is waiting, at once, with the server's error; a stage that outlasts its bound ends the
+init with its name. A thread left in `ncclCommInitRank` cannot be cancelled (NCCL's blocking init has no timeout,
+and no handle to abort exists before it returns): it stays behind as a daemon, and the error stops the run.
+
+vLLM is imported lazily, as in nccl.py.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from verifiers_rl.errors import ServerError
+
+STORE, COMMUNICATOR, REQUEST = "store rendezvous", "communicator creation", "server's init request"
+
+
+class _Background:
+    """`fn()` on a daemon thread: a stage that never returns must not keep the process alive at exit."""
+
+    def __init__(self, fn: Callable, name: str):
+        self.done = threading.Event()
+        self.value, self.error = None, None
+        threading.Thread(target=self._run, args=(fn,), name=name, daemon=True).start()
+
+    def _run(self, fn: Callable) -> None:
+        try:
+            self.value = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            self.error = e
+        finally:
+            self.done.set()
+
+    @property
+    def failed(self) -> bool:
+        return self.done.is_set() and self.error is not None
+
+
+class BoundedInit:
+    def __init__(self, control, timeout_s: float, poll_s: float = 0.05):
+        self.control = control  # SyncControl: the server's /init_weight_transfer_engine
+        self.timeout_s = timeout_s  # each stage's bound
+        self.poll_s = poll_s
+
+    def open(self, info):
+        """vLLM's trainer_init for the sender (NCCL rank 0; the server's workers take ranks 1..n): returns the
+        communicator, after the server confirmed its workers' side."""
+        from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+
+        workers = NCCLWeightTransferInitInfo(
+            master_address=info.master_address,
+            master_port=info.master_port,
+            rank_offset=1,
+            world_size=info.world_size,
+            packed=info.packed,
+            packed_buffer_size_bytes=info.packed_buffer_size_bytes,
+            packed_num_buffers=info.packed_num_buffers,
+        )
+        payload = worker_init_payload(workers)
+        request = _Background(lambda: self.control.init_weight_transfer_engine(payload), "nccl-init-request")
+        store = _Background(lambda: self._rendezvous(info), "nccl-init-store")
+        where = f"no worker of the server connected to the trainer's store at {info.master_address}:{info.master_port}"
+        group = self._wait(STORE, store, request, where)
+        comm = _Background(lambda: _communicator(group), "nccl-init-communicator")
+        hint = "the server's workers reached the store but did not join the NCCL communicator: see the server's log"
+        communicator = self._wait(COMMUNICATOR, comm, request, hint)
+        if getattr(communicator, "disabled", False):
+            # vLLM's communicator turns itself into a no-op when it cannot load libnccl: every sync would "succeed"
+            # and move nothing. Said before waiting for the server, whose workers wait for this rank in vain.
+            raise RuntimeError("vLLM could not load the NCCL library in the trainer process; use the gloo backend")
+        self._wait(REQUEST, request, None, "the communicator is up, the server did not confirm its workers' side")
+        return communicator
+
+    def _rendezvous(self, info):
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        # the store gives up on its own after the same bound: an abandoned wait does not hold the port for long
+        return StatelessProcessGroup.create(
+            host=info.master_address,
+            port=info.master_port,
+            rank=0,
+            world_size=info.world_size,
+            store_timeout=math.ceil(self.timeout_s),
+        )
+
+    def _wait(self, stage: str, work: _Background, request: _Background | None, hint: str):
+        deadline = time.monotonic() + self.timeout_s
+        while not work.done.wait(self.poll_s):
+            if request is not None and request.failed:  # the workers gave up: nothing will join this stage
+                raise ServerError(
+                    f"NCCL weight-transfer init: the server's init request failed while the trainer waited for the "
+                    f"{stage}: {type(request.error).__name__}: {request.error}"
+                )
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"NCCL weight-transfer init: the {stage} did not finish within {self.timeout_s:g}s ({hint})"
+                )
+        if work.error is not None:
+            cause = work.error
+            if request is not None and request.failed:  # the server's answer says more than a broken store
+                cause = request.error
+            raise ServerError(
+                f"NCCL weight-transfer init failed during the {stage}: {type(cause).__name__}: {cause}"
+            ) from cause
+        return work.value
+
+
+def _communicator(group):
+    """vLLM's stateless_init_process_group after its store: the communicator on the current CUDA device."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.utils.nccl import unpinned_nccl_env
+
+    with unpinned_nccl_env():
+        return PyNcclCommunicator(group, device=torch.accelerator.current_device_index())
