@@ -92,28 +92,45 @@ class RLConfig(TrainingArguments):
     )
     max_steps: int = field(default=500, metadata=_help("Optimizer steps to train for."))
     max_concurrent: int = field(default=1024, metadata=_help("Most rollouts in flight at once against the server."))
-    max_async_level: int = field(default=1, metadata=_help(
-        "Rollout batches generated ahead of training (0 = on-policy; k lets step n train while batch n+k generates)."
-    ))  # fmt: skip
-    rollout_process: bool = field(default=True, metadata=_help(
-        "Run the environment's code (env_response, reward functions, the HTTP client) in a child process, off the "
-        "trainer's GIL; an environment that cannot be copied into it (dill) generates in the trainer's process."
-    ))  # fmt: skip
-    num_iterations: int = field(default=1, metadata=_help(
-        "Optimizer steps per rollout batch (TRL's num_iterations, PPO's epochs), each against the sampler's logprobs "
-        "(the loss clips or masks); max_steps counts optimizer steps: max_steps / num_iterations batches are sampled."
-    ))  # fmt: skip
+    max_async_level: int = field(
+        default=1,
+        metadata=_help(
+            "Rollout batches generated ahead of training "
+            "(0 = on-policy; k lets step n train while batch n+k generates)."
+        ),
+    )
+    rollout_process: bool = field(
+        default=True,
+        metadata=_help(
+            "Run the environment's code (env_response, reward functions, the HTTP client) in a child process, off the "
+            "trainer's GIL; an environment that cannot be copied into it (dill) generates in the trainer's process."
+        ),
+    )
+    num_iterations: int = field(
+        default=1,
+        metadata=_help(
+            "Optimizer steps per rollout batch (TRL's num_iterations, PPO's epochs), each against the sampler's "
+            "logprobs (the loss clips or masks); max_steps counts optimizer steps: max_steps / num_iterations batches "
+            "are sampled."
+        ),
+    )
     shuffle_dataset: bool = field(
         default=True, metadata=_help("Shuffle the training dataset (seeded by `seed`, reshuffled each pass).")
     )
-    online_difficulty_filtering: bool = field(default=False, metadata=_help(
-        "Drop groups whose rollouts all got the same reward (they train nothing) and train the first "
-        "prompts_per_batch informative groups of ceil(prompts_per_batch * oversampling_factor) drawn per batch."
-    ))  # fmt: skip
-    oversampling_factor: float = field(default=1.0, metadata=_help(
-        "Prompts drawn per batch over prompts_per_batch, with online_difficulty_filtering (the bound on extra "
-        "generation; a batch with fewer informative groups trains fewer rollouts); without it, no effect."
-    ))  # fmt: skip
+    online_difficulty_filtering: bool = field(
+        default=False,
+        metadata=_help(
+            "Drop groups whose rollouts all got the same reward (they train nothing) and train the first "
+            "prompts_per_batch informative groups of ceil(prompts_per_batch * oversampling_factor) drawn per batch."
+        ),
+    )
+    oversampling_factor: float = field(
+        default=1.0,
+        metadata=_help(
+            "Prompts drawn per batch over prompts_per_batch, with online_difficulty_filtering (the bound on extra "
+            "generation; a batch with fewer informative groups trains fewer rollouts); without it, no effect."
+        ),
+    )
 
     # ---------------------------------------------------------------- loss
     loss_type: str = field(
@@ -178,10 +195,13 @@ class RLConfig(TrainingArguments):
             "penalties and extra_body keys set the matching fields); after init, the effective request fields."
         ),
     )
-    generation_timeout: float = field(default=600.0, metadata=_help(
-        "Seconds one rollout batch may take before training stops with an error naming the stage it is stuck "
-        "in (generation, env_response, scoring) and the function."
-    ))  # fmt: skip
+    generation_timeout: float = field(
+        default=600.0,
+        metadata=_help(
+            "Seconds one rollout batch may take before training stops with an error naming the stage it is stuck "
+            "in (generation, env_response, scoring) and the function."
+        ),
+    )
     scoring_timeout: float = field(
         default=300.0,
         metadata=_help(

@@ -72,8 +72,10 @@ KNOWN = {
     "qwen2.5-1.5b": ("qwen2", 1536, 8960, 28, 12, 2, 128, 151936, True),
     "qwen2.5-7b": ("qwen2", 3584, 18944, 28, 28, 4, 128, 152064, False),
 }
-_KNOWN_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")  # fmt: skip
+_KNOWN_KEYS = tuple(
+    "model_type hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
+    "vocab_size tie_word_embeddings".split()
+)
 
 
 def shape_of(model: str) -> ModelShape | None:
@@ -124,9 +126,16 @@ def layer_activation_bytes(shape: ModelShape, *, use_lora: bool, lora_rank: int,
     return 2 * (FLOAT32 * h + 2 * b * h) + attention + b * (q + kv) + 4 * b * i
 
 
-def activation_bytes(shape: ModelShape, *, use_lora: bool, lora_rank: int, micro_batch_tokens: int,
-                     max_seq_len: int | None, activation_checkpointing: bool,
-                     param_bytes: int = 2) -> int:  # fmt: skip
+def activation_bytes(
+    shape: ModelShape,
+    *,
+    use_lora: bool,
+    lora_rank: int,
+    micro_batch_tokens: int,
+    max_seq_len: int | None,
+    activation_checkpointing: bool,
+    param_bytes: int = 2,
+) -> int:
     """One micro-batch's activations at their peak (the start of backward). Packing bounds a micro-batch by its
     token budget, so this is linear in `micro_batch_tokens`; SDPA's mask over packed rows as wide as the longest
     sample (`max_seq_len` at worst) adds rows x width^2 = tokens x width per layer, in the weights' dtype as torch
@@ -148,8 +157,14 @@ def chunk_rows(vocab: int) -> int:
     return max(32, min(4096, CHUNK_LOGITS_BYTES // (FLOAT32 * max(vocab, 1))))
 
 
-def logprob_bytes(shape: ModelShape, *, trains_head: bool, param_bytes: int = 2, tokens: int | None = None,
-                  grad_bytes: int | None = None) -> int:  # fmt: skip
+def logprob_bytes(
+    shape: ModelShape,
+    *,
+    trains_head: bool,
+    param_bytes: int = 2,
+    tokens: int | None = None,
+    grad_bytes: int | None = None,
+) -> int:
     """chunked_logprobs never holds the micro-batch's logits: one chunk's float32 logits in forward, their
     softmax (float32) and its cast in backward (a chunk has at most `tokens` rows); when the head trains, backward
     accumulates its [V, H] gradient in a buffer of its own before autograd adds it to the weight's gradient."""
@@ -158,9 +173,19 @@ def logprob_bytes(shape: ModelShape, *, trains_head: bool, param_bytes: int = 2,
     return chunk + (shape.vocab * shape.hidden * (grad_bytes or param_bytes) if trains_head else 0)
 
 
-def rank_parts(shape: ModelShape, *, layout: Layout, ranks: int, use_lora: bool, lora_rank: int,
-               micro_batch_tokens: int, max_seq_len: int | None, activation_checkpointing: bool,
-               param_bytes: int = 2, master_bytes: int = FLOAT32) -> dict[str, int]:  # fmt: skip
+def rank_parts(
+    shape: ModelShape,
+    *,
+    layout: Layout,
+    ranks: int,
+    use_lora: bool,
+    lora_rank: int,
+    micro_batch_tokens: int,
+    max_seq_len: int | None,
+    activation_checkpointing: bool,
+    param_bytes: int = 2,
+    master_bytes: int = FLOAT32,
+) -> dict[str, int]:
     """One trainer rank's peak by part. ZeRO-3 and FSDP2 divide parameters, gradients and optimizer state by the
     number of ranks; DDP keeps them whole on every rank; activations are per rank either way. A LoRA adapter
     trains in float32 (peft's default): weight 4 bytes, gradient 4, two AdamW moments 8. Full fine-tuning keeps
@@ -189,7 +214,7 @@ def rank_parts(shape: ModelShape, *, layout: Layout, ranks: int, use_lora: bool,
             activation_checkpointing=activation_checkpointing,
             param_bytes=param_bytes,
         )
-        + casts,  # fmt: skip
+        + casts,
         "logprobs": logprob_bytes(
             shape, trains_head=not use_lora, param_bytes=param_bytes, tokens=micro_batch_tokens, grad_bytes=grad_bytes
         ),
@@ -214,8 +239,14 @@ def kv_bytes_per_token(shape: ModelShape, param_bytes: int = 2) -> int:
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * param_bytes
 
 
-PART_NAMES = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer",
-              "activations": "activations", "logprobs": "logprob chunks", "cuda_context": "CUDA context"}  # fmt: skip
+PART_NAMES = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer": "optimizer",
+    "activations": "activations",
+    "logprobs": "logprob chunks",
+    "cuda_context": "CUDA context",
+}
 _HOW = {"ddp": "whole on every rank", "zero3": "ZeRO-3 shards", "fsdp2": "FSDP2 shards"}
 TOKEN_STEP = 256  # a chosen micro_batch_tokens is a multiple of this (and at least max_seq_len)
 
@@ -252,11 +283,23 @@ class MemoryFit:
         return lines
 
 
-def fit_training(shape: ModelShape, gpu_bytes: int, *, layout: Layout, ranks: int, use_lora: bool, lora_rank: int,
-                 micro_batch_size: int, max_seq_len: int, micro_batch_tokens: int | None,
-                 activation_checkpointing: bool | None, shared_with_server: bool,
-                 gpu_memory_utilization: float | None = None, param_bytes: int = 2,
-                 headroom: float = 0.1) -> MemoryFit:  # fmt: skip
+def fit_training(
+    shape: ModelShape,
+    gpu_bytes: int,
+    *,
+    layout: Layout,
+    ranks: int,
+    use_lora: bool,
+    lora_rank: int,
+    micro_batch_size: int,
+    max_seq_len: int,
+    micro_batch_tokens: int | None,
+    activation_checkpointing: bool | None,
+    shared_with_server: bool,
+    gpu_memory_utilization: float | None = None,
+    param_bytes: int = 2,
+    headroom: float = 0.1,
+) -> MemoryFit:
     """Plan one trainer rank's memory, and vLLM's share when it shares the GPU.
 
     `micro_batch_tokens` and `activation_checkpointing` are None when the user did not set them: the planner may
@@ -277,9 +320,16 @@ def fit_training(shape: ModelShape, gpu_bytes: int, *, layout: Layout, ranks: in
 
     def parts(tokens: int, checkpointing: bool) -> dict[str, int]:
         return rank_parts(
-            shape, layout=layout, ranks=ranks, use_lora=use_lora, lora_rank=lora_rank, micro_batch_tokens=tokens,
-            max_seq_len=max_seq_len, activation_checkpointing=checkpointing, param_bytes=param_bytes,
-        )  # fmt: skip
+            shape,
+            layout=layout,
+            ranks=ranks,
+            use_lora=use_lora,
+            lora_rank=lora_rank,
+            micro_batch_tokens=tokens,
+            max_seq_len=max_seq_len,
+            activation_checkpointing=checkpointing,
+            param_bytes=param_bytes,
+        )
 
     tokens = micro_batch_tokens or micro_batch_size * max_seq_len
     configured = parts(tokens, bool(activation_checkpointing))
@@ -287,8 +337,19 @@ def fit_training(shape: ModelShape, gpu_bytes: int, *, layout: Layout, ranks: in
         parts, configured, tokens, budget, activation_checkpointing, micro_batch_tokens, max_seq_len
     )
     if chosen["total"] > budget:
-        why = _refusal(configured, chosen, budget, gpu_bytes, layout, use_lora, checkpointing, micro_batch_tokens,
-                       max_seq_len, shared_with_server, gpu_memory_utilization)  # fmt: skip
+        why = _refusal(
+            configured,
+            chosen,
+            budget,
+            gpu_bytes,
+            layout,
+            use_lora,
+            checkpointing,
+            micro_batch_tokens,
+            max_seq_len,
+            shared_with_server,
+            gpu_memory_utilization,
+        )
         raise ConfigError(why)
     fit = MemoryFit(layout, ranks, gpu_bytes, chosen, measures, reasons)
     if not shared_with_server:
@@ -296,9 +357,15 @@ def fit_training(shape: ModelShape, gpu_bytes: int, *, layout: Layout, ranks: in
     return _share_with_vllm(fit, shape, max_seq_len, gpu_memory_utilization, param_bytes, headroom)
 
 
-def _choose_measures(parts, configured: dict[str, int], tokens: int, budget: int,
-                     activation_checkpointing: bool | None, micro_batch_tokens: int | None,
-                     max_seq_len: int) -> tuple[dict[str, int], bool, dict[str, object], list[str]]:  # fmt: skip
+def _choose_measures(
+    parts,
+    configured: dict[str, int],
+    tokens: int,
+    budget: int,
+    activation_checkpointing: bool | None,
+    micro_batch_tokens: int | None,
+    max_seq_len: int,
+) -> tuple[dict[str, int], bool, dict[str, object], list[str]]:
     """The cheapest measures that bring one rank within `budget`, among the settings the user left unset (None):
     activation checkpointing first, then the largest token budget per micro-batch. Returns the rank's parts
     (what one full sample alone needs when nothing fits, for the refusal), whether it checkpoints, the measures
@@ -330,8 +397,14 @@ def _choose_measures(parts, configured: dict[str, int], tokens: int, budget: int
     return chosen, checkpointing, measures, reasons
 
 
-def _share_with_vllm(fit: MemoryFit, shape: ModelShape, max_seq_len: int, gpu_memory_utilization: float | None,
-                     param_bytes: int, headroom: float) -> MemoryFit:  # fmt: skip
+def _share_with_vllm(
+    fit: MemoryFit,
+    shape: ModelShape,
+    max_seq_len: int,
+    gpu_memory_utilization: float | None,
+    param_bytes: int,
+    headroom: float,
+) -> MemoryFit:
     """`fit` with vLLM's share of the GPU it shares with the trainer: the utilization the user wrote, or what the
     trainer's estimate plus `headroom` leaves (rounded down to 0.01); a ConfigError when that share cannot hold
     vLLM's weights, reserve and the KV cache of one full sequence."""
@@ -348,8 +421,12 @@ def _share_with_vllm(fit: MemoryFit, shape: ModelShape, max_seq_len: int, gpu_me
             f"reserve ({vllm_fixed / GIB:.1f} GiB) plus the KV cache of one {max_seq_len}-token sequence "
             f"({one_sequence / GIB:.2f} GiB): raise it, or leave it unset and the planner splits the GPU"
         )
-    vllm = {"weights": shape.params * param_bytes, "reserve": VLLM_RESERVE, "kv_cache": kv,
-            "kv_tokens": kv // per_token}  # fmt: skip
+    vllm = {
+        "weights": shape.params * param_bytes,
+        "reserve": VLLM_RESERVE,
+        "kv_cache": kv,
+        "kv_tokens": kv // per_token,
+    }
     return replace(fit, gpu_memory_utilization=gpu_memory_utilization, vllm=vllm)
 
 
@@ -371,9 +448,19 @@ def _largest_budget(fits, low: int, high: int) -> int | None:
     return base + lo * TOKEN_STEP
 
 
-def _refusal(configured: dict[str, int], best: dict[str, int], budget: int, gpu_bytes: int, layout: Layout,
-             use_lora: bool, checkpointing: bool, micro_batch_tokens: int | None, max_seq_len: int,
-             shared: bool, gpu_memory_utilization: float | None) -> str:  # fmt: skip
+def _refusal(
+    configured: dict[str, int],
+    best: dict[str, int],
+    budget: int,
+    gpu_bytes: int,
+    layout: Layout,
+    use_lora: bool,
+    checkpointing: bool,
+    micro_batch_tokens: int | None,
+    max_seq_len: int,
+    shared: bool,
+    gpu_memory_utilization: float | None,
+) -> str:
     """One line: what one rank needs at best, what it has, and only the settings whose change would help."""
     if layout == "ddp":  # every rank holds the whole model: more ranks do not help, sharding does
         fixes = ["shard the model over trainer GPUs ([trainer] gpus, accelerate_config: DeepSpeed ZeRO-3 or FSDP2)"]

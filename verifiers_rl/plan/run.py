@@ -111,8 +111,16 @@ def from_ranks_env() -> tuple[ServingPlan | None, dict[str, Any]]:
     return ServingPlan.from_json(json.dumps(data["serving"])), dict(data.get("measures") or {})
 
 
-def plan_run(args, model: str, machine: Machine, layout: Layout = Layout(), *, shape: ModelShape | None = None,
-             user_set: frozenset[str] | None = None, apply: bool = True) -> RunPlan:  # fmt: skip
+def plan_run(
+    args,
+    model: str,
+    machine: Machine,
+    layout: Layout = Layout(),
+    *,
+    shape: ModelShape | None = None,
+    user_set: frozenset[str] | None = None,
+    apply: bool = True,
+) -> RunPlan:
     """The plan for `args` (an RLConfig) on `machine`. `shape`: the model's, for the memory fit (None: unknown;
     a GPU the server shares then needs the user's gpu_memory_utilization). `user_set`: the RLConfig fields the
     user wrote (None: those that differ from their defaults); the fit may choose the others. `apply`: the

@@ -72,9 +72,13 @@ def export_checkpoint(argv: list[str]) -> int:
     if lora and opts["base"]:
         info["base_model"], info["base_model_path"] = opts["base"], None
     card = ModelCard.from_run(  # the run's folder holds its checkpoints
-        info, run_dir=checkpoint.parent, step=source.step, kind=kind, log_history=source.log_history,
+        info,
+        run_dir=checkpoint.parent,
+        step=source.step,
+        kind=kind,
+        log_history=source.log_history,
         title=checkpoint.name,
-    )  # fmt: skip
+    )
     export_model(source.model, source.tokenizer, out, kind=kind, card=card, run_info=info)
     what = {
         "adapter": "the LoRA adapter",

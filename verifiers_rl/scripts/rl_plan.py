@@ -68,8 +68,9 @@ def check_model(model: str, dry_run: bool) -> None:
         raise ConfigError(f"model = {model!r}: {e}") from None
 
 
-def build_plan(cfg: dict[str, Any], config_path: str, overrides: list[str], machine: Machine | Callable[[], Machine],
-               dry_run: bool) -> Plan:  # fmt: skip
+def build_plan(
+    cfg: dict[str, Any], config_path: str, overrides: list[str], machine: Machine | Callable[[], Machine], dry_run: bool
+) -> Plan:
     """`machine`, or a function that probes it: called once the model is known to exist (probing imports torch,
     and a missing model is reported in well under a second)."""
     from verifiers_rl.plan.memory import shape_of
@@ -127,8 +128,14 @@ def launcher_args(processes: int, accelerate_config: str | None = None) -> list[
     """How the trainer's processes start: one plain process, or `accelerate launch` (the user's accelerate config,
     e.g. DeepSpeed ZeRO-3 or FSDP2, or plain multi-GPU data parallel)."""
     if accelerate_config:
-        return ["-m", "accelerate.commands.launch", "--config_file", accelerate_config, "--num_processes",
-                str(processes)]  # fmt: skip
+        return [
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            accelerate_config,
+            "--num_processes",
+            str(processes),
+        ]
     if processes > 1:
         return ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes)]
     return []
@@ -190,6 +197,9 @@ def render(plan: Plan) -> str:
         out += ["", f"# trainer ({n} process{'es' if n > 1 else ''}, the run plan in ${PLAN_ENV})", plan.trainer_line()]
     else:
         out += ["", "# trainer", "in this process, on the CPU (RLTrainer, connected to the server above)"]
-    out += ["", "# outputs", f"{plan.output_dir} (final/ = the trained model, metrics.jsonl, reward_curve.png, "
-            "checkpoints)"]  # fmt: skip
+    out += [
+        "",
+        "# outputs",
+        f"{plan.output_dir} (final/ = the trained model, metrics.jsonl, reward_curve.png, checkpoints)",
+    ]
     return "\n".join(out)

@@ -25,8 +25,13 @@ logger = logging.getLogger(__name__)
 SETTLE_S = 3.0  # how long a process whose connections just broke may take to be gone
 # how a request reads when the server died before or while answering it (aiohttp's ClientPayloadError: the
 # response's body was cut off by the kill)
-_UNREACHABLE = ("APIConnectionError", "Connection reset", "Connection refused", "ServerDisconnected",
-                "ClientPayloadError")  # fmt: skip
+_UNREACHABLE = (
+    "APIConnectionError",
+    "Connection reset",
+    "Connection refused",
+    "ServerDisconnected",
+    "ClientPayloadError",
+)
 RUN_COMMAND_ENV = "VF_RUN_COMMAND"  # the command a user ran (vf-rl sets it for the trainer processes it starts)
 
 
@@ -69,8 +74,11 @@ class ServerRecovery:
             logger.warning(
                 "%s; restarting it (%d of %d in a row) in %.0fs: the current weights are synced into it and the "
                 "lost rollouts generated again",
-                cause, self.in_a_row, limit, delay,
-            )  # fmt: skip
+                cause,
+                self.in_a_row,
+                limit,
+                delay,
+            )
             time.sleep(delay)
         else:
             logger.warning(

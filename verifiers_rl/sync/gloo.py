@@ -189,8 +189,9 @@ class GlooSender:
     # With pauses_itself (our CPU engine) and a loopback host: buckets through shared memory where it can (shm.py).
     offers_shared_memory = True
 
-    def __init__(self, client, *, host: str = LOOPBACK, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 timeout_s: float = 300.0):  # fmt: skip
+    def __init__(
+        self, client, *, host: str = LOOPBACK, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0
+    ):
         self.client, self.host = client, host
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.group: WeightGroup | None = None

@@ -50,8 +50,9 @@ class SharedSlots:
         except OSError:
             return None
         if st.f_bavail * st.f_frsize < size + (64 << 20):  # a Docker /dev/shm is 64 MB: leave it be
-            logger.info("weight sync: %s has no room for 2 x %d MB buckets; syncing over gloo", directory,
-                        slot_bytes >> 20)  # fmt: skip
+            logger.info(
+                "weight sync: %s has no room for 2 x %d MB buckets; syncing over gloo", directory, slot_bytes >> 20
+            )
             return None
         path = os.path.join(directory, f"vf-rl-sync-{secrets.token_hex(8)}")
         nonce = secrets.token_bytes(_NONCE_BYTES)

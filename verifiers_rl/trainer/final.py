@@ -108,9 +108,15 @@ def save_final(trainer, *, push: bool = True) -> Path | None:
                 info, run_dir=args.output_dir, step=step, kind=kind, log_history=trainer.state.log_history, title=title
             )
             export_model(
-                model, trainer.processing_class, out, kind=kind, card=card, run_info=info, weights=weights,
+                model,
+                trainer.processing_class,
+                out,
+                kind=kind,
+                card=card,
+                run_info=info,
+                weights=weights,
                 adapter_state=adapter,
-            )  # fmt: skip
+            )
             logger.info("final model: %s (serve it with `vf-vllm --model %s`)", out, out)
     finally:
         trainer.accelerator.wait_for_everyone()  # a rank-0 failure must not leave the others waiting

@@ -329,8 +329,16 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         prepared.metrics["timing/wait_s"] = time.perf_counter() - t0
         prepared.metrics["server_restarts"] = float(self.runtime.recovery.total)
         step = self.state.global_step + 1  # as metrics.jsonl numbers it
-        report_failures(batch.rollouts, prepared, step, self._seen_failures, self.args, self.processing_class,
-                        self.env, self.runtime.max_model_len)  # fmt: skip
+        report_failures(
+            batch.rollouts,
+            prepared,
+            step,
+            self._seen_failures,
+            self.args,
+            self.processing_class,
+            self.env,
+            self.runtime.max_model_len,
+        )
         return prepared
 
     def _stop_when_nothing_trains(self, prepared: PreparedBatch) -> None:

@@ -130,9 +130,11 @@ def serve(
         threads = default_threads if pinned else engine_threads(weight_bytes)
         engine.threads = threads
         logger.info(
-            "CPU engine: %d intra-op thread(s) for %.0f MB of weights%s", threads, weight_bytes / 2**20,
+            "CPU engine: %d intra-op thread(s) for %.0f MB of weights%s",
+            threads,
+            weight_bytes / 2**20,
             " (OMP_NUM_THREADS)" if pinned else "",
-        )  # fmt: skip
+        )
         # The engine thread takes the GIL back between its torch ops faster than the event loop thread wakes up,
         # so requests wait out the 5 ms switch interval while a step runs: a burst of 32 trickled in over
         # 40-170 ms. 1 ms: 3,665 vs 3,475 tok/s at 32 concurrent, 4,401 vs 4,009 on 8 x 4 (interleaved rounds).
@@ -148,9 +150,15 @@ def serve(
         fast_chat=fast_chat,
     )
     uvicorn.run(
-        app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
-        timeout_keep_alive=SERVER_KEEP_ALIVE_S, http=http,
-    )  # fmt: skip
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+        http=http,
+    )
 
 
 def _one_intra_op_thread() -> None:

@@ -32,8 +32,9 @@ def create_engine(
     if reason:
         logger.warning(
             "CPU engine: the slot decode loop does not support %s (%s); using transformers continuous batching",
-            type(model).__name__, reason,
-        )  # fmt: skip
+            type(model).__name__,
+            reason,
+        )
     return CPUEngine(model, tokenizer, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
 
 

@@ -286,9 +286,13 @@ class LeanDecoder:
             k_cache.view(-1, d).index_copy_(0, rows, k.reshape(-1, d))
             v_cache.view(-1, d).index_copy_(0, rows, v.reshape(-1, d))
             o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scaling,
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                scale=self.scaling,
                 enable_gqa=h != kvh,
-            ).transpose(1, 2)  # fmt: skip
+            ).transpose(1, 2)
             x = x + linear(o.reshape(p, t, h * d), w.o_w, w.o_b)
             x = x + self._mlp(w, x)
         return self._logits(x[torch.arange(p), (lengths - 1).clamp(min=0)])

@@ -91,9 +91,15 @@ class SlotEngine(ServedWeights):
         self.eos_token_ids = eos_ids(model, tokenizer)
         d = self.decoder
         self.cache = SlotKVCache(
-            len(d.layers), d.num_kv_heads, d.head_dim, max_slots=max_num_seqs, max_length=max_model_len,
-            budget_tokens=kv_cache_tokens or None, budget_bytes=kv_cache_bytes, dtype=d.dtype,
-        )  # fmt: skip
+            len(d.layers),
+            d.num_kv_heads,
+            d.head_dim,
+            max_slots=max_num_seqs,
+            max_length=max_model_len,
+            budget_tokens=kv_cache_tokens or None,
+            budget_bytes=kv_cache_bytes,
+            dtype=d.dtype,
+        )
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # held for a whole step; pause() and load_weights() wait on it
         self._waiting: deque[_Seq] = deque()
