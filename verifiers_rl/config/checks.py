@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from verifiers_rl.config.choices import ENGINES, LORA_SYNC, SERVER_MODES, SYNC_BACKENDS
+from verifiers_rl.config.choices import ENGINES, LORA_SYNC, SERVER_MODES, SYNC_BACKENDS, LoraSync
 
 LOSS_TYPES = ("is", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -168,9 +168,9 @@ def _loss_and_lora_rules(cfg, check) -> None:
         "kl_beta",
         "needs use_lora=True (the reference policy is the model with its adapter disabled)",
     )
-    check(cfg.lora_sync != "adapter" or cfg.use_lora, "lora_sync", "'adapter' needs use_lora=True")
+    check(cfg.lora_sync != LoraSync.ADAPTER or cfg.use_lora, "lora_sync", "'adapter' needs use_lora=True")
     check(
-        cfg.lora_sync != "adapter" or not cfg.lora_modules_to_save,
+        cfg.lora_sync != LoraSync.ADAPTER or not cfg.lora_modules_to_save,
         "lora_sync",
         "'adapter' sends LoRA A/B only: it cannot carry lora_modules_to_save (use lora_sync='merged')",
     )

@@ -28,6 +28,15 @@ class SyncBackend(StrEnum):
     NCCL = "nccl"
 
 
+class Transport(StrEnum):
+    """How the plan moves weights (resolved from `SyncBackend` and `LoraSync`): LoRA A/B over gloo into the
+    served adapter, every weight over gloo (host memory), or over NCCL (GPU to GPU, vLLM's own engine)."""
+
+    ADAPTER = "adapter"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
 class LoraSync(StrEnum):
     """What a LoRA run sends each sync: the merged weights, or the adapter (vLLM loads it as a LoRA)."""
 

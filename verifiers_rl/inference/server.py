@@ -20,7 +20,7 @@ import threading
 import time
 from typing import NoReturn
 
-from verifiers_rl.config.choices import CPU_ENGINES, ENGINES
+from verifiers_rl.config.choices import CPU_ENGINES, ENGINES, Engine
 from verifiers_rl.config.net import DEFAULT_PORT, LOOPBACK, is_loopback
 from verifiers_rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 from verifiers_rl.inference.cpu.openmp import bound_openmp_spin
@@ -116,7 +116,7 @@ def control_token(args) -> str | None:
 def exposure(host: str, port: int, engine: str, api_key: str | None, allow_remote: bool, token: str | None) -> str:
     """What a server bound to a non-loopback address exposes, in words, for its log."""
     routes = "/v1/* (generation), /health" + (
-        ", and vLLM's /tokenize, /detokenize, /metrics, /version" if engine == "vllm" else ""
+        ", and vLLM's /tokenize, /detokenize, /metrics, /version" if engine == Engine.VLLM else ""
     )
     gen = "protected by the API key" if api_key else "with NO API key: anyone who reaches this address can generate"
     if not allow_remote:
@@ -237,7 +237,7 @@ def serve_command(argv: list[str] | None = None) -> int:
     token = control_token(args)
     if not is_loopback(args.host):
         print(exposure(args.host, args.port, engine, args.api_key, args.allow_remote_control, token), flush=True)
-    if engine == "vllm":
+    if engine == Engine.VLLM:
         return run_vllm(args, passthrough)
     # uvicorn re-raises the SIGTERM it caught once it has shut down; with the default handler that would end
     # the process before atexit runs (the token file would stay behind)

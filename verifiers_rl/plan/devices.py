@@ -14,6 +14,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
+from verifiers_rl.config.choices import Engine
 from verifiers_rl.errors import ConfigError
 
 
@@ -29,7 +30,7 @@ class GpuPlan:
     def describe(self, engine: str = "vllm") -> str:
         if not self.cuda:
             return "no CUDA devices: CPU engine for inference, trainer on CPU"
-        if engine == "cpu":
+        if engine == Engine.CPU:
             return f"{self.cuda} CUDA device(s): trainer on {self.trainer}; the CPU engine serves on the CPU (no GPU)"
         if self.shared:
             gpu = self.inference[0]

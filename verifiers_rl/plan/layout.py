@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from verifiers_rl.config.choices import Engine
 from verifiers_rl.config.net import LOOPBACK
 
 SERVER_MODULE = "verifiers_rl.inference.server"
@@ -122,11 +123,11 @@ class ServerSpec:
             argv += ["--max-model-len", str(self.max_model_len)]
         if self.data_parallel_size > 1 and not has_flag(self.extra_args, "data-parallel-size"):
             argv += ["--data-parallel-size", str(self.data_parallel_size)]
-        if self.engine == "cpu" and not has_flag(self.extra_args, "disable-uvicorn-access-log"):
+        if self.engine == Engine.CPU and not has_flag(self.extra_args, "disable-uvicorn-access-log"):
             # a line per rollout request, written by the thread that also answers them: 9 % of that thread's
             # samples at 64 requests in flight (py-spy), on the cores generation shares with training
             argv.append("--disable-uvicorn-access-log")
-        if self.engine == "vllm":  # the CPU engine takes every sync as it is
+        if self.engine == Engine.VLLM:  # the CPU engine takes every sync as it is
             backend = self.weight_backend or ("gloo" if self.adapter is not None else None)
             user_set = any(has_flag(self.extra_args, f) for f in ("weight-transfer-backend", "weight-transfer-config"))
             if backend and not user_set:  # the trainer's sender and the server's receiver must be one backend

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from verifiers_rl.config.choices import Engine
 from verifiers_rl.errors import ConfigError
 from verifiers_rl.plan.devices import GpuPlan, assign_gpus
 from verifiers_rl.plan.layout import flag_value
@@ -128,7 +129,7 @@ def plan_run(
     its model is built, so a fit that needs a change is a refusal that names it."""
     gpus = _gpus(args, machine, layout)
     engine = resolve_engine(args.server_engine, cuda=machine.gpus > 0, vllm=machine.vllm)
-    if engine == "vllm" and not machine.gpus:
+    if engine == Engine.VLLM and not machine.gpus:
         raise ConfigError("server_engine / inference.engine = 'vllm' needs CUDA devices; none are visible (use 'cpu')")
     serving = plan_serving(
         args,

@@ -29,6 +29,11 @@ from verifiers_rl.config.choices import (
     LORA_SYNC,
     SERVER_MODES,
     SYNC_BACKENDS,
+    Engine,
+    LoraSync,
+    ServerMode,
+    SyncBackend,
+    Transport,
 )
 from verifiers_rl.plan.devices import visible_devices
 
@@ -49,15 +54,15 @@ def cuda_available() -> bool:
 # ---------------------------------------------------------------------------------------------- the rules
 
 
-def resolve_engine(requested: str, *, cuda: bool | None = None, vllm: bool | None = None) -> str:
-    """'auto' -> 'vllm' when CUDA and vLLM are both present, else 'cpu'; 'cpu'/'vllm' stay as asked."""
+def resolve_engine(requested: str, *, cuda: bool | None = None, vllm: bool | None = None) -> Engine:
+    """'auto' -> vLLM when CUDA and vLLM are both present, else the CPU engine; 'cpu'/'vllm' stay as asked."""
     if requested not in ENGINES:
         raise ValueError(f"engine={requested!r}; allowed: {', '.join(ENGINES)}")
-    if requested != "auto":
-        return requested
+    if requested != Engine.AUTO:
+        return Engine(requested)
     cuda = cuda_available() if cuda is None else cuda
     vllm = vllm_installed() if vllm is None else vllm
-    return "vllm" if cuda and vllm else "cpu"
+    return Engine.VLLM if cuda and vllm else Engine.CPU
 
 
 def resolve_cpu_engine(requested: str, unsupported: str | None) -> str:
@@ -71,17 +76,17 @@ def resolve_cpu_engine(requested: str, unsupported: str | None) -> str:
     return requested
 
 
-def resolve_mode(requested: str, discover: Callable[[], str]) -> str:
+def resolve_mode(requested: str, discover: Callable[[], str]) -> ServerMode:
     """'auto' asks `discover()` ('connect' when an RL server answers where the trainer looks, else 'spawn')."""
     if requested not in SERVER_MODES:
         raise ValueError(f"server_mode={requested!r}; allowed: {', '.join(SERVER_MODES)}")
-    return discover() if requested == "auto" else requested
+    return ServerMode(discover() if requested == ServerMode.AUTO else requested)
 
 
 def shares_gpu(engine: str, server_uuids: Sequence[str] | None, trainer_uuids: Sequence[str]) -> bool:
     """Does a vLLM server run on one of the trainer's GPUs? (The CPU engine uses none.) GPUs are compared by UUID,
     the one name a GPU has in every process whatever its CUDA_VISIBLE_DEVICES; None: the server's are not known."""
-    if engine != "vllm" or server_uuids is None:
+    if engine != Engine.VLLM or server_uuids is None:
         return False
     return bool(set(server_uuids) & set(trainer_uuids))
 
@@ -99,34 +104,36 @@ def connected_server_uuids(
     return None
 
 
-def resolve_lora_sync(requested: str, *, use_lora: bool, modules_to_save, shared_gpu: bool) -> str:
+def resolve_lora_sync(requested: str, *, use_lora: bool, modules_to_save, shared_gpu: bool) -> LoraSync:
     """'merged' for full fine-tuning; 'auto': adapter for a LoRA policy on a shared GPU (no NCCL there, and 1-2%
     of the bytes) unless modules are trained in full beside the adapter, merged otherwise."""
     if requested not in LORA_SYNC:
         raise ValueError(f"lora_sync={requested!r}; allowed: {', '.join(LORA_SYNC)}")
     if not use_lora:
-        return "merged"
-    if requested == "auto":
-        return "adapter" if shared_gpu and not modules_to_save else "merged"
-    return requested
+        return LoraSync.MERGED
+    if requested == LoraSync.AUTO:
+        return LoraSync.ADAPTER if shared_gpu and not modules_to_save else LoraSync.MERGED
+    return LoraSync(requested)
 
 
-def resolve_sync_backend(requested: str, engine: str, *, shared_gpu: bool = False, lora_sync: str = "merged") -> str:
+def resolve_sync_backend(
+    requested: str, engine: Engine, *, shared_gpu: bool = False, lora_sync: LoraSync = LoraSync.MERGED
+) -> Transport:
     """How the weights travel: 'adapter' (LoRA A/B over gloo into the served adapter), 'gloo' (host memory: the
     CPU engine, or a server on the trainer's own GPU) or 'nccl' (GPU to GPU, vLLM's own engine)."""
     if requested not in SYNC_BACKENDS:
         raise ValueError(f"sync_backend={requested!r}; allowed: {', '.join(SYNC_BACKENDS)}")
-    if engine not in ("cpu", "vllm"):
+    if engine not in (Engine.CPU, Engine.VLLM):
         raise ValueError(f"engine={engine!r} is not resolved; call resolve_engine first")
-    if engine == "cpu" and requested == "nccl":
+    if engine == Engine.CPU and requested == SyncBackend.NCCL:
         raise ValueError("sync_backend='nccl' needs a vLLM server; the CPU engine syncs over gloo")
-    if shared_gpu and requested == "nccl":
+    if shared_gpu and requested == SyncBackend.NCCL:
         raise ValueError("sync_backend='nccl' cannot sync a server on the trainer's own GPU; use gloo")
-    if lora_sync == "adapter":
-        return "adapter"
-    if engine == "cpu" or shared_gpu:
-        return "gloo"
-    return "nccl" if requested == "auto" else requested
+    if lora_sync == LoraSync.ADAPTER:
+        return Transport.ADAPTER
+    if engine == Engine.CPU or shared_gpu:
+        return Transport.GLOO
+    return Transport.NCCL if requested == SyncBackend.AUTO else Transport(requested)
 
 
 def cpu_thread_split(
@@ -143,7 +150,7 @@ def cpu_thread_split(
     if os.environ.get("OMP_NUM_THREADS"):
         return None
     cores = cores or os.cpu_count() or 1
-    if cores < 2 or max_async_level < 1 or engine == "vllm" or not local or cuda:
+    if cores < 2 or max_async_level < 1 or engine == Engine.VLLM or not local or cuda:
         return None
     server = cores // 2
     return server, cores - server
@@ -154,29 +161,37 @@ def cpu_thread_split(
 
 @dataclass(frozen=True)
 class ServingPlan:
-    engine: str  # "cpu" | "vllm"
-    mode: str  # "spawn" | "connect"
+    engine: Engine  # resolved: CPU or VLLM
+    mode: ServerMode  # resolved: SPAWN or CONNECT
     shared_gpu: bool
-    lora_sync: str  # "merged" | "adapter" (full fine-tuning: "merged")
-    sync_backend: str  # "gloo" | "nccl" | "adapter"
+    lora_sync: LoraSync  # resolved: MERGED or ADAPTER (full fine-tuning: MERGED)
+    sync_backend: Transport
     server_pauses: bool  # the server pauses, finishes and resumes by itself around a sync
     server_gpus: tuple[int, ...] | None = None  # GPUs of a server we start, as indices of our visible GPUs
     server_uuids: tuple[str, ...] | None = None  # the same GPUs by UUID: one name in every process
     data_parallel: int = 1
     threads: tuple[int, int] | None = None  # (server, trainer) CPU threads
 
+    def __post_init__(self):
+        # a plan read back from JSON (`from_json`) or built from strings holds the same members as one planned here
+        for name, choice in (("engine", Engine), ("mode", ServerMode), ("lora_sync", LoraSync)):
+            object.__setattr__(self, name, choice(getattr(self, name)))
+        object.__setattr__(self, "sync_backend", Transport(self.sync_backend))
+        if self.engine == Engine.AUTO or self.mode == ServerMode.AUTO or self.lora_sync == LoraSync.AUTO:
+            raise ValueError(f"a ServingPlan holds resolved choices, not 'auto': {self}")
+
     @property
     def weights(self) -> str:
         """What the trainer sends each sync: 'adapter' (LoRA A/B only) or 'merged' (every weight, LoRA merged)."""
-        return "adapter" if self.lora_sync == "adapter" else "merged"
+        return LoraSync.ADAPTER if self.lora_sync == LoraSync.ADAPTER else LoraSync.MERGED
 
     @property
     def server_weight_backend(self) -> str | None:
         """vLLM's --weight-transfer-backend for a server we start: gloo for our gloo group (merged or adapter),
         vLLM's own default (NCCL) otherwise; None for the CPU engine (it only speaks gloo)."""
-        if self.engine != "vllm":
+        if self.engine != Engine.VLLM:
             return None
-        return "nccl" if self.sync_backend == "nccl" else "gloo"
+        return Transport.NCCL if self.sync_backend == Transport.NCCL else Transport.GLOO
 
     def server_env(self) -> dict[str, str] | None:
         """The server's share of the CPU threads, as environment for its process."""
@@ -195,7 +210,7 @@ class ServingPlan:
         return cls(**fields)
 
     def describe(self) -> list[str]:
-        if self.engine == "cpu":  # it holds its weights in host memory whatever GPUs its process can see
+        if self.engine == Engine.CPU:  # it holds its weights in host memory whatever GPUs its process can see
             where = " on the CPU"
         elif self.shared_gpu:
             where = " on a GPU it shares with the trainer"
@@ -242,9 +257,9 @@ def plan_serving(
         shared_gpu=shared,
         lora_sync=lora_sync,
         sync_backend=backend,
-        server_pauses=engine == "cpu" and backend == "gloo",  # our engine folds the sync into one request
+        server_pauses=engine == Engine.CPU and backend == Transport.GLOO,  # our engine folds the sync into one request
         server_gpus=tuple(server_gpus) if server_gpus is not None else None,
-        server_uuids=tuple(server_uuids) if server_uuids is not None and engine == "vllm" else None,
+        server_uuids=tuple(server_uuids) if server_uuids is not None and engine == Engine.VLLM else None,
         data_parallel=data_parallel,
         threads=threads,
     )
@@ -254,7 +269,7 @@ def placement_problem(plan: ServingPlan, trainer_uuid: str | None) -> str | None
     """Why this trainer process cannot sync by `plan`, or None. NCCL cannot put the trainer and a server worker
     on one GPU: when the trainer's own GPU (by UUID, whatever each process's CUDA_VISIBLE_DEVICES) is one of the
     server's while the plan syncs over NCCL, the first sync would fail deep inside NCCL."""
-    if plan.sync_backend != "nccl" or not plan.server_uuids or trainer_uuid is None:
+    if plan.sync_backend != Transport.NCCL or not plan.server_uuids or trainer_uuid is None:
         return None
     if trainer_uuid not in plan.server_uuids:
         return None

@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from verifiers_rl.config.choices import Engine, LoraSync
 from verifiers_rl.config.net import LOOPBACK, free_port, port_in_use
 from verifiers_rl.errors import ServerError
 from verifiers_rl.plan.devices import child_visible_devices
@@ -275,7 +276,7 @@ def server_of(plan) -> InferenceServer:
     if share is not None and not has_flag(extra, "gpu-memory-utilization"):
         extra += ["--gpu-memory-utilization", f"{share:.2f}"]
     adapter = None
-    if serving.engine == "vllm" and serving.lora_sync == "adapter":
+    if serving.engine == Engine.VLLM and serving.lora_sync == LoraSync.ADAPTER:
         # vLLM serves the policy as a LoRA adapter registered at startup; whoever starts the server writes it there
         adapter = AdapterServing(ADAPTER_NAME, os.path.join(args.output_dir, "adapter_step0"), lora_ranks(args))
     return InferenceServer(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from verifiers_rl.config.choices import Engine, LoraSync, ServerMode
 from verifiers_rl.config.net import DEFAULT_PORT, is_local, store_host_for
 from verifiers_rl.errors import ServerError
 from verifiers_rl.plan.devices import gpu_uuids
@@ -63,7 +64,7 @@ class ServerSession:
         token = args.server_control_token or os.environ.get(TOKEN_ENV) or None
         port = args.vllm_server_port
         mode = "connect" if self.plan is not None else resolve_mode(args.server_mode, lambda: self._discover(token))
-        if mode == "spawn":
+        if mode == ServerMode.SPAWN:
             client = self._spawn(model, tokenizer, version, from_files)
         else:
             port = port or DEFAULT_PORT
@@ -95,7 +96,7 @@ class ServerSession:
         args, cuda = self.args, torch.cuda.is_available()
         count = torch.cuda.device_count() if cuda else 0
         mine = gpu_uuids([torch.cuda.current_device()]) if cuda else ()
-        reported = reported_gpus(client) if engine == "vllm" else []
+        reported = reported_gpus(client) if engine == Engine.VLLM else []
         servers = connected_server_uuids(
             reported, local=is_local(args.vllm_server_host), cuda_count=count, trainer_uuids=mine or ()
         )
@@ -137,7 +138,7 @@ class ServerSession:
     def _read_models(self, models: list[dict]) -> None:
         args = self.args
         self.model_name = models[0]["id"]
-        if self.plan.lora_sync == "adapter":
+        if self.plan.lora_sync == LoraSync.ADAPTER:
             self.model_name = self._adapter_name(models)
         self.max_model_len = models[0].get("max_model_len") or args.server_max_len
         if self.max_model_len < args.server_max_len:
@@ -150,7 +151,7 @@ class ServerSession:
 
     def _adapter_name(self, models: list[dict]) -> str:
         """Adapter sync: rollouts name the served adapter. Our CPU engine serves any name; vLLM must list it."""
-        if self.plan.engine == "cpu" or any(m.get("id") == ADAPTER_NAME for m in models):
+        if self.plan.engine == Engine.CPU or any(m.get("id") == ADAPTER_NAME for m in models):
             return ADAPTER_NAME
         raise ServerError(
             f"lora_sync='adapter' needs the server to serve the policy as the LoRA adapter {ADAPTER_NAME!r}, but it "
