@@ -72,7 +72,7 @@ def test_performance_table_is_the_committed_full_run():
             verdict = "✓" if "✓" in line else "✗" if "✗" in line else None
             if verdict:
                 judged = [r["pass"] for r in matches if r.get("pass") is not None]
-                assert judged and (verdict == "✓") in judged, f"performance.md's {verdict} disagrees with the run: {line}"
+                assert judged and (verdict == "✓") in judged, f"{verdict} disagrees with the run: {line}"
 
 
 def test_protocol_states_the_code_s_default_bucket_size():
