@@ -12,7 +12,7 @@ machine. Reported: each server's CPU over all timed rounds per request (the kern
 sixth of a 64-request round's, so single rounds are too coarse to take a median of).
 
 Why it matters: the server's HTTP work holds the GIL its decode loop needs, so it is on the generation's critical
-path, and generation is the longer half of an async step on 2 cores (docs/performance.md#server-http).
+path, and generation is the longer half of an async step on 2 cores (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def test_the_formatter_decides_the_layout():
 def test_every_data_file_of_the_package_is_installed():
     """A file the package reads at run time that pyproject's package-data leaves out works from the checkout (an
     editable install) and is missing from a wheel: `vf-rl` from a wheel once failed on scripts/rlconfig_schema.json
-    (on an H200, 2026-11-28)."""
+    (on an H200)."""
     import fnmatch
     import tomllib
 

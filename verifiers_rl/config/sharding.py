@@ -74,9 +74,9 @@ def follow_launcher_precision(args) -> None:
 # Sizes DeepSpeed takes from its own defaults when a config leaves them out (as accelerate's config built from a
 # yaml does): reduce_bucket_size 5e8 elements, more than a small model has. ZeRO-3 then collects every gradient,
 # whole, in one bucket before a single reduce-scatter at the end of backward: each rank holds the full model's
-# gradients on top of its partition (measured: ~100M parameters on 2 CPU processes, per-rank peak 3.7 GiB vs DDP's
-# 2.9). HF's "auto" sizes them from the model (hidden² elements per bucket, 0.9 hidden² prefetch, 10 hidden
-# persistence threshold), as its example configs do.
+# gradients on top of its partition (a higher per-rank peak than DDP's; design_measurements.md#zero-3-bucket-sizes
+# in benchmarks/results). HF's "auto" sizes them from the model (hidden² elements per bucket, 0.9 hidden² prefetch,
+# 10 hidden persistence threshold), as its example configs do.
 ZERO3_SIZES = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
 

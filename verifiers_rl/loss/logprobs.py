@@ -41,8 +41,8 @@ def _scaled_logits(
 def _in_head_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The hidden states in the head's dtype, as the model's own head would take them under autocast. Needed for a
     bf16-loaded model trained with bf16=True: accelerate's mixed precision turns the forward's outputs (these
-    hidden states) into float32 while the head's weight stays bf16 (found on an H200: every shipped GPU config, bf16
-    weights and bf16 = true, stopped at step 1). The cast's backward returns the gradient in the hidden states'
+    hidden states) into float32 while the head's weight stays bf16 (without the cast every shipped GPU config, bf16
+    weights and bf16 = true, stops at step 1 on a GPU). The cast's backward returns the gradient in the hidden states'
     dtype."""
     return hidden if hidden.dtype == weight.dtype else hidden.to(weight.dtype)
 

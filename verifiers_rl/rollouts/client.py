@@ -2,10 +2,9 @@
 server's policy version on each response, and a lean HTTP path for the request itself.
 
 Why a lean path: the OpenAI SDK spends its CPU on request transforms, httpx/anyio plumbing and lenient response
-construction, and it runs in the trainer's process, on the cores that train. Measured on a tiny model, 64 requests
-in flight (`benchmarks/bench_client.py`): ~3.7 ms of client CPU per request through the SDK, ~1.8 ms with the SDK's
-own aiohttp client, ~0.4 ms posting the same JSON with aiohttp and validating the reply into the SDK's
-`ChatCompletion`. At 64 rollouts per step that is a quarter of a second per step on a 2-core machine.
+construction, and it runs in the trainer's process, on the cores that train. Posting the same JSON with aiohttp
+and validating the reply into the SDK's `ChatCompletion` takes several times less client CPU per request
+(`benchmarks/bench_client.py`; docs/performance.md).
 
 What stays exactly as verifiers does it: the request fields (verifiers' `max_tokens` -> `max_completion_tokens`,
 `extra_body` merged into the body as the SDK does), the response type, and every error. A reply that is not 200,

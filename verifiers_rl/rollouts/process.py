@@ -2,11 +2,11 @@
 child interpreter, so they do not take the trainer's GIL while it trains (`RLConfig.rollout_process`).
 
 Why a process and not the orchestrator's thread: on a CPU-bound trainer the rollout code (verifiers' per-call
-bookkeeping, parsing, reward functions) and the training step take turns on one GIL; measured on 2 cores, the
-training step is ~30 % shorter and the async step reaches 0.90-0.94 of its bound instead of 0.68-0.76
-(docs/performance.md). The trainer keeps everything that decides *what* is generated (batch indices, policy
-versions, the no-sync-inside-a-batch rule, checkpoints); the child only runs `env.generate` on the inputs it is
-sent and sends back the parts of each output the trainer reads.
+bookkeeping, parsing, reward functions) and the training step take turns on one GIL; in a process of their own the
+training step is shorter and the async step comes closer to its bound
+(benchmarks/results/design_measurements.md#rollout-process). The trainer keeps everything that decides *what* is
+generated (batch indices, policy versions, the no-sync-inside-a-batch rule, checkpoints); the child only runs
+`env.generate` on the inputs it is sent and sends back the parts of each output the trainer reads.
 
 The environment object crosses with dill (verifiers' parsers hold lambdas, and a notebook's reward functions live
 in `__main__`, neither of which the standard pickle takes). A function of the user's `__main__` crosses by value,

@@ -2,16 +2,15 @@
 
 The layouts' own gathers make every parameter whole on every rank: FSDP2's `DTensor.full_tensor()` (an all-gather
 per parameter), DeepSpeed's `GatheredParameters`. For a sync that moves each shard to every rank, where rank 0 is
-the only reader, and into freshly allocated memory each time. Measured on 2 CPU processes over gloo (noisy, another
-job running): gloo's all-gather of 32 MB per rank 110-190 ms, a send/recv of 32 MB 13-22 ms; 64 MB copied into
-fresh memory 50-80 ms (page faults), into reused memory 12 ms.
+the only reader, and into freshly allocated memory each time: on gloo an all-gather costs several times a
+send/recv of the same bytes, and fresh memory pays its page faults on every sync
+(benchmarks/results/design_measurements.md#shard-gather).
 
 So here each rank sends its piece of each parameter straight to rank 0 (point-to-point, no copy on the sender),
 and rank 0 receives it in place into a reused buffer, where the whole parameter is then a view. A group's
 transfers are posted at once and waited for later, so the next group travels while rank 0 sends this one. On one
 host, CPU ranks skip the socket: rank 0's buffers are shared memory, and each rank copies its pieces into them
-(`Ring.share`; measured in bench_sharded's launches, ~100M parameters, FSDP2: 0.20 s a sync against 0.25-0.27 s
-point-to-point, DDP's 0.18 s).
+(`Ring.share`; faster than point-to-point in bench_sharded).
 
 A layout describes a parameter as `Pieces`: the parameter flattened is the concatenation of every rank's
 contiguous piece in rank order (FSDP2: torch.chunk's rows on dim 0; ZeRO-3: equal flat partitions, of which only
@@ -96,8 +95,7 @@ class Ring:
 
     On a CPU, when every rank of the process group is on this host, the buffers are shared memory every rank maps
     (`share`): a rank then copies its pieces straight into rank 0's buffer, instead of sending them through
-    gloo's TCP loopback (a copy into the kernel and one out of it, on the cores the server's receive also needs).
-    Measured in docs/performance.md (sharded sync)."""
+    gloo's TCP loopback (a copy into the kernel and one out of it, on the cores the server's receive also needs)."""
 
     SLOTS = 4
 

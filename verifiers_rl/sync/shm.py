@@ -1,9 +1,8 @@
 """Shared-memory buckets for a receiver on the trainer's own machine (our CPU engine): the bytes skip the socket.
 
-Over loopback gloo a bucket is copied four times on a machine that has no core to spare: packed by the trainer,
-into the kernel's socket buffers, out of them, and (where it cannot land in place) out of the staging buffer.
-Measured on 2 cores (~650 MB in 64 MiB buckets, two processes): raw gloo alone 3.4 GB/s; packing adds 25 % to that
-and checksums another 20 %.
+Over loopback gloo a bucket is copied four times on a machine that has no core to spare: packed by the trainer, into
+the kernel's socket buffers, out of them, and (where it cannot land in place) out of the staging buffer. Packing and
+checksums add their own time to the socket's (benchmarks/results/design_measurements.md#shared-memory-buckets).
 Through two slots of shared memory a bucket is copied twice, once on each side, and the two copies run on
 different cores at the same time: the trainer packs bucket i+1 while the server copies bucket i out.
 

@@ -73,8 +73,8 @@ def _torch_sums(words: torch.Tensor) -> tuple[int, int]:
 def _cpu_sums(words: torch.Tensor) -> tuple[int, int]:
     """`_torch_sums` in numpy, the same integer arithmetic: single-threaded. torch's reductions run on every intra-op
     thread, and on a CPU shared by trainer and server (or any busy one) each of a sync's hundreds of small parallel
-    reductions waits for a descheduled thread: 0.85 s instead of 8 ms for 200 tensors of 64K elements, measured
-    on 2 loaded cores."""
+    reductions waits for a descheduled thread, up to 100x slower than one thread on a loaded machine
+    (benchmarks/results/design_measurements.md#checksums)."""
     w = words.numpy()
     rows = w.size // _BLOCK
     blocks = w[: rows * _BLOCK].reshape(rows, _BLOCK).sum(axis=1, dtype=np.int64)

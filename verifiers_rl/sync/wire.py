@@ -23,8 +23,8 @@ class WeightGroup:
     rank: int
     world_size: int
     key: str = ""  # the run's secret: every key this group puts in the store lives under it
-    # Two staging buffers reused across syncs: a fresh 256 MB buffer per sync costs page faults that took
-    # longer than the transfer itself (104 ms vs 14 ms to fill; raw gloo 1.35 vs 3.34 GB/s into it).
+    # Two staging buffers reused across syncs: a fresh 256 MB buffer per sync costs page faults that take
+    # longer than the transfer itself (benchmarks/results/design_measurements.md#staging-buffers).
     buffers: list = field(default_factory=list)
     # Set when both ends share memory (shm.py): buckets then go through it, and the group carries the handshake.
     shm: SharedSlots | None = None

@@ -80,8 +80,8 @@ def _shared_plan(samples: list[Sample], plain: list[list[int]], args, model) -> 
 def by_spans(model) -> bool:
     """Shared prompts attended by span (span_attention.py) rather than under a dense mask: SDPA models without
     sliding-window layers (eager stays on the mask: a model that needs eager may need its own attention), on CPU.
-    On an H100 (benchmarks/gpu_prefix_layouts.py, bf16, Qwen3-0.6B shape, 8x8 rollouts) CUDA's SDPA under the
-    dense mask beat the spans' gathers: 846 vs 987 ms a step behind 512-token prompts."""
+    On CUDA, SDPA under the dense mask beats the spans' gathers (benchmarks/gpu_prefix_layouts.py;
+    benchmarks/results/gpu_prefix_layouts_h100.json)."""
     layers = getattr(model.config, "layer_types", None) or ["full_attention"]
     on_cpu = getattr(getattr(model, "device", None), "type", "cpu") == "cpu"
     return on_cpu and attn_implementation(model) == "sdpa" and all(t == "full_attention" for t in layers)

@@ -119,9 +119,8 @@ def serve(
     # torch's default: OMP_NUM_THREADS when set (the user's, or the trainer's split of the cores), else every core
     default_threads = torch.get_num_threads()
     # Only the generation loop's thread may build an OpenMP team: a team once used on another thread (the model load
-    # here, a weight copy) slows the loop's decode on the same cores even while idle. Measured, Qwen3-0.6B's shape
-    # at batch 1, 2 threads on 2 cores: 86-106 ms/token alone, 118-184 with the main thread's team built
-    # (118-147 when that thread went back to 1 thread before the loop started).
+    # here, a weight copy) slows the loop's decode on the same cores even while idle
+    # (benchmarks/results/design_measurements.md#one-openmp-team).
     torch.set_num_threads(1)
     engine = load_engine(model, impl=cpu_engine, lean=lean_load, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
     if isinstance(engine, SlotEngine):
@@ -136,8 +135,8 @@ def serve(
             " (OMP_NUM_THREADS)" if pinned else "",
         )
         # The engine thread takes the GIL back between its torch ops faster than the event loop thread wakes up,
-        # so requests wait out the 5 ms switch interval while a step runs: a burst of 32 trickled in over
-        # 40-170 ms. 1 ms: 3,665 vs 3,475 tok/s at 32 concurrent, 4,401 vs 4,009 on 8 x 4 (interleaved rounds).
+        # so requests wait out the 5 ms switch interval while a step runs and a burst trickles in; 1 ms gives
+        # more tokens/s (benchmarks/results/design_measurements.md#switch-interval).
         sys.setswitchinterval(0.001)
     else:
         torch.set_num_threads(default_threads)  # transformers' continuous batching runs on torch's default
@@ -171,19 +170,16 @@ def _one_intra_op_thread() -> None:
 
 
 # Decoders whose weights are at least this many bytes decode with every core: each step's matrix products are then
-# long enough that a second thread's share outweighs its synchronisation and the event loop's lost core. Measured
-# through this server on 2 AVX2 cores (tok/s at 1 vs 2 threads, c requests in flight, interleaved rounds):
-# h512 x 8 (77 MB fp32) c=1 74-80 vs 60-70, c=8 236-260 vs 160-189, c=32 even; h1024 x 8 (506 MB) c=1 even,
-# c=8 68-71 vs 84-98, c=32 108-117 vs 145-160; Qwen3-0.6B's shape (1.76 GB) c=1 6.4-7.2 vs 7.4-7.8, c=8 16-18
-# vs 19-22. The demos' tiny models stay at one thread.
+# long enough that a second thread's share outweighs its synchronisation and the event loop's lost core (the
+# crossover lies between 77 MB and 506 MB: benchmarks/results/design_measurements.md#engine-threads). The demos'
+# tiny models stay at one thread.
 ALL_CORES_WEIGHT_BYTES = 256 << 20
 
 
 def engine_threads(weight_bytes: int, cores: int | None = None) -> int:
     """Intra-op threads for the slot engine: every core but one (the event loop's, and on one machine the
-    clients'), or every core for a decoder of at least ALL_CORES_WEIGHT_BYTES (see there).
-    Small models, measured on 2 cores (bench_engine, tiny Qwen3 h128 x 4, 32 concurrent): 1 thread 3,700-4,000
-    tok/s, 2 threads 2,600-3,000."""
+    clients'), or every core for a decoder of at least ALL_CORES_WEIGHT_BYTES (see there): a small model is faster
+    on one thread than on two (bench_engine)."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if weight_bytes >= ALL_CORES_WEIGHT_BYTES:

@@ -13,9 +13,8 @@ its output's gradient arrives in backward: a step of one micro-batch still widen
 work after generation ended (hooks on whole decoder layers came too late: on a 2-layer model the last one fires
 mid-backward). Asking costs one Python call, and none once widened.
 
-Measured on the 2-core VM (bench_scaling's 128-token point: tiny model, 8x8 rollouts, k = 1, 16 steps, three runs
-each, interleaved): 1.09-1.14 s/step before, 0.91-0.96 s with the handoff; the 32-token point, where generation
-and training take about as long, is unchanged.
+It shortens the step where generation ends well before training (bench_scaling's 128-token point, ~1.2x) and
+leaves it alone where the two take about as long (benchmarks/results/design_measurements.md#core-handoff).
 """
 
 from __future__ import annotations

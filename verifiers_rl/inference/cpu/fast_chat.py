@@ -1,11 +1,11 @@
 """POST /v1/chat/completions without FastAPI's per-request machinery: the rollouts' hot path.
 
-Why: every rollout turn is one chat request, and the server's HTTP work shares one GIL with the decode loop, so
-its CPU time is on the generation's critical path. FastAPI spends more per request than our handler does (route
-matching, its request/response wrappers, dependency solving, body parsing and validation in Python); measured
-by `benchmarks/bench_server_http.py` (docs/performance.md#server-http). This ASGI layer
-answers the common case, a well-formed JSON request, with the same handler the FastAPI route runs
-(`openai_routes.chat_completion`); anything else (a query string, another content type, a body that does not parse
+Why: every rollout turn is one chat request, and the server's HTTP work shares one GIL with the decode loop, so its
+CPU time is on the generation's critical path. FastAPI spends more per request than our handler does (route
+matching, its request/response wrappers, dependency solving, body parsing and validation in Python);
+`benchmarks/bench_server_http.py` measures the difference (docs/performance.md). This ASGI layer answers the common
+case, a well-formed JSON request, with the same handler the FastAPI route runs (`openai_routes.chat_completion`);
+anything else (a query string, another content type, a body that does not parse
 or validate) is replayed to the FastAPI route untouched, so every error keeps FastAPI's exact status and body.
 
 It sits inside the API-key and control guards and FastAPI's body-size limit (it is the innermost user middleware).

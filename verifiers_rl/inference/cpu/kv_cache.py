@@ -14,7 +14,7 @@ LENGTH_QUANTUM = 64  # lengths are allocated in multiples of this
 # What the cache may take when nobody says (SlotEngine's kv_cache_bytes): bounded in bytes, whatever the model.
 # A token budget as a fraction of max_num_seqs x max_model_len (transformers' continuous-batching default, a
 # quarter) capped a tiny model served at max_model_len 128 to 16 sequences of a 64-rollout batch (2048 tokens, a
-# few MB), so decode ran in four waves (measured: 3x the decode steps per batch), while the same rule let a
+# few MB), so decode ran in four waves (several times the decode steps per batch), while the same rule let a
 # Qwen3-0.6B-sized model at the default 4096 claim ~15 GB.
 DEFAULT_CACHE_BYTES = 4 << 30
 

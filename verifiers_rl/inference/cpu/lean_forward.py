@@ -76,9 +76,9 @@ def _plain(module, names) -> bool:
 
 # Weights of at least this many elements go through oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the
 # kernel torch.compile's CPU backend emits for a linear layer) on the weight as it lies, no reordered copy, so the
-# parameters stay the ones a sync writes. Measured on 2 AVX-512 cores (torch 2.13, MKL 2024.2), Qwen3-0.6B's
-# packed projections: 1 thread 1.2-1.3x at 1 row, 1.4x at 8, 1.2x at 64; 2 threads 1.5x, 2.3x, 1.6x (MKL's
-# GEMV does not use the second thread). Below ~0.5M elements oneDNN's ~12 us per call loses to F.linear.
+# parameters stay the ones a sync writes. On large weights it beats F.linear (MKL), and uses a second thread
+# where MKL's GEMV does not; below ~0.5M elements its per-call overhead loses
+# (benchmarks/results/design_measurements.md#onednn-linear).
 ONEDNN_MIN_ELEMENTS = 1 << 19
 
 

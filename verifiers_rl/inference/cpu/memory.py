@@ -1,16 +1,13 @@
 """Memory for the weights a CPU engine streams once per decoded token: page-aligned, on transparent huge pages.
 
 Batch-1 decode reads every weight byte per token, so it runs at the speed the cores stream memory. Two things
-measured on the 2-core AMD EPYC VM (Qwen3-0.6B shape, 28 layers, medians of 30 interleaved runs in one process,
-2026-11-28) decide that speed besides the kernel:
+decide that speed besides the kernel (benchmarks/results/design_measurements.md#decode-weight-layout):
 
 - where each weight starts: a weight whose rows begin mid-page (the dense parameter buffer puts Qwen3's 512-byte
-  q/k norm vectors between layers, so most matrices started off a 4 KiB boundary) decoded 7 % slower than the
-  same weights each starting on a page boundary (the cores' stream prefetchers stop at page boundaries, and a
+  q/k norm vectors between layers, so most matrices started off a 4 KiB boundary) decodes slower than the same
+  weights each starting on a page boundary (the cores' stream prefetchers stop at page boundaries, and a
   misaligned 4 KiB row crosses one);
-- the page size: the same aligned weights on 2 MiB pages decoded another 4 % faster (fewer TLB misses), and a
-  plain copy ran 3 % faster (a median of 20 paired rounds; in single rounds while the VM's memory was fast,
-  up to 18 %).
+- the page size: the same aligned weights on 2 MiB pages decode faster still (fewer TLB misses).
 
 Linux backs anonymous memory with huge pages only where asked (`/sys/kernel/mm/transparent_hugepage/enabled`
 is `madvise` on most distributions), and torch's allocator asks only under THP_MEM_ALLOC_ENABLE, read once per

@@ -2,15 +2,13 @@
 
 torch's CPU wheels run their intra-op threads on GNU OpenMP (libgomp), whose idle workers spin up to 300,000
 iterations before sleeping. On an idle machine that saves a wake-up per parallel region; on a machine where
-something else runs, a spinning worker holds a core that the thread it waits for needs. Measured on the 2-core VM
-(vf-sft on the tiny alphabet-sort warm-start, 40 steps, two one-core busy loops beside it): 49.9 s at libgomp's
-default, 22.6 s with GOMP_SPINCOUNT=10000, 24.4 s with OMP_WAIT_POLICY=PASSIVE, 23.9 s on one thread; idle,
-8.4-8.9 s at the default, 8.6 s at 10000, 9.9-10.7 s passive. 10,000 keeps the idle speed and halves the loaded
-time.
+something else runs, a spinning worker holds a core that the thread it waits for needs. GOMP_SPINCOUNT=10000
+keeps the idle speed and about halves the time on a loaded machine; OMP_WAIT_POLICY=PASSIVE costs idle speed
+(benchmarks/results/design_measurements.md#openmp-spin-count).
 
-libgomp reads its settings once, when torch loads it: this only acts on a process that has not imported torch
-yet, and on the processes it starts (they inherit the environment; a vLLM server that vf-rl starts does too,
-where it was not measured). A user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
+libgomp reads its settings once, when torch loads it: this only acts on a process that has not imported torch yet,
+and on the processes it starts (they inherit the environment; a vLLM server that vf-rl starts does too). A user's
+own GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
 """
 
 from __future__ import annotations

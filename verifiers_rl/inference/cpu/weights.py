@@ -39,9 +39,8 @@ class ServedWeights(ABC):
         The trainer sends merged weights in that same order, bucket by bucket, so each tensor of a bucket has its
         own span here and arrives there directly (`placement`), with no staging copy. The forward reads the same
         memory (the lean decoder packs q/k/v and gate/up as views of adjacent spans). The buffer is on huge pages
-        and every large weight starts on a page boundary (`memory.py` says why and what it measured); the
-        padding that costs means a bucket's tensors are no longer always end to end here. Skipped for mixed
-        dtypes."""
+        and every large weight starts on a page boundary (`memory.py` says why); the padding that costs means a
+        bucket's tensors are no longer always end to end here. Skipped for mixed dtypes."""
         params = list(self.model.named_parameters())
         dtypes = {p.dtype for _, p in params}
         if len(dtypes) != 1:
