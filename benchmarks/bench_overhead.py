@@ -145,17 +145,32 @@ def profiling(prof: cProfile.Profile):
     return Profiling()
 
 
-def top_functions(prof: cProfile.Profile, n: int = 25) -> list[dict]:
-    """The functions with the most own time, torch's C++ calls (the compute) left out."""
-    st = pstats.Stats(prof)
+def top_functions(prof: cProfile.Profile, n: int = 20) -> list[dict]:
+    """The Python functions with the most own time outside the model's compute (torch's operators, torch.nn, the
+    model and peft layers' forward code), each with its three heaviest callers: where the framework's seconds go."""
+    compute = ("/torch/", "/peft/tuners/", "/transformers/models/")
     rows = []
-    for (path, line, fn), (_cc, calls, own, cum, _callers) in st.stats.items():
-        if "torch" in path and path.startswith("~") or fn.startswith("<built-in method torch"):
+    for (path, line, fn), (_cc, calls, own, cum, callers) in pstats.Stats(prof).stats.items():
+        if (path == "~" and "torch" in fn) or any(c in path for c in compute):
             continue
-        rows.append({"function": f"{os.path.relpath(path) if path[0] != '~' else path}:{line}({fn})",
-                     "calls": calls, "own_s": round(own, 4), "cum_s": round(cum, 4)})  # fmt: skip
+        heavy = sorted(callers.items(), key=lambda kv: -kv[1][3])[:3]
+        rows.append(
+            {
+                "function": f"{_short(path)}:{line}({fn})",
+                "calls": calls,
+                "own_s": round(own, 4),
+                "cum_s": round(cum, 4),
+                "callers": [f"{_short(p)}:{ln}({f})" for (p, ln, f), _ in heavy],
+            }
+        )
     rows.sort(key=lambda r: -r["own_s"])
     return rows[:n]
+
+
+def _short(path: str) -> str:
+    return (
+        path.split("site-packages/")[-1] if "site-packages/" in path else os.path.relpath(path) if path != "~" else path
+    )
 
 
 def run(quick: bool = False, wait_quiet: float | None = None, profile: bool = False) -> dict:
