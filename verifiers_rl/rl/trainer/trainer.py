@@ -134,11 +134,8 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self._guard: PreemptionGuard | None = None
         self.server_lost: ServerLost | None = None  # the sync after a step found the server gone for good
-        self.clock = StepClock()  # the step's wall time by stage (step_timing.py); a new one per train()
-        waits = self.runtime.policy.before_transfer  # a sync first waits for batches that need older weights
-        self.runtime.policy.before_transfer = lambda version: self.clock.timed("rollouts_wait", waits)(version)
         hooks = [StartInference(self), SyncWeights(self), SubmitRollouts(self), StopOnSignal(lambda: self._guard)]
-        hooks.append(TimeOptimizer(self))
+        hooks.append(self._time_steps())
         callbacks = [*hooks, MetricsFileCallback(), *(callbacks or [])]
         # Trainer refuses to checkpoint the optimizer of a model sharded at load time unless it saves weights only;
         # this trainer checkpoints it itself (sharded_checkpoints.py), so the refusal is stepped around for init
@@ -161,6 +158,13 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         self.remove_callback(ProgressCallback)
         self.add_callback(RichProgressCallback(self))
         adapt_integrations(self.callback_handler.callbacks, self.args.output_dir)
+
+    def _time_steps(self) -> TimeOptimizer:
+        """The step's wall time by stage (step_timing.py; a new clock per train()); returns the optimizer's timer."""
+        self.clock = StepClock()
+        waits = self.runtime.policy.before_transfer  # a sync first waits for batches that need older weights
+        self.runtime.policy.before_transfer = lambda version: self.clock.timed("rollouts_wait", waits)(version)
+        return TimeOptimizer(self)
 
     @staticmethod
     def _wrap_lora(model, args: RLConfig):
