@@ -6,7 +6,8 @@ optimizer or the weight sync (batching, bookkeeping, logging, callbacks, HTTP ou
 Real training steps: `RLTrainer` with its own CPU engine server over HTTP, the real reverse-text environment, the
 trainer's own stage timers (`verifiers_rl/rl/trainer/step_timing.py`: `timing/<stage>_s`, `timing/wall_s`,
 `timing/framework_s`; wall time runs from one step's log line to the next, so the loop's work between steps counts).
-Two geometries, each at the demo's `max_async_level` (1: generation overlaps training; only the wait counts):
+Two geometries, each at the demo's `max_async_level` (1: generation overlaps training; only the wait counts), and
+the demo's at 0 as well (on-policy: generation is all waited for):
 - demo: configs/vf-rl/tiny-reverse-text.toml's model (byte-level tiny Qwen3, hidden 128, 2 layers), LoRA r16 with
   the norms trained, 8 prompts x 8 rollouts, one padded micro-batch of 64, 48 completion tokens, temperature 1.4;
   random (not warm-started) weights, so completions run to max_tokens: the slowest generation of that geometry.
@@ -109,17 +110,21 @@ def summarize(metrics: list[dict], marks: list[dict]) -> dict:
     return out
 
 
-def one_geometry(geometry: str, tmp: str, env, steps: int, overrides: dict, log, profile: bool = False) -> dict:
-    model_dir = build_model(geometry, os.path.join(tmp, f"model_{geometry}"))
-    cfg = {**(QWEN_ARGS if geometry == "qwen0.6b" else DEMO_ARGS), **overrides}
-    out_dir = os.path.join(tmp, f"run_{geometry}{'_profile' if profile else ''}")
-    args = rl_config(out_dir, max_steps=steps + 1, max_async_level=1, **cfg)
+def one_geometry(
+    label: str, geometry: str, tmp: str, env, steps: int, overrides: dict, log, profile: bool = False
+) -> dict:
+    model_dir = os.path.join(tmp, f"model_{geometry}")
+    if not os.path.isdir(model_dir):
+        build_model(geometry, model_dir)
+    cfg = {"max_async_level": 1, **(QWEN_ARGS if geometry == "qwen0.6b" else DEMO_ARGS), **overrides}
+    out_dir = os.path.join(tmp, "run_" + "".join(c if c.isalnum() else "_" for c in label))
+    args = rl_config(out_dir, max_steps=steps + 1, **cfg)
     prof = cProfile.Profile() if profile else None
     res = run_rl(model_dir, env, args, log, callbacks=(profiling(prof),) if prof is not None else ())
     stats = summarize(res["metrics"], res["marks"])
     stats.update(geometry=geometry, config={k: v for k, v in cfg.items()}, startup_s=res["startup_s"])
     log(
-        f"{geometry}: wall {stats['wall_s']:.3f}s (outside clock {stats['outside_step_s']:.3f}s): wait "
+        f"{label}: wall {stats['wall_s']:.3f}s (outside clock {stats['outside_step_s']:.3f}s): wait "
         f"{stats['rollouts_wait_s']:.3f}, train {stats['train_s']:.3f}, optimizer {stats['optimizer_s']:.4f}, sync "
         f"{stats['sync_s']:.3f}, framework {stats['framework_s']:.3f} = {stats['framework_frac']:.1%} "
         f"(of sums {stats['framework_frac_of_sums']:.1%}); generation {stats['generation_s']:.3f} of which "
@@ -168,9 +173,9 @@ def top_functions(prof: cProfile.Profile, n: int = 20) -> list[dict]:
 
 
 def _short(path: str) -> str:
-    return (
-        path.split("site-packages/")[-1] if "site-packages/" in path else os.path.relpath(path) if path != "~" else path
-    )
+    if path == "~":  # a builtin
+        return path
+    return path.split("site-packages/")[-1] if "site-packages/" in path else os.path.relpath(path)
 
 
 def run(quick: bool = False, wait_quiet: float | None = None, profile: bool = False) -> dict:
@@ -187,15 +192,16 @@ def run(quick: bool = False, wait_quiet: float | None = None, profile: bool = Fa
         "reverse-text", num_train_examples=400, num_eval_examples=20, seed=0, system_prompt="Reverse the text."
     )
     if quick:
-        plan = [("demo", 2, dict(rollouts_per_example=4, batch_size=8, micro_batch_size=8, max_tokens=16))]
-    else:
-        plan = [("demo", 8, {}), ("qwen0.6b", 4, {})]
+        plan = [("demo", "demo", 2, dict(rollouts_per_example=4, batch_size=8, micro_batch_size=8, max_tokens=16))]
+    else:  # k = 0 too: generation on the critical path, the wait as a stage
+        plan = [("demo", "demo", 8, {}), ("demo k=0", "demo", 8, {"max_async_level": 0})]
+        plan.append(("qwen0.6b", "qwen0.6b", 4, {}))
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_overhead_") as tmp:
-        for geometry, steps, overrides in plan:
-            runs[geometry] = one_geometry(geometry, tmp, env, steps, overrides, log)
+        for label, geometry, steps, overrides in plan:
+            runs[label] = one_geometry(label, geometry, tmp, env, steps, overrides, log)
         if profile:
-            runs["demo (cProfile)"] = one_geometry("demo", tmp, env, 4, {}, log, profile=True)
+            runs["demo (cProfile)"] = one_geometry("demo (cProfile)", "demo", tmp, env, 5, {}, log, profile=True)
     results["runs"] = runs
     rows = []
     for label, r in runs.items():
