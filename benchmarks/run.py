@@ -39,6 +39,7 @@ BENCHMARKS = (
     "bench_load",
     "bench_roofline",
     "bench_reward_time",
+    "bench_overhead",
 )
 HEADERS = ["benchmark", "metric", "unit", "baseline", "ours", "ratio", "goal", "pass"]
 

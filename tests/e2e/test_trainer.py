@@ -58,6 +58,10 @@ def test_single_turn_steps_log_sync_and_checkpoint(tiny_model_dir, tmp_path):
                 "rewards/char_match",
             ):
                 assert key in m, key
+            # the step's wall time, log line to log line, is its stages plus the framework's rest (step_timing.py)
+            stages = ("rollouts_wait", "train", "optimizer", "sync", "framework")
+            assert sum(m[f"timing/{k}_s"] for k in stages) == pytest.approx(m["timing/wall_s"], abs=1e-6)
+            assert m["timing/optimizer_s"] > 0 and 0 < m["timing/framework_frac"] < 0.5
         if trainer.runtime.plan.threads:  # CPU engine beside an overlapping trainer: its idle cores are lent
             assert all(m["timing/lent_cores_s"] >= 0.0 for m in metrics)
             assert trainer.runtime.handoff is not None and trainer.runtime.handoff.wide is False  # back after sync

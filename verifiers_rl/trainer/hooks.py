@@ -57,6 +57,7 @@ class SyncWeights(TrainerCallback):
             self.trainer.runtime.stop_rollouts()
             control.should_save = control.should_training_stop = True
             return
+        self.trainer.clock.add("sync", sync_s)
         if not state.is_world_process_zero:
             return
         metrics = self.trainer.step_metrics

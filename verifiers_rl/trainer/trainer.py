@@ -54,6 +54,7 @@ from verifiers_rl.trainer.preemption import PreemptionGuard, StepAbandoned, Stop
 from verifiers_rl.trainer.rank_zero import RankZeroLeads
 from verifiers_rl.trainer.runtime import InferenceRuntime
 from verifiers_rl.trainer.sharded_checkpoints import FSDP2Checkpoints
+from verifiers_rl.trainer.step_timing import StepClock, TimeOptimizer, decompose
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         self._guard: PreemptionGuard | None = None
         self.server_lost: ServerLost | None = None  # the sync after a step found the server gone for good
         hooks = [StartInference(self), SyncWeights(self), SubmitRollouts(self), StopOnSignal(lambda: self._guard)]
+        hooks.append(self._time_steps())
         callbacks = [*hooks, MetricsFileCallback(), *(callbacks or [])]
         # Trainer refuses to checkpoint the optimizer of a model sharded at load time unless it saves weights only;
         # this trainer checkpoints it itself (sharded_checkpoints.py), so the refusal is stepped around for init
@@ -155,6 +157,13 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         self.remove_callback(ProgressCallback)
         self.add_callback(RichProgressCallback(self))
         adapt_integrations(self.callback_handler.callbacks, self.args.output_dir)
+
+    def _time_steps(self) -> TimeOptimizer:
+        """The step's wall time by stage (step_timing.py; a new clock per train()); returns the optimizer's timer."""
+        self.clock = StepClock()
+        waits = self.runtime.policy.before_transfer  # a sync first waits for batches that need older weights
+        self.runtime.policy.before_transfer = lambda version: self.clock.timed("rollouts_wait", waits)(version)
+        return TimeOptimizer(self)
 
     @staticmethod
     def _wrap_lora(model, args: RLConfig):
@@ -190,6 +199,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         resume = self._resume_point(resume_from_checkpoint)
         self.resume_from = resume
         self._start_wandb()
+        self.clock = StepClock()
         guard = self._guard = PreemptionGuard(on_second_signal=self.runtime.kill_server)
         try:
             with guard:
@@ -295,6 +305,7 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         t0 = time.perf_counter()
+        self.clock.start()
         prepared: PreparedBatch = self.rank_zero.run(lambda: self._next_batch(t0), abandonable=True)
         self._stop_when_nothing_trains(prepared)
         self.trained_last_step = prepared.num_sequences > 0  # no sample: the weights do not move
@@ -312,13 +323,15 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(metrics["timing/step_s"], 1e-9)
         metrics["prompts_filtered"] = float(self.prompts_filtered + self.runtime.prompts_filtered)
         self.step_metrics = metrics
+        self.clock.add("train", metrics["timing/train_s"])
+        self.clock.open("optimizer")  # closed after optimizer.step() (TimeOptimizer)
         # each rank holds a partial sum of a globally normalised loss; Trainer logs the mean over ranks
         return loss.detach() * self.accelerator.num_processes
 
     def _next_batch(self, t0: float) -> PreparedBatch:
         """Rank 0: this step's batch from the server, prepared for every rank (`rank_zero.run` hands it out)."""
         args: RLConfig = self.args
-        with self.abandonable():
+        with self.abandonable(), self.clock.span("rollouts_wait"):
             batch = self.runtime.next_batch(self.state.global_step)
         prepared = prepare_batch(batch.rollouts, args, self.state.global_step, self.processing_class)
         iteration = self.state.global_step % args.num_iterations  # > 0: a batch trained again (num_iterations)
@@ -357,7 +370,9 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.step_metrics:
-            logs = {**logs, **self.step_metrics}
+            wall, stages = self.clock.lap()  # the steps since the last log line (one at logging_steps 1)
+            generation = self.step_metrics.get("timing/generation_s", 0.0)
+            logs = {**logs, **self.step_metrics, **decompose(wall, stages, generation)}
             self.step_metrics = {}
         super().log(logs, start_time)
 
@@ -370,14 +385,15 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         self._get_output_dir = lambda trial=None: staging_root  # where Trainer writes this one checkpoint
         staged = os.path.join(staging_root, name)
         try:
-            super()._save_checkpoint(model, trial)
-            if self.is_world_process_zero():
-                if self.runtime.orchestrator is not None:
-                    timeout = self.args.save_on_signal_timeout if self._guard and self._guard.signum else None
-                    state = self.runtime.rollout_state(self.state.global_step, timeout=timeout)
-                    torch.save(state, os.path.join(staged, ORCHESTRATOR_STATE))
-                final.write_run_info(self, staged)  # what `vf-rl export` needs to describe this checkpoint
-                write_manifest(staged, self.state.global_step)
+            with self.clock.span("checkpoint"):
+                super()._save_checkpoint(model, trial)
+                if self.is_world_process_zero():
+                    if self.runtime.orchestrator is not None:
+                        timeout = self.args.save_on_signal_timeout if self._guard and self._guard.signum else None
+                        state = self.runtime.rollout_state(self.state.global_step, timeout=timeout)
+                        torch.save(state, os.path.join(staged, ORCHESTRATOR_STATE))
+                    final.write_run_info(self, staged)  # what `vf-rl export` needs to describe this checkpoint
+                    write_manifest(staged, self.state.global_step)
         except OSError as e:
             full = save_failed(e, staged, final_root)  # a full disk: one line, the staged half removed
             if full is None:
@@ -399,10 +415,11 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         """Rollouts on the environment's eval split with the current policy. Only the main process talks to the
         server (the others would start or re-initialise one); every process gets the same metrics."""
         model = self.accelerator.unwrap_model(self.model)
-        if self.is_world_process_zero():
-            self.runtime.ensure_server(model, self.processing_class, self.state.global_step)
-        self.sync_weights()  # every rank: a sharded model's sync gathers on all of them
-        metrics = self.rank_zero.run(lambda: self.runtime.evaluate(self.processing_class, metric_key_prefix))
+        with self.clock.span("eval"):  # scheduled work, not the framework's share of the step it follows
+            if self.is_world_process_zero():
+                self.runtime.ensure_server(model, self.processing_class, self.state.global_step)
+            self.sync_weights()  # every rank: a sharded model's sync gathers on all of them
+            metrics = self.rank_zero.run(lambda: self.runtime.evaluate(self.processing_class, metric_key_prefix))
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
