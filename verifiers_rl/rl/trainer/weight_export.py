@@ -147,6 +147,20 @@ class ShardedExport(ABC):
         (shard_gather.py); None for any other (whole on every rank, or a layout only `gathered` knows)."""
 
     def _produce(self, items: list[ExportItem], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.hand_gather:
+            yield from self._produce_hand(items, bucket_bytes)
+            return
+        import torch.distributed as dist
+
+        source = dist.get_rank() == 0
+        for group in _groups(items, bucket_bytes):
+            with self.gathered(_sources(group)) as full:
+                out = [(item.name, materialize(item, full)) for item in group] if source else []
+            yield from out
+
+    hand_gather = False
+
+    def _produce_hand(self, items: list[ExportItem], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         # Rank 0 alone sends, so only it receives the whole tensors; the other ranks send their pieces and yield
         # nothing. Group k+1 travels while the sender handles group k. No copies: the tensors are views of the
         # ring's buffers (valid while the sender can read them, see Ring), fresh `full_tensor()` results, or
