@@ -174,3 +174,55 @@ def test_pieces_reach_rank_zero_whole_over_real_gloo(tmp_path, share):
     mp.spawn(_gather_worker, args=(f"file://{tmp_path}/store", 2, share), nprocs=2, join=True)
     assert not list((tmp_path / "shm").iterdir())  # nothing left where the buffers were being made
     assert not [p for p in os.listdir("/dev/shm") if p.startswith("vfrl-sync-")]  # names unlinked
+
+
+# ------------------------------------------------------------------ the libraries' gathers against the hand path
+
+
+def _export_worker(rank: int, init: str, lora: bool) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from verifiers_rl.sync.export import FSDP2Export, ReplicatedExport, weight_export
+    from verifiers_rl.tiny import build_tiny_model
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        model, _ = build_tiny_model(hidden=64, layers=2)
+        if lora:  # random B: the merge is not the base weight
+            from peft import LoraConfig, get_peft_model
+
+            torch.manual_seed(0)  # the same adapter on both ranks: each keeps its own rows of it
+            cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+            model = get_peft_model(model, cfg)
+        want = dict(ReplicatedExport(model).stream("merged"))
+        mesh = init_device_mesh("cpu", (2,))
+        inner = model.base_model.model if lora else model
+        for layer in inner.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(inner, mesh=mesh)
+        export = weight_export(model)
+        assert isinstance(export, FSDP2Export)
+        for hand in (True, False, True):  # several buckets of 64 KB; the ring reused after the library's path
+            export.hand_gather = hand
+            got = {n: t.clone() for n, t in export.stream("merged", 1 << 16)}
+            if rank == 0:
+                assert got.keys() == want.keys(), hand
+                bad = [
+                    (n, (got[n] - want[n]).abs().max()) for n in want if not torch.allclose(got[n], want[n], atol=1e-6)
+                ]
+                assert not bad, (hand, bad[:3])
+            else:
+                assert got == {}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-merged"])
+def test_fsdp2_merged_stream_is_the_unsharded_one_by_either_gather(tmp_path, lora):
+    """Two real processes holding an FSDP2-sharded model: the merged stream rank 0 gets, through the hand path
+    and through `full_tensor()` bucket by bucket, is what the unsharded model exports (LoRA merged alike)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_export_worker, args=(f"file://{tmp_path}/store", lora), nprocs=2, join=True)

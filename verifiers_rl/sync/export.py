@@ -114,7 +114,31 @@ class ShardedExport(ABC):
         """How parameter `p` is spread over the ranks, in a layout the sync gathers point-to-point to rank 0
         (shard_gather.py); None for any other (whole on every rank, or a layout only `gathered` knows)."""
 
+    # The hand path (point-to-point or shared memory to rank 0, shard_gather.py) is kept because it is >= 1.3x
+    # faster: bench_gather.py, both paths interleaved on 2 CPU processes over gloo, ~100M parameters, merged
+    # stream, medians of 3: FSDP2 0.35 s hand vs 3.19 s `full_tensor()` per parameter (9.1x), ZeRO-3 0.28 s vs
+    # 0.99 s `GatheredParameters` per bucket (3.5x); ~10M: 4.7x and 4.3x (benchmarks/results/bench_gather*.json).
+    # `hand_gather = False` takes the libraries' path, which bench_gather and test_shard_gather.py keep checked.
+    hand_gather = True
+
     def _produce(self, items: list[ExportItem], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.hand_gather:
+            return self._produce_hand(items, bucket_bytes)
+        return self._produce_gathered(items, bucket_bytes)
+
+    def _produce_gathered(self, items: list[ExportItem], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """The libraries' own gathers (`gathered`: GatheredParameters, `full_tensor()`), one bucket's parameters at
+        a time on every rank; rank 0 computes the bucket's tensors inside the gather and yields them after it
+        (they keep the gathered memory they need alive)."""
+        import torch.distributed as dist
+
+        source = dist.get_rank() == 0
+        for group in _groups(items, bucket_bytes):
+            with self.gathered(_sources(group)) as full:
+                out = [(item.name, materialize(item, full)) for item in group] if source else []
+            yield from out
+
+    def _produce_hand(self, items: list[ExportItem], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         # Rank 0 alone sends, so only it receives the whole tensors; the other ranks send their pieces and yield
         # nothing. Group k+1 travels while the sender handles group k. No copies: the tensors are views of the
         # ring's buffers (valid while the sender can read them, see Ring), fresh `full_tensor()` results, or
