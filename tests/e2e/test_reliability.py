@@ -18,6 +18,7 @@ import time
 import pytest
 from procs import run_command, survivors
 from runs import error_line, start, steps, wait_for_step, write_cfg
+from waits import wait_healthy
 
 pytestmark = pytest.mark.reliability
 
@@ -418,23 +419,14 @@ def _user_server(model: str, port: int, log):
     """`vf-vllm` started by hand in another shell, on `port`."""
     import subprocess
 
-    import httpx
     from procs import BIN
 
     proc = subprocess.Popen(
         [str(BIN / "vf-vllm"), "--engine", "cpu", "--model", model, "--port", str(port), "--max-model-len", "512"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, "vf-vllm exited"
-        time.sleep(0.3)
-    raise AssertionError("vf-vllm did not become healthy")
+    wait_healthy(f"http://127.0.0.1:{port}", proc=proc)
+    return proc
 
 
 def _kill_group(proc) -> None:

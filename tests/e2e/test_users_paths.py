@@ -12,12 +12,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import httpx
 import pytest
 from ports import default_port_exclusive
 from procs import BIN, ROOT, run_command, survivors
+from waits import wait_healthy
 
 from verifiers_rl.rl.inference.control_auth import read_token_file
 from verifiers_rl.rl.inference.net import port_in_use
@@ -55,15 +55,7 @@ def _user_server(tiny_model_dir, tmp_path):
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get("http://127.0.0.1:8000/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, (tmp_path / "user-server.log").read_text()[-2000:]
-            time.sleep(0.5)
+        wait_healthy("http://127.0.0.1:8000", proc=proc, log=tmp_path / "user-server.log")
         yield "http://127.0.0.1:8000"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
