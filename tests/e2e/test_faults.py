@@ -21,6 +21,7 @@ from runs import server_pids as _server_pids
 from runs import start as _start
 from runs import steps as _steps
 from runs import wait_for_step as _wait_for_step
+from waits import wait_healthy
 
 pytestmark = pytest.mark.faults
 
@@ -188,13 +189,7 @@ def test_user_started_server_has_a_control_token(tiny_model_dir, tmp_path):
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_healthy(f"http://127.0.0.1:{port}", proc=proc)
         token = read_token_file(port)
         assert token
         assert httpx.post(f"http://127.0.0.1:{port}/pause").status_code == 401  # any local process: refused

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from procs import BIN
 from safetensors.torch import load_file
 from servers import VLLM_PYTHON, start_server
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from waits import wait_healthy
 from wandb_files import history, offline_run, tables
 
 from verifiers_rl.config.net import free_port
@@ -184,17 +184,12 @@ def _serve(model_dir: Path, log: Path):
     cmd = [str(BIN / "vf-vllm"), "--engine", "cpu", "--model", str(model_dir), "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise AssertionError("vf-vllm did not become healthy: " + log.read_text()[-3000:])
+    try:
+        wait_healthy(url, proc=proc, log=log)
+    except AssertionError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc, url
 
 
 def _vf_eval(url: str, model: str, out_dir: Path) -> list[dict]:

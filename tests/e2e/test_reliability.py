@@ -18,6 +18,7 @@ import time
 import pytest
 from procs import run_command, survivors
 from runs import error_line, start, steps, wait_for_step, write_cfg
+from waits import wait_healthy, wait_until
 
 pytestmark = pytest.mark.reliability
 
@@ -367,9 +368,8 @@ def test_a_killed_server_is_restarted_and_the_same_step_goes_on(tmp_path, tiny_m
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         if kill == 0:  # the second kill comes after a step served by the replacement, so each restart is 1 in a row
-            deadline = time.monotonic() + 120
-            while not set(server_pids(proc.pid)) - set(victims) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            replacement = lambda old=set(victims): set(server_pids(proc.pid)) - old  # noqa: E731
+            wait_until(replacement, 120, "a server replacing the killed one", proc=proc)
             wait_for_step(proc, out, max(steps(out)) + 2)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
@@ -418,23 +418,14 @@ def _user_server(model: str, port: int, log):
     """`vf-vllm` started by hand in another shell, on `port`."""
     import subprocess
 
-    import httpx
     from procs import BIN
 
     proc = subprocess.Popen(
         [str(BIN / "vf-vllm"), "--engine", "cpu", "--model", model, "--port", str(port), "--max-model-len", "512"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, "vf-vllm exited"
-        time.sleep(0.3)
-    raise AssertionError("vf-vllm did not become healthy")
+    wait_healthy(f"http://127.0.0.1:{port}", proc=proc)
+    return proc
 
 
 def _kill_group(proc) -> None:
@@ -509,9 +500,8 @@ def test_vf_rl_restarts_the_server_its_trainer_processes_use(tmp_path, tiny_mode
     try:
         port, token, first = server.port, server.token, server.process.pid
         os.killpg(first, signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and (server.process is None or server.process.pid == first):
-            time.sleep(0.2)
+        wait_until(lambda: server.process is not None and server.process.pid != first, 120,
+                   "supervise() starting a replacement server")  # fmt: skip
         server.client.wait_for_health(120)
         assert server.port == port and server.process.pid != first
         auth = {"Authorization": f"Bearer {token}"}  # the trainers' token still opens the control routes

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 from peft_models import lora_model
+from waits import wait_until
 
 from verifiers_rl.serving.client import InferenceClient
 from verifiers_rl.sync.policy_weights import adapter_weights, merged_stream
@@ -38,8 +39,9 @@ def served(tiny_model_dir):
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    # a server that failed to bind ends its thread: say so at once instead of hanging until pytest's timeout
+    wait_until(lambda: server.started or not thread.is_alive(), 180, "uvicorn in its thread starting")
+    assert server.started, "uvicorn's thread ended before it started serving"
     yield engine, port
     server.should_exit = True
     thread.join(10)

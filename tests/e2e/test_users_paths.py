@@ -5,6 +5,7 @@ with `python` or `accelerate launch`. The server the user started must be the on
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import os
 import signal
@@ -12,12 +13,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import httpx
 import pytest
 from ports import default_port_exclusive
 from procs import BIN, ROOT, run_command, survivors
+from waits import wait_healthy
 
 from verifiers_rl.config.net import port_in_use
 from verifiers_rl.serving.auth import read_token_file
@@ -55,18 +56,11 @@ def _user_server(tiny_model_dir, tmp_path):
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get("http://127.0.0.1:8000/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, (tmp_path / "user-server.log").read_text()[-2000:]
-            time.sleep(0.5)
+        wait_healthy("http://127.0.0.1:8000", proc=proc, log=tmp_path / "user-server.log")
         yield "http://127.0.0.1:8000"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # a server that exited early: the wait's error says why
+            os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
         log.close()
 

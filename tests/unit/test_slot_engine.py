@@ -567,6 +567,15 @@ def test_a_dead_loop_is_unhealthy_and_fails_fast(engine, tiny, monkeypatch):
         _run(engine, [(_prompt(tok, "y"), SamplingParams(max_tokens=4))])
 
 
+async def _until(predicate, what: str, timeout: float = 30) -> None:
+    """Yield to the loop until `predicate()` holds: the request has reached the engine's queue or a slot, however
+    loaded the machine (a fixed sleep either misses it or lets a short request finish first)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"waited {timeout}s for {what}"
+        await asyncio.sleep(0.001)
+
+
 def test_abort_all_and_pause_keep(engine, tiny):
     _, tok = tiny
 
@@ -574,7 +583,7 @@ def test_abort_all_and_pause_keep(engine, tiny):
         task = asyncio.ensure_future(
             engine.generate(_prompt(tok, "long"), SamplingParams(max_tokens=100, ignore_eos=True))
         )
-        await asyncio.sleep(0.05)
+        await _until(lambda: engine._running, "the request to reach a slot")
         await asyncio.to_thread(engine.pause)
         assert engine.is_paused
         n = await asyncio.to_thread(engine.abort_all)
@@ -597,7 +606,7 @@ def test_pause_resume_and_close_from_different_threads(engine, tiny):
 
     async def go():
         task = asyncio.ensure_future(engine.generate(_prompt(tok, "t"), SamplingParams(max_tokens=40, ignore_eos=True)))
-        await asyncio.sleep(0.02)
+        await _until(lambda: engine._running, "the request to reach a slot")
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(a, engine.pause)
         await loop.run_in_executor(b, engine.pause)  # idempotent, from the other thread
@@ -607,7 +616,7 @@ def test_pause_resume_and_close_from_different_threads(engine, tiny):
         assert len((await task)[0].token_ids) == 40
         await loop.run_in_executor(b, engine.pause)  # paused at shutdown, closed from the thread that did not pause
         waiting = asyncio.ensure_future(engine.generate(_prompt(tok, "w"), SamplingParams(max_tokens=4)))
-        await asyncio.sleep(0.02)
+        await _until(lambda: engine._waiting, "the request to be queued behind the pause")
         await loop.run_in_executor(a, engine.close)
         with pytest.raises(EngineError, match="aborted"):  # a queued request fails instead of hanging
             await asyncio.wait_for(waiting, 10)
