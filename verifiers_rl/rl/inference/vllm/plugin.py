@@ -163,6 +163,11 @@ def engine_class():
             publish_report(self.joined(), sync_id, result)
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
+            if update_info.delta is not None:  # changes only (delta.py): our CPU engine's; drained, then refused
+                self.receive(update_info.metas(), lambda named: None)
+                if update_info.report:
+                    self.report(update_info.report, {"error": "this vLLM server takes whole tensors only"})
+                raise ValueError("a sync of changes only (sync_changed_only) needs the CPU engine")
             loader = _DrainingLoader(self.model.load_weights, self.device)
             with _mtp_check_disabled():
                 self.receive(update_info.metas(), loader)
