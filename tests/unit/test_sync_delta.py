@@ -149,3 +149,10 @@ def test_indices_behind_an_odd_number_of_values_unpack_from_one_bucket():
     delta.apply(served[0], updates["a"])
     delta.apply(served[1], updates["b"])
     assert torch.equal(served, new)
+
+
+def test_a_tensor_of_another_shape_or_dtype_is_an_error():
+    with pytest.raises(ValueError, match="cannot compare"):
+        delta.diff(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="cannot compare"):
+        delta.diff(torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16))

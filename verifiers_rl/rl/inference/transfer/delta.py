@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from verifiers_rl.rl.inference.transfer.buckets import TensorMeta
@@ -53,10 +54,14 @@ def sparse_nbytes(changed: int, numel: int, elem_size: int) -> int:
     return changed * (torch.empty((), dtype=index_dtype(numel)).element_size() + elem_size)
 
 
-def changed_mask(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Flat bool mask of the elements whose bits differ (`old` and `new` of one dtype and shape)."""
+def _comparable(old: torch.Tensor, new: torch.Tensor) -> None:
     if old.dtype != new.dtype or old.shape != new.shape:
         raise ValueError(f"cannot compare {old.dtype}{tuple(old.shape)} with {new.dtype}{tuple(new.shape)}")
+
+
+def changed_mask(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Flat bool mask of the elements whose bits differ (`old` and `new` of one dtype and shape)."""
+    _comparable(old, new)
     bits = _BITS[old.element_size()]
     return old.reshape(-1).view(bits) != new.detach().reshape(-1).view(bits)
 
@@ -64,6 +69,8 @@ def changed_mask(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 def diff(old: torch.Tensor, new: torch.Tensor, threshold: float = 1.0) -> Sparse | torch.Tensor | None:
     """What turns `old` into `new`: None (nothing changed), a `Sparse` update, or `new` itself (dense) when the
     sparse update would take more than `threshold` times the whole tensor's bytes (1.0: the break-even)."""
+    if old.device.type == "cpu":
+        return _cpu_diff(old, new, threshold)
     mask = changed_mask(old, new)
     changed = int(mask.sum())
     if changed == 0:
@@ -75,14 +82,37 @@ def diff(old: torch.Tensor, new: torch.Tensor, threshold: float = 1.0) -> Sparse
     return Sparse(index, new.detach().reshape(-1)[index])
 
 
+def _cpu_diff(old: torch.Tensor, new: torch.Tensor, threshold: float) -> Sparse | torch.Tensor | None:
+    """`diff` in numpy, the same result: single-threaded. torch's element-wise ops and nonzero run on every
+    intra-op thread, and on a CPU shared by trainer and server each of a sync's hundreds of them waits for a
+    descheduled thread (2.1 s instead of 0.16 s for 15M bf16 elements, measured on 2 loaded cores)."""
+    _comparable(old, new)
+    bits = _BITS[old.element_size()]
+    a, b = old.reshape(-1).view(bits).numpy(), new.detach().reshape(-1).view(bits).numpy()
+    mask = a != b
+    changed = int(np.count_nonzero(mask))
+    if changed == 0:
+        return None
+    numel, size = mask.size, new.element_size()
+    if sparse_nbytes(changed, numel, size) > threshold * numel * size:
+        return new
+    index = np.flatnonzero(mask).astype(np.int32 if index_dtype(numel) == torch.int32 else np.int64)
+    return Sparse(torch.from_numpy(index), torch.from_numpy(b[index]).view(new.dtype))
+
+
 def apply(target: torch.Tensor, update: Sparse | torch.Tensor) -> None:
     """Apply a `diff` result to `target` in place (its own dtype: a float32 copy holds bf16 values exactly)."""
     with torch.no_grad():
-        if isinstance(update, Sparse):
-            flat = target.view(-1)  # a view: the update lands in target's own memory
-            flat.index_copy_(0, update.index.to(torch.int64), update.values.to(target.dtype))
-        else:
+        if not isinstance(update, Sparse):
             target.copy_(update)
+            return
+        flat = target.view(-1)  # a view: the update lands in target's own memory
+        values = update.values.to(target.dtype)
+        if flat.device.type == "cpu" and update.index.device.type == "cpu":  # single-threaded, as `_cpu_diff`
+            bits = _BITS[flat.element_size()]
+            flat.view(bits).numpy()[update.index.numpy()] = values.view(bits).numpy()
+        else:
+            flat.index_copy_(0, update.index.to(flat.device, torch.int64), values.to(flat.device))
 
 
 def wire_items(name: str, update: Sparse | torch.Tensor) -> list[tuple[str, torch.Tensor]]:
