@@ -89,6 +89,14 @@ def changed_fraction(model, before: list) -> float:
     return changed / total
 
 
+def _commit() -> str:
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
+    return git.stdout.strip() or "unknown"
+
+
 def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     from verifiers_rl.rl.inference.launcher import InferenceServer
     from verifiers_rl.rl.inference.transfer.policy_weights import merged_stream
@@ -98,6 +106,8 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     label, hidden, layers = QUICK_MODEL if quick else MODEL
     lrs, repeats = (QUICK_LRS, 2) if quick else (LRS, 3)
     results: dict = {"name": NAME, "quick": quick, "repeats": repeats, "model": label, "lrs": {}}
+    results["commit"] = _commit()
+    results["started_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     t_start = time.perf_counter()
 
     def log(msg: str) -> None:
