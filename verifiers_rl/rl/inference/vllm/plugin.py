@@ -108,7 +108,6 @@ class _DrainingLoader:
             raise ValueError(f"weight update failed: {type(self.error).__name__}: {self.error}") from self.error
 
 
-@functools.cache
 def _refuse_delta(worker, update_info: UpdateInfo) -> None:
     """A sync of changes only (transfer/delta.py) is our CPU engine's: drained (the trainer is mid-broadcast),
     answered in the store, then refused."""
@@ -118,6 +117,7 @@ def _refuse_delta(worker, update_info: UpdateInfo) -> None:
     raise ValueError("a sync of changes only (sync_changed_only) needs the CPU engine")
 
 
+@functools.cache
 def engine_class():
     """Build the worker engine class on first use: it must subclass vLLM's base, which needs vLLM."""
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
