@@ -30,6 +30,7 @@ BENCHMARKS = (
     "bench_server_http",
     "bench_server_start",
     "bench_sync",
+    "bench_sync_delta",
     "bench_sharded",
     "bench_train",
     "bench_async",

@@ -293,6 +293,30 @@ class TestTwoEngines:
         finally:
             client.close()
 
+    def test_a_sync_of_changes_only_is_drained_and_refused(self, server):
+        """vLLM's receivers take whole tensors only (transfer/delta.py is our CPU engine's): a delta sync, forced
+        past the client's own refusal, is drained by every worker and refused at once; the group stays usable."""
+        from verifiers_rl.rl.inference.client import InferenceClient, ServerError
+        from verifiers_rl.rl.inference.transfer.delta import Snapshot
+        from verifiers_rl.tiny import build_tiny_model
+
+        client = InferenceClient(base_url=str(server["client"].base_url), sync_timeout=90)
+        try:
+            sender = client.init_weight_transfer("gloo", bucket_bytes=BUCKET_BYTES)
+            sender.snapshot = Snapshot()
+            original, perturbed = build_tiny_model(seed=0)[0], build_tiny_model(seed=1)[0]
+            client.update_weights(original.named_parameters(), version=20)  # whole: the snapshot is recorded
+            assert sender.snapshot.version == 20
+            t0 = time.monotonic()
+            with pytest.raises(ServerError, match="/update_weights failed"):
+                client.update_weights(perturbed.named_parameters(), version=21)
+            assert time.monotonic() - t0 < 30  # not the 90 s group timeout
+            assert sender.snapshot.version is None and client.health() and not client.is_paused()
+            client.update_weights(original.named_parameters(), version=22)  # whole again, verified
+            _check_serves(server, original, perturbed, dp_ranks=(0, 1))
+        finally:
+            client.close()
+
     def test_a_tensor_the_model_lacks_fails_the_sync_at_once(self, server):
         """The workers keep receiving after a failed load, so the trainer hears the reason instead of
         broadcasting into the void until the group timeout. Last in the class: the weights are undefined after."""

@@ -215,6 +215,17 @@ def test_cpu_engine_plan():
         plan_serving(_cfg(server_engine="cpu", sync_backend="nccl"), mode="spawn", engine="cpu", cuda_count=0)
 
 
+def test_changed_only_sync_is_for_full_finetuning_into_the_cpu_engine():
+    ok = plan_serving(
+        _cfg(server_engine="cpu", use_lora=False, sync_changed_only=True), mode="spawn", engine="cpu", cuda_count=0
+    )
+    assert (ok.sync_backend, ok.server_pauses) == ("gloo", True)
+    with pytest.raises(ValueError, match="sync_changed_only is for full fine-tuning"):
+        plan_serving(_cfg(server_engine="cpu", sync_changed_only=True), mode="spawn", engine="cpu", cuda_count=0)
+    with pytest.raises(ValueError, match="sync_changed_only needs the CPU engine over gloo"):
+        plan_serving(_cfg(use_lora=False, sync_changed_only=True), mode="spawn", engine="vllm", cuda_count=2)
+
+
 def test_cpu_thread_split(monkeypatch):
     """The CPU engine and an overlapping trainer split the cores instead of both taking all of them."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -296,6 +296,15 @@ class RLConfig(TrainingArguments):
             "the loopback socket (the same checks; gloo where /dev/shm lacks room or the server cannot see it)."
         ),
     )
+    sync_changed_only: bool = field(
+        default=False,
+        metadata=_help(
+            "Full fine-tuning into our CPU engine over gloo: after the first sync, send only the elements whose "
+            "wire-dtype (e.g. bf16) value changed, as indices and values (a whole tensor where that is smaller), "
+            "checked as every sync is. The trainer keeps one more wire-dtype copy of the weights. Not for LoRA, "
+            "vLLM or NCCL."
+        ),
+    )
     lora_sync: str = field(
         default="auto",
         metadata=_help(

@@ -250,6 +250,8 @@ def plan_serving(
     )
     backend = resolve_sync_backend(args.sync_backend, engine, shared_gpu=shared, lora_sync=lora_sync)
     threads = cpu_thread_split(engine, local=local, max_async_level=args.max_async_level, cuda=cuda_count > 0)
+    if getattr(args, "sync_changed_only", False):
+        check_changed_only(engine, backend, use_lora=args.use_lora)
     return ServingPlan(
         engine=engine,
         mode=mode,
@@ -262,6 +264,18 @@ def plan_serving(
         data_parallel=data_parallel,
         threads=threads,
     )
+
+
+def check_changed_only(engine: str, backend: str, *, use_lora: bool) -> None:
+    """sync_changed_only (transfer/delta.py) is for full fine-tuning into our CPU engine over gloo: vLLM's
+    receivers load whole tensors only, and a LoRA sync is already small."""
+    if use_lora:
+        raise ValueError("sync_changed_only is for full fine-tuning; a LoRA policy's sync is small already")
+    if engine != "cpu" or backend != "gloo":
+        raise ValueError(
+            f"sync_changed_only needs the CPU engine over gloo (this run: engine={engine!r}, sync_backend="
+            f"{backend!r}): vLLM's receivers load whole tensors only"
+        )
 
 
 def placement_problem(plan: ServingPlan, trainer_uuid: str | None) -> str | None:

@@ -183,11 +183,15 @@ class InferenceClient:
         timeout_s: float | None = None,
         server_pauses: bool = False,
         shared_memory: bool = True,
+        changed_only: bool = False,
     ) -> WeightSender:
         """Join the server's workers in a weight-transfer group (`transfer.backends.create_sender` backends).
         `server_pauses`: the server pauses and resumes itself around a sync (our CPU engine, gloo).
         `shared_memory`: with `server_pauses` and a loopback `host`, offer the server buckets through shared
-        memory (transfer/shm.py); False keeps every byte on gloo."""
+        memory (transfer/shm.py); False keeps every byte on gloo. `changed_only`: after the first sync, send only
+        the elements that changed (transfer/delta.py); our CPU engine over gloo only."""
+        if changed_only and not (backend == "gloo" and server_pauses):
+            raise ValueError("sending only what changed (sync_changed_only) needs the CPU engine over gloo")
         self.close_weight_transfer()
         timeout_s = self.sync_timeout if timeout_s is None else timeout_s
         sender = create_sender(backend, self, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
@@ -195,6 +199,10 @@ class InferenceClient:
             sender.pauses_itself = True
         if not shared_memory:
             sender.offers_shared_memory = False
+        if changed_only:
+            from verifiers_rl.rl.inference.transfer.delta import Snapshot
+
+            sender.snapshot = Snapshot()
         sender.init()
         self.sender = sender
         return sender

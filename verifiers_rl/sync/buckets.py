@@ -81,10 +81,15 @@ def pack(bucket: Bucket, tensors: list[torch.Tensor], out: torch.Tensor | None =
 
 
 def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Views into `buf`, one per tensor: no copy. Copy them out before reusing `buf`."""
+    """Views into `buf`, one per tensor: no copy. Copy them out before reusing `buf`. A tensor whose offset is not
+    a multiple of its element size (a delta sync's int32 indices behind an odd number of bf16 values) cannot be
+    viewed there: it is copied out, aligned."""
     out = []
     for meta, off in zip(bucket.metas, bucket.offsets):
-        out.append((meta.name, buf[off : off + meta.nbytes].view(meta.dtype).view(meta.shape)))
+        raw = buf[off : off + meta.nbytes]
+        if raw.data_ptr() % meta.dtype.itemsize:
+            raw = raw.clone()
+        out.append((meta.name, raw.view(meta.dtype).view(meta.shape)))
     return out
 
 
@@ -98,6 +103,9 @@ class UpdateInfo:
     shapes: list[list[int]]
     # Ours (gloo): the id under which each receiving rank leaves its checksums in the trainer's store (verify.py).
     report: str = ""
+    # Ours (delta.py): a sync of changes only. {"base_version": the version the changes apply to, and the whole
+    # tensors they update as "names", "dtype_names", "shapes"}; the receivers report checksums of those.
+    delta: dict | None = None
 
     def __post_init__(self):
         n = len(self.names)
@@ -118,7 +126,7 @@ class UpdateInfo:
         if not isinstance(info, dict):
             raise ValueError(f"update_info must be an object, got {type(info).__name__}")
         fields = {"names", "dtype_names", "shapes"}
-        unknown = set(info) - fields - {"report"}
+        unknown = set(info) - fields - {"report", "delta"}
         missing = fields - set(info)
         if unknown or missing:
             raise ValueError(f"update_info: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
@@ -126,13 +134,27 @@ class UpdateInfo:
 
     def to_dict(self) -> dict:
         out = {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
-        return {**out, "report": self.report} if self.report else out
+        if self.report:
+            out["report"] = self.report
+        return {**out, "delta": self.delta} if self.delta is not None else out
 
     def metas(self) -> list[TensorMeta]:
-        try:
-            return [
-                TensorMeta(n, dtype_from_name(d), tuple(int(x) for x in s))
-                for n, d, s in zip(self.names, self.dtype_names, self.shapes)
-            ]
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"update_info: {e}") from None
+        return _metas(self.names, self.dtype_names, self.shapes)
+
+    def delta_targets(self) -> list[TensorMeta]:
+        """A delta sync's whole tensors (what its changes update), from `delta`; a malformed one is a ValueError."""
+        d = self.delta
+        if not isinstance(d, dict) or set(d) != {"base_version", "names", "dtype_names", "shapes"}:
+            raise ValueError("update_info.delta needs exactly base_version, names, dtype_names and shapes")
+        if not len(d["names"]) == len(d["dtype_names"]) == len(d["shapes"]):
+            raise ValueError("update_info.delta lists differ in length")
+        return _metas(d["names"], d["dtype_names"], d["shapes"])
+
+
+def _metas(names, dtype_names, shapes) -> list[TensorMeta]:
+    try:
+        return [
+            TensorMeta(n, dtype_from_name(d), tuple(int(x) for x in s)) for n, d, s in zip(names, dtype_names, shapes)
+        ]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"update_info: {e}") from None

@@ -31,11 +31,12 @@ from verifiers_rl.sync.buckets import (
     UpdateInfo,
     plan_buckets,
 )
-from verifiers_rl.sync.sender import NamedTensors, SyncStats
-from verifiers_rl.sync.shm import SharedSlots
-from verifiers_rl.sync.stream import as_stream
-from verifiers_rl.sync.verify import verify
-from verifiers_rl.sync.wire import (  # noqa: F401
+from verifiers_rl.rl.inference.transfer.delta import Delta, Snapshot
+from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
+from verifiers_rl.rl.inference.transfer.shm import SharedSlots
+from verifiers_rl.rl.inference.transfer.stream import WeightStream, as_stream
+from verifiers_rl.rl.inference.transfer.verify import verify
+from verifiers_rl.rl.inference.transfer.wire import (  # noqa: F401
     WeightGroup,
     broadcast,
     broadcast_async,
@@ -195,6 +196,8 @@ class GlooSender:
         self.client, self.host = client, host
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.group: WeightGroup | None = None
+        # Send only what changed (delta.py): set by `InferenceClient.init_weight_transfer(changed_only=True)`.
+        self.snapshot: Snapshot | None = None
 
     def post(self, path: str, body: dict | None = None) -> dict:
         """A request of the sync: it may take as long as the sync itself (a server loading a large model answers
@@ -250,22 +253,46 @@ class GlooSender:
             raise RuntimeError("call init() before send()")
         t0 = time.perf_counter()
         tensors = as_stream(named_tensors)
+        snap = self.snapshot
+        if snap is None:
+            return self._send(tensors, version, t0)
+        try:
+            # A delta only against the version the server holds now (a restart, a replaced server or a version
+            # moved without us: a full sync); the receiver checks the base version again.
+            if snap.valid_for(self.client.weight_version(), tensors.metas):
+                change = snap.delta(tensors)
+                stats = self._send(change.wire, version, t0, change, base=snap.version)
+            else:
+                stats = self._send(snap.recording(tensors), version, t0)
+        except BaseException:
+            snap.forget()
+            raise
+        snap.version = version
+        return stats
+
+    def _send(self, tensors: WeightStream, version: int, t0: float, change: Delta | None = None, base=None):
+        """Describe the sync, move its buckets, check what landed; `change`: a delta sync (delta.py), whose
+        receivers report checksums of the whole tensors it updates."""
         metas = tensors.metas
         buckets = plan_buckets(metas, self.bucket_bytes)
         report, sums = f"{version}-{secrets.token_hex(6)}", []
-        info = self.update_info(metas, report).to_dict()
+        info = self.update_info(metas, report)
+        if change is not None:
+            info.delta = {"base_version": str(base), **UpdateInfo.from_metas(change.targets).to_dict()}
+        info = info.to_dict()
+        held, held_sums = (change.targets, change.checksums) if change is not None else (metas, sums)
         if self.pauses_itself:  # our CPU engine: the whole sync is one request (vLLM keeps its own routes)
             body = {"update_info": info, "weight_version": str(version)}
             pending = run_in_thread(lambda: self.post("/update_weights", body))
-            sent = send_buckets(self.group, buckets, tensors, sums)
+            sent = send_buckets(self.group, buckets, tensors, sums if change is None else None)
             pending.join()
-            self.verify(report, metas, sums, version)
+            self.verify(report, held, held_sums, version)
             return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)
         self.post("/start_weight_update")
         pending = run_in_thread(lambda: self.post("/update_weights", {"update_info": info}))
-        sent = send_buckets(self.group, buckets, tensors, sums)
+        sent = send_buckets(self.group, buckets, tensors, sums if change is None else None)
         pending.join()
-        self.verify(report, metas, sums, version)  # before finish: a sync that did not land never gets its version
+        self.verify(report, held, held_sums, version)  # before finish: a sync that did not land never gets its version
         self.post("/finish_weight_update", {"weight_version": str(version)})
         self.client.reset_prefix_cache(timeout=self.timeout_s)
         return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)

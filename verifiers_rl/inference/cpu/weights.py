@@ -11,8 +11,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from verifiers_rl.inference.cpu.memory import page_aligned_offsets, weight_buffer
-from verifiers_rl.sync.verify import tensor_checksum
+from verifiers_rl.rl.inference.cpu.memory import page_aligned_offsets, weight_buffer
+from verifiers_rl.rl.inference.transfer import delta
+from verifiers_rl.rl.inference.transfer.verify import tensor_checksum
 
 
 class ServedWeights(ABC):
@@ -78,8 +79,9 @@ class ServedWeights(ABC):
         return views
 
     def load_weights(self, named_tensors, *, lora_scaling: float | None = None) -> int:
-        """Copy tensors into the model (HF names). With `lora_scaling`, `X.lora_A`/`X.lora_B` pairs become
-        X.weight = X0 + scaling * B @ A against pristine base weights; other names are copied as they are."""
+        """Copy tensors into the model (HF names; a tensor may be a `delta.Sparse` of changed elements). With
+        `lora_scaling`, `X.lora_A`/`X.lora_B` pairs become X.weight = X0 + scaling * B @ A against pristine base
+        weights; other names are copied as they are."""
         params = self._params
         pending: dict[str, dict[str, torch.Tensor]] = {}
         count = 0
@@ -94,7 +96,7 @@ class ServedWeights(ABC):
                     continue
                 if name not in params:
                     raise KeyError(f"engine model has no parameter {name!r}")
-                params[name].copy_(tensor)
+                delta.apply(params[name], tensor)  # a whole tensor, or a delta sync's changes (delta.Sparse)
                 if name not in self._pristine:
                     self._overwritten.add(name)
                 count += 1

@@ -108,6 +108,15 @@ class _DrainingLoader:
             raise ValueError(f"weight update failed: {type(self.error).__name__}: {self.error}") from self.error
 
 
+def _refuse_delta(worker, update_info: UpdateInfo) -> None:
+    """A sync of changes only (transfer/delta.py) is our CPU engine's: drained (the trainer is mid-broadcast),
+    answered in the store, then refused."""
+    worker.receive(update_info.metas(), lambda named: None)
+    if update_info.report:
+        worker.report(update_info.report, {"error": "this vLLM server takes whole tensors only"})
+    raise ValueError("a sync of changes only (sync_changed_only) needs the CPU engine")
+
+
 @functools.cache
 def engine_class():
     """Build the worker engine class on first use: it must subclass vLLM's base, which needs vLLM."""
@@ -163,6 +172,8 @@ def engine_class():
             publish_report(self.joined(), sync_id, result)
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
+            if update_info.delta is not None:
+                _refuse_delta(self, update_info)
             loader = _DrainingLoader(self.model.load_weights, self.device)
             with _mtp_check_disabled():
                 self.receive(update_info.metas(), loader)

@@ -1,0 +1,158 @@
+"""Send only what changed (transfer/delta.py): the diff in the wire dtype, the sparse/dense break-even, the
+receiver's apply and pairing, and the trainer's snapshot, tensor by tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verifiers_rl.rl.inference.transfer import delta
+from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, UpdateInfo, pack, plan_buckets, unpack
+from verifiers_rl.rl.inference.transfer.stream import as_stream
+from verifiers_rl.rl.inference.transfer.verify import tensor_checksum
+
+
+def _bf16(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def test_a_small_change_is_sparse_and_applying_it_gives_the_new_tensor_exactly():
+    old = _bf16(1000).view(10, 100)
+    new = old.clone()
+    new.view(-1)[[3, 500, 999]] += 1.0
+    update = delta.diff(old, new)
+    assert isinstance(update, delta.Sparse)
+    assert update.index.dtype == torch.int32 and update.index.tolist() == [3, 500, 999]
+    assert update.values.dtype == torch.bfloat16
+    served = old.float()  # the CPU engine holds float32: bf16 values land exactly
+    delta.apply(served, update)
+    assert torch.equal(served.to(torch.bfloat16), new)
+    assert tensor_checksum(served.to(torch.bfloat16)) == tensor_checksum(new)
+
+
+def test_the_change_is_measured_in_the_wire_dtype():
+    master = torch.randn(4096, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).float()
+    stepped = master * (1 + 1e-5)  # an fp32 step far below half a bf16 step: every fp32 element changed
+    assert delta.diff(master.to(torch.bfloat16), stepped.to(torch.bfloat16)) is None
+    assert isinstance(delta.diff(master, stepped), torch.Tensor)  # in fp32 it is all change: dense
+
+
+def test_bits_decide_not_float_equality():
+    old = torch.tensor([0.0, float("nan"), 1.0], dtype=torch.bfloat16)
+    new = torch.tensor([-0.0, float("nan"), 1.0], dtype=torch.bfloat16)
+    update = delta.diff(old, new)
+    assert update.index.tolist() == [0]  # -0.0 has other bytes; NaN with the same bits is no change
+    delta.apply(old, update)
+    assert torch.equal(old.view(torch.int16), new.view(torch.int16))
+
+
+def test_sparse_up_to_the_break_even_and_dense_past_it():
+    # bf16 with int32 indices: k changes cost 6k bytes against 2n for the whole tensor; break-even at k = n/3
+    n = 300
+    old = torch.zeros(n, dtype=torch.bfloat16)
+    at = old.clone()
+    at[:100] = 1.0  # 600 bytes == 600 bytes: still sparse
+    past = old.clone()
+    past[:101] = 1.0
+    assert delta.sparse_nbytes(100, n, 2) == 2 * n
+    assert isinstance(delta.diff(old, at), delta.Sparse)
+    assert delta.diff(old, past) is past
+    assert isinstance(delta.diff(old, at, threshold=0.5), torch.Tensor)  # a lower threshold goes dense sooner
+    served = old.clone()
+    delta.apply(served, delta.diff(old, past))
+    assert torch.equal(served, past)
+
+
+def test_indices_widen_past_int32():
+    assert delta.index_dtype(2**31 - 1) == torch.int32
+    assert delta.index_dtype(2**31) == torch.int64
+    assert delta.sparse_nbytes(10, 2**31, 2) == 100
+
+
+def test_pairing_rejoins_an_index_and_its_values_across_buckets():
+    t = torch.zeros(64, dtype=torch.bfloat16)
+    new = t.clone()
+    new[[1, 2, 40]] = 3.0
+    wire = delta.wire_items("w", delta.diff(t, new)) + [("b", torch.ones(4))]
+    metas = [TensorMeta(n, x.dtype, tuple(x.shape)) for n, x in wire]
+    buckets = plan_buckets(metas, bucket_bytes=12)  # the index (12 B) and the values (6 B) in two buckets
+    assert [m.name for m in buckets[0].metas] == ["w#delta_index"]
+    pairing, got = delta.Pairing(), {}
+    buf = torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8)
+    for bucket in buckets:
+        ts = [dict(wire)[m.name] for m in bucket.metas]
+        for name, u in pairing.updates(unpack(bucket, pack(bucket, ts, out=buf[: bucket.nbytes]))):
+            got[name] = u if not isinstance(u, delta.Sparse) else delta.Sparse(u.index, u.values.clone())
+        buf.fill_(0xFF)  # the staging buffer is reused: a kept view would now read garbage
+    assert set(got) == {"w", "b"}
+    served = t.clone()
+    delta.apply(served, got["w"])
+    assert torch.equal(served, new)
+    with pytest.raises(ValueError, match="without their indices"):
+        list(delta.Pairing().updates([("x#delta_values", torch.ones(2))]))
+
+
+def test_snapshot_sends_changes_only_and_keeps_the_new_tensors():
+    a, b, c = _bf16(3000, 1), _bf16(10, 2), _bf16(50, 3)
+    snap = delta.Snapshot()
+    first = as_stream([("a", a), ("b", b), ("c", c)])
+    assert not snap.valid_for(None, first.metas)
+    assert [n for n, _ in snap.recording(first)] == ["a", "b", "c"]
+    snap.version = 4
+    assert snap.valid_for("4", first.metas) and not snap.valid_for("3", first.metas)
+    a2, b2 = a.clone(), b.clone() + 1
+    a2[7] += 1
+    change = snap.delta(as_stream([("a", a2), ("b", b2), ("c", c)]))
+    assert [m.name for m in change.wire.metas] == ["a#delta_index", "a#delta_values", "b"]
+    assert [m.name for m in change.targets] == ["a", "b", "c"]
+    assert change.checksums == [tensor_checksum(x) for x in (a2, b2, c)]
+    assert torch.equal(snap.tensors["a"], a2) and torch.equal(snap.tensors["b"], b2)
+    assert change.wire.nbytes == 6 + 20
+    snap.forget()
+    assert not snap.valid_for("4", first.metas)
+
+
+def test_a_corrupted_delta_shows_in_the_checksums():
+    old = _bf16(2048)
+    new = old.clone()
+    new[::97] += 0.5
+    update = delta.diff(old, new)
+    served = old.clone()
+    bad = delta.Sparse(update.index, update.values.clone())
+    bad.values[0] += 1.0
+    delta.apply(served, bad)
+    assert tensor_checksum(served) != tensor_checksum(new)
+
+
+def test_update_info_carries_the_delta_and_checks_its_shape():
+    targets = [TensorMeta("w", torch.bfloat16, (4, 4))]
+    info = UpdateInfo.from_metas([TensorMeta("w#delta_index", torch.int32, (2,))])
+    info.delta = {"base_version": "3", **UpdateInfo.from_metas(targets).to_dict()}
+    parsed = UpdateInfo.parse(info.to_dict())
+    assert parsed.delta_targets() == targets
+    assert UpdateInfo.parse(UpdateInfo.from_metas(targets).to_dict()).delta is None
+    parsed.delta.pop("base_version")
+    with pytest.raises(ValueError, match="base_version"):
+        parsed.delta_targets()
+
+
+def test_indices_behind_an_odd_number_of_values_unpack_from_one_bucket():
+    old = torch.zeros(2, 64, dtype=torch.bfloat16)
+    new = old.clone()
+    new[0, [1, 2, 3]] = 1.0  # 3 bf16 values: the next tensor's int32 indices start 2 bytes off alignment
+    new[1, 5] = 2.0
+    wire = delta.wire_items("a", delta.diff(old[0], new[0])) + delta.wire_items("b", delta.diff(old[1], new[1]))
+    (bucket,) = plan_buckets([TensorMeta(n, x.dtype, tuple(x.shape)) for n, x in wire])
+    assert bucket.offsets[2] % 4 == 2
+    updates = dict(delta.Pairing().updates(unpack(bucket, pack(bucket, [x for _, x in wire]))))
+    served = old.clone()
+    delta.apply(served[0], updates["a"])
+    delta.apply(served[1], updates["b"])
+    assert torch.equal(served, new)
+
+
+def test_a_tensor_of_another_shape_or_dtype_is_an_error():
+    with pytest.raises(ValueError, match="cannot compare"):
+        delta.diff(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="cannot compare"):
+        delta.diff(torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16))
