@@ -153,7 +153,7 @@ def memory_stage(use_lora: bool, cpu: bool, rec: Record, steps: int = 3) -> None
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from verifiers_rl.batch.microbatches import MicroBatch
+    from verifiers_rl.batch.microbatches import PaddedBatch
     from verifiers_rl.loss.forward import token_logprobs
     from verifiers_rl.models import training_kwargs
     from verifiers_rl.plan.memory import KNOWN, ModelShape, rank_parts
@@ -185,7 +185,7 @@ def memory_stage(use_lora: bool, cpu: bool, rec: Record, steps: int = 3) -> None
         ids = torch.randint(0, vocab, (rows, seq_len), device=device)
         mask = torch.zeros(rows, seq_len - 1, dtype=torch.bool, device=device)
         mask[:, seq_len // 4 :] = True  # the completion part of each row is trained
-        mb = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids), target_ids=ids[:, 1:], loss_mask=mask,
+        mb = PaddedBatch(input_ids=ids, attention_mask=torch.ones_like(ids), target_ids=ids[:, 1:], loss_mask=mask,
                         sampler_logprobs=torch.zeros(mask.shape, device=device),
                         advantages=torch.ones(rows, device=device), num_real_tokens=ids.numel(),
                         num_padded_tokens=0, num_loss_tokens=int(mask.sum()), num_sequences=rows)  # fmt: skip

@@ -46,8 +46,8 @@ def stepped(model, initial: dict, lr: float) -> None:
 
 def one_round(client, model, before: list) -> tuple[dict, dict]:
     """A full sync of `model`'s bf16 weights, then a delta sync of them against `before` (sent untimed first)."""
-    from verifiers_rl.rl.inference.transfer.delta import Snapshot
-    from verifiers_rl.rl.inference.transfer.policy_weights import merged_stream
+    from verifiers_rl.sync.delta import Snapshot
+    from verifiers_rl.sync.policy_weights import merged_stream
 
     sender = client.sender
     version = int(client.weight_version())
@@ -78,8 +78,8 @@ def measure(client, model, before: list, repeats: int) -> tuple[dict, dict]:
 
 
 def changed_fraction(model, before: list) -> float:
-    from verifiers_rl.rl.inference.transfer.delta import changed_mask
-    from verifiers_rl.rl.inference.transfer.policy_weights import merged_stream
+    from verifiers_rl.sync.delta import changed_mask
+    from verifiers_rl.sync.policy_weights import merged_stream
 
     old = dict(before)
     changed = total = 0
@@ -98,8 +98,8 @@ def _commit() -> str:
 
 
 def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
-    from verifiers_rl.rl.inference.launcher import InferenceServer
-    from verifiers_rl.rl.inference.transfer.policy_weights import merged_stream
+    from verifiers_rl.serving.launcher import InferenceServer
+    from verifiers_rl.sync.policy_weights import merged_stream
     from verifiers_rl.tiny import build_tiny_model, save_tiny_model
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))

@@ -54,7 +54,7 @@ def qwen3_06b(layers: int = 28):
 def measure(use_lora: bool, tokens: int, checkpointing: bool, seq_len: int = 1024, steps: int = 3) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from verifiers_rl.batch.microbatches import MicroBatch
+    from verifiers_rl.batch.microbatches import PaddedBatch
     from verifiers_rl.loss.forward import token_logprobs
     from verifiers_rl.sync.export import ReplicatedExport
 
@@ -78,7 +78,7 @@ def measure(use_lora: bool, tokens: int, checkpointing: bool, seq_len: int = 102
         ids = torch.randint(0, cfg.vocab_size, (rows, seq_len), device="cuda")
         mask = torch.zeros(rows, seq_len - 1, dtype=torch.bool, device="cuda")
         mask[:, seq_len // 4 :] = True  # the completion part of each sample is trained
-        mb = MicroBatch(  # padded layout with no padding: every row is a full sample
+        mb = PaddedBatch(  # padded layout with no padding: every row is a full sample
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             target_ids=ids[:, 1:],

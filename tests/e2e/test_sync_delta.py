@@ -14,12 +14,12 @@ import torch
 from rl_envs import reverse_env
 from runs import tiny_rl_config
 
-from verifiers_rl.rl.inference.launcher import InferenceServer
-from verifiers_rl.rl.inference.transfer import delta
-from verifiers_rl.rl.inference.transfer.policy_weights import merged_stream
-from verifiers_rl.rl.inference.transfer.verify import SyncMismatch
-from verifiers_rl.rl.trainer import RLTrainer
+from verifiers_rl.serving.launcher import InferenceServer
+from verifiers_rl.sync import delta
+from verifiers_rl.sync.policy_weights import merged_stream
+from verifiers_rl.sync.verify import SyncMismatch
 from verifiers_rl.tiny import build_tiny_model
+from verifiers_rl.trainer import RLTrainer
 
 BUCKET_BYTES = 16 * 1024  # several buckets: an index and its values can land in two
 

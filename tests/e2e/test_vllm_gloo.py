@@ -296,8 +296,8 @@ class TestTwoEngines:
     def test_a_sync_of_changes_only_is_drained_and_refused(self, server):
         """vLLM's receivers take whole tensors only (transfer/delta.py is our CPU engine's): a delta sync, forced
         past the client's own refusal, is drained by every worker and refused at once; the group stays usable."""
-        from verifiers_rl.rl.inference.client import InferenceClient, ServerError
-        from verifiers_rl.rl.inference.transfer.delta import Snapshot
+        from verifiers_rl.serving.client import InferenceClient, ServerError
+        from verifiers_rl.sync.delta import Snapshot
         from verifiers_rl.tiny import build_tiny_model
 
         client = InferenceClient(base_url=str(server["client"].base_url), sync_timeout=90)

@@ -110,7 +110,7 @@ def test_collate_packed_boundaries_and_positions():
     assert b.seq_index.tolist() == [[0, 0, 1, 1, 1, 1, 2, 2]]
     assert b.advantages.tolist() == [[-1.5, -1.5, -0.5, -0.5, -0.5, -0.5, 0.5, 0.5]]
     assert b.sampler_logprobs[0, 3:6].tolist() == pytest.approx(s[1].sampler_logprobs[1:])
-    assert b.attention_mask is None
+    assert "attention_mask" not in b.model_inputs()  # the block-diagonal mask comes from position_ids
     assert (b.num_real_tokens, b.num_padded_tokens, b.num_loss_tokens, b.num_sequences) == (9, 0, 6, 3)
 
 
@@ -135,7 +135,9 @@ def test_empty_microbatch_is_marked_and_still_trains_a_target(packed):
     mb = empty_microbatch(packed)
     # one trained target, so its (zero-weighted) loss still reaches every parameter DDP all-reduces
     assert mb.empty and mb.num_loss_tokens == int(mb.loss_mask.sum()) == 1 and mb.num_sequences == 1
-    assert (mb.position_ids is not None, mb.attention_mask is not None) == (packed, not packed)
+    from verifiers_rl.batch.microbatches import PackedBatch, PaddedBatch
+
+    assert isinstance(mb, PackedBatch if packed else PaddedBatch)
     assert not collate_packed(_samples([3])).empty and not collate_padded(_samples([3]), 0).empty
 
 

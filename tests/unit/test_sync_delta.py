@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verifiers_rl.rl.inference.transfer import delta
-from verifiers_rl.rl.inference.transfer.buckets import TensorMeta, UpdateInfo, pack, plan_buckets, unpack
-from verifiers_rl.rl.inference.transfer.stream import as_stream
-from verifiers_rl.rl.inference.transfer.verify import tensor_checksum
+from verifiers_rl.sync import delta
+from verifiers_rl.sync.buckets import TensorMeta, UpdateInfo, pack, plan_buckets, unpack
+from verifiers_rl.sync.stream import as_stream
+from verifiers_rl.sync.verify import tensor_checksum
 
 
 def _bf16(n: int, seed: int = 0) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Training samples -> micro-batches: planning under a token budget, then padded or packed collation.
 
 Samples are `samples.Sample`s (per-token lists aligned with their tokens). A micro-batch is a `MicroBatch`: the
-tensors of one forward/backward pass, in one of two layouts. Padded: one sample per row, [B, T] with T the
-longest sample. Packed: samples concatenated into rows, [R, L], positions restarting at each sample.
+tensors of one forward/backward pass, in one of three layouts. Padded (`PaddedBatch`): one sample per row, [B, T]
+with T the longest sample. Packed (`PackedBatch`): samples concatenated into rows, [R, L], positions restarting
+at each sample; `SharedPromptBatch` (prefix_sharing.py) packs a group's prompt once.
 
 Alignment (both layouts): the logits at position t predict token t+1, so every per-target tensor is shifted
 by one against `input_ids`: index j of `target_ids`, `loss_mask`, `sampler_logprobs` (and, packed,
@@ -27,28 +28,30 @@ from verifiers_rl.batch.span_attention import PrefixSpans
 _LISTS = ("loss_mask", "sampler_logprobs")  # per-token lists that must be as long as input_ids
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MicroBatch:
-    """One forward/backward pass. Shapes: padded [B, T] / [B, T-1] (one sample per row), packed [R, L] / [R, L-1]
-    (rows of concatenated samples); the [.., T-1] tensors are per target, shifted by one (module docstring)."""
+    """One forward/backward pass, in one of three layouts (`PaddedBatch`, `PackedBatch`, `SharedPromptBatch`).
+    What every layout holds: [N, W] token ids (N rows of width W) and the per-target [N, W-1] tensors."""
 
-    input_ids: torch.Tensor  # [B, T] long; pad slots hold the pad token
-    target_ids: torch.Tensor  # [B, T-1] long: input_ids[:, 1:]
-    loss_mask: torch.Tensor  # [B, T-1] bool: targets to train (never a sample's first token, never padding)
-    sampler_logprobs: torch.Tensor  # [B, T-1] float32: the engine's logprob of each target, NaN where none exists
-    advantages: torch.Tensor  # float32: padded [B] (one per row), packed [R, L-1] (per target)
+    input_ids: torch.Tensor  # [N, W] long; pad slots hold the pad token
+    target_ids: torch.Tensor  # [N, W-1] long: input_ids[:, 1:]
+    loss_mask: torch.Tensor  # [N, W-1] bool: targets to train (never a sample's first token, never padding)
+    sampler_logprobs: torch.Tensor  # [N, W-1] float32: the engine's logprob of each target, NaN where none exists
+    advantages: torch.Tensor  # float32, per layout: [B] one per row (padded) or [R, W-1] per target (packed)
     num_real_tokens: int  # tokens of the samples
     num_padded_tokens: int  # pad slots: rows * width - num_real_tokens
     num_loss_tokens: int  # trained targets
     num_sequences: int  # samples
-    num_shared_tokens: int = 0  # shared prompt tokens not recomputed (prefix_sharing.collate_shared)
-    # padded: [B, T] long, 1 on tokens; shared prompts: [R, 1, L, L] bool (True = attend) or additive (eager);
-    # None when packed: the model derives a block-diagonal mask from position_ids
-    attention_mask: torch.Tensor | None = None
-    position_ids: torch.Tensor | None = None  # packed: [R, L] long, restarting at 0 with each sample
-    seq_index: torch.Tensor | None = None  # packed: [R, L-1] long, the sample of each target (policy_loss reads it)
+    num_shared_tokens: int = 0  # shared prompt tokens not recomputed (SharedPromptBatch only)
     empty: bool = False  # a zero-weight pass for a rank with fewer micro-batches than the others (DDP)
-    prefix_spans: PrefixSpans | None = None  # shared prompts attended by span (span_attention.py), not by mask
+
+    def model_inputs(self) -> dict:
+        """The model's keyword arguments of this layout (no `logits_to_keep`: the forward chooses it)."""
+        return {"input_ids": self.input_ids}
+
+    def sample_of_target(self) -> torch.Tensor | None:
+        """[R, W-1] long, the sample each target belongs to, where a row holds several samples; None otherwise."""
+        return None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on `device` (the counts stay Python ints)."""
@@ -58,6 +61,48 @@ class MicroBatch:
             if torch.is_tensor(value := getattr(self, f.name)) or isinstance(value, PrefixSpans)
         }
         return dataclasses.replace(self, **moved)
+
+
+@dataclass(kw_only=True)
+class PaddedBatch(MicroBatch):
+    """One sample per row, right-padded to the longest: [B, T]; `advantages` is [B]."""
+
+    attention_mask: torch.Tensor  # [B, T] long, 1 on tokens
+
+    def model_inputs(self) -> dict:
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+
+
+@dataclass(kw_only=True)
+class PackedBatch(MicroBatch):
+    """Samples concatenated into rows: [R, L], positions restarting at each sample (the model derives a
+    block-diagonal mask from them); `advantages` is [R, L-1], per target."""
+
+    position_ids: torch.Tensor  # [R, L] long, restarting at 0 with each sample
+    seq_index: torch.Tensor  # [R, L-1] long, the sample of each target (the loss's per-sample terms read it)
+
+    def model_inputs(self) -> dict:
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids}
+
+    def sample_of_target(self) -> torch.Tensor:
+        return self.seq_index
+
+
+@dataclass(kw_only=True)
+class SharedPromptBatch(PackedBatch):
+    """A group's prompt once, its rollouts after it (prefix_sharing.py): packed, and the rollouts attend to the
+    prompt either through a 4D mask or by span (span_attention.py), never both."""
+
+    attention_mask: torch.Tensor | None = None  # [R, 1, L, L] bool (True = attend), or additive (eager)
+    prefix_spans: PrefixSpans | None = None  # attended by span instead of the mask
+
+    def model_inputs(self) -> dict:
+        inputs = super().model_inputs()
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
+        if self.prefix_spans is not None:  # reaches span_attention_forward through the model's attention kwargs
+            inputs["prefix_spans"] = self.prefix_spans
+        return inputs
 
 
 def plan_microbatches(
@@ -120,7 +165,7 @@ def _untrain_first_token(loss_mask: list[bool]) -> list[bool]:
     return [False, *map(bool, loss_mask[1:])]
 
 
-def collate_padded(samples: Sequence[Sample], pad_token_id: int) -> MicroBatch:
+def collate_padded(samples: Sequence[Sample], pad_token_id: int) -> PaddedBatch:
     """Right-padded [B, T] batch (T = longest sample) with its [B, T] attention_mask and [B] advantages."""
     _validate(samples)
     b, t = len(samples), max(len(s.input_ids) for s in samples)
@@ -135,7 +180,7 @@ def collate_padded(samples: Sequence[Sample], pad_token_id: int) -> MicroBatch:
         loss_mask[row, :n] = torch.tensor(_untrain_first_token(s.loss_mask), dtype=torch.bool)
         sampler[row, :n] = torch.tensor(s.sampler_logprobs, dtype=torch.float32)
     real = int(attention_mask.sum())
-    return MicroBatch(
+    return PaddedBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         target_ids=input_ids[:, 1:],
@@ -169,7 +214,7 @@ def plan_rows(lengths: Sequence[int], row_len: int | None) -> list[list[int]]:
     return [sorted(r) for r in rows]
 
 
-def collate_packed(samples: Sequence[Sample], row_len: int | None = None, pad_token_id: int = 0) -> MicroBatch:
+def collate_packed(samples: Sequence[Sample], row_len: int | None = None, pad_token_id: int = 0) -> PackedBatch:
     """Samples concatenated into rows of at most `row_len` tokens (None: all in one row), no attention_mask.
 
     `position_ids` restart at 0 for each sample; transformers turns that into a block-diagonal causal mask
@@ -197,7 +242,9 @@ def collate_packed(samples: Sequence[Sample], row_len: int | None = None, pad_to
     return packed_tensors(rows, pad_token_id, len(samples))
 
 
-def packed_tensors(rows: Sequence[Sequence[list]], pad_token_id: int, num_sequences: int) -> MicroBatch:
+def packed_tensors(
+    rows: Sequence[Sequence[list]], pad_token_id: int, num_sequences: int, layout: type[PackedBatch] = PackedBatch
+) -> PackedBatch:
     """Rows of per-token lists (ids, positions, loss mask, sampler logprobs, advantages, sample index; a row may
     carry more lists after these) -> the packed micro-batch tensors, per-target ones shifted by one (module
     docstring). Shorter rows are padded in place to the widest with a segment of their own (positions restart,
@@ -215,7 +262,7 @@ def packed_tensors(rows: Sequence[Sequence[list]], pad_token_id: int, num_sequen
     ids, pos, mask, sampler, adv, seq = (list(col) for col in zip(*(r[:6] for r in rows)))
     loss_mask = torch.tensor(mask, dtype=torch.bool)
     input_ids = torch.tensor(ids, dtype=torch.long)
-    return MicroBatch(
+    return layout(
         input_ids=input_ids,
         position_ids=torch.tensor(pos, dtype=torch.long),
         target_ids=input_ids[:, 1:],

@@ -25,7 +25,13 @@ from collections.abc import Sequence
 
 import torch
 
-from verifiers_rl.batch.microbatches import MicroBatch, _untrain_first_token, _validate, packed_tensors, plan_rows
+from verifiers_rl.batch.microbatches import (
+    SharedPromptBatch,
+    _untrain_first_token,
+    _validate,
+    packed_tensors,
+    plan_rows,
+)
 from verifiers_rl.batch.samples import Sample
 from verifiers_rl.batch.span_attention import block_pairs, spans_from_segments
 
@@ -95,7 +101,7 @@ def collate_shared(
     row_len: int | None = None,
     pad_token_id: int = 0,
     spans: bool = False,
-) -> MicroBatch:
+) -> SharedPromptBatch:
     """Units laid out as [prefix | suffixes...] in rows of at most `row_len` tokens, with a 4D attention mask,
     or (`spans`) the `PrefixSpans` that span_attention.py attends by instead.
 
@@ -136,7 +142,7 @@ def collate_shared(
                 sees += [prefix_seg if p else own] * (n - p)
         rows.append([ids, pos, mask, sampler, adv, seq, seg, sees])
     real = sum(len(r[0]) for r in rows)
-    mb = packed_tensors(rows, pad_token_id, len(samples))
+    mb = packed_tensors(rows, pad_token_id, len(samples), SharedPromptBatch)
     width = mb.input_ids.shape[1]
     mb.num_shared_tokens = sum(len(s.input_ids) for s in samples) - real
     if spans:

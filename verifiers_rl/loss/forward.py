@@ -14,9 +14,13 @@ from typing import Protocol
 
 import torch
 
-from verifiers_rl.batch.microbatches import MicroBatch
+from verifiers_rl.batch.microbatches import MicroBatch, SharedPromptBatch
 from verifiers_rl.batch.span_attention import span_attention
 from verifiers_rl.loss.logprobs import chunked_logprobs, logits_logprobs, output_head
+
+
+def attends_by_span(mb: MicroBatch) -> bool:
+    return isinstance(mb, SharedPromptBatch) and mb.prefix_spans is not None
 
 
 class HeadPlacement(Protocol):
@@ -30,15 +34,7 @@ def model_inputs(mb: MicroBatch, logits_to_keep: int | torch.Tensor = 1) -> dict
     """The model's keyword arguments for one micro-batch (no KV cache: packed rows need attention_mask=None).
     `logits_to_keep=1`: hidden states out, the head applied by the caller; positions: logits at those columns."""
     hidden = isinstance(logits_to_keep, int)
-    inputs = {"input_ids": mb.input_ids, "use_cache": False, "output_hidden_states": hidden}
-    inputs["logits_to_keep"] = logits_to_keep
-    if mb.position_ids is not None:  # packed: block-diagonal attention derived from position_ids
-        inputs["position_ids"] = mb.position_ids
-    if mb.attention_mask is not None:
-        inputs["attention_mask"] = mb.attention_mask
-    if mb.prefix_spans is not None:  # reaches span_attention_forward through the model's attention kwargs
-        inputs["prefix_spans"] = mb.prefix_spans
-    return inputs
+    return {**mb.model_inputs(), "use_cache": False, "output_hidden_states": hidden, "logits_to_keep": logits_to_keep}
 
 
 def token_logprobs(
@@ -53,7 +49,7 @@ def token_logprobs(
     """[B, T-1] logprobs of `target_ids` (0 where not trained) and the matching entropies (no grad)."""
     mask = mb.loss_mask
     targets = mb.target_ids[mask]
-    spans = span_attention(model) if mb.prefix_spans is not None else contextlib.nullcontext()
+    spans = span_attention(model) if attends_by_span(mb) else contextlib.nullcontext()
     if export.head_in_forward:
         # column j of the logits predicts token j+1, as row j of mask/targets describes it
         columns = mask.any(dim=0).nonzero().squeeze(-1)

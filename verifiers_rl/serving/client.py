@@ -200,7 +200,7 @@ class InferenceClient:
         if not shared_memory:
             sender.offers_shared_memory = False
         if changed_only:
-            from verifiers_rl.rl.inference.transfer.delta import Snapshot
+            from verifiers_rl.sync.delta import Snapshot
 
             sender.snapshot = Snapshot()
         sender.init()

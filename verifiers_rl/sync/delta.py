@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verifiers_rl.rl.inference.transfer.buckets import TensorMeta
-from verifiers_rl.rl.inference.transfer.stream import WeightStream
-from verifiers_rl.rl.inference.transfer.verify import tensor_checksum
+from verifiers_rl.sync.buckets import TensorMeta
+from verifiers_rl.sync.stream import WeightStream
+from verifiers_rl.sync.verify import tensor_checksum
 
 INDEX_SUFFIX = "#delta_index"
 VALUE_SUFFIX = "#delta_values"

@@ -31,12 +31,12 @@ from verifiers_rl.sync.buckets import (
     UpdateInfo,
     plan_buckets,
 )
-from verifiers_rl.rl.inference.transfer.delta import Delta, Snapshot
-from verifiers_rl.rl.inference.transfer.sender import NamedTensors, SyncStats
-from verifiers_rl.rl.inference.transfer.shm import SharedSlots
-from verifiers_rl.rl.inference.transfer.stream import WeightStream, as_stream
-from verifiers_rl.rl.inference.transfer.verify import verify
-from verifiers_rl.rl.inference.transfer.wire import (  # noqa: F401
+from verifiers_rl.sync.delta import Delta, Snapshot
+from verifiers_rl.sync.sender import NamedTensors, SyncStats
+from verifiers_rl.sync.shm import SharedSlots
+from verifiers_rl.sync.stream import WeightStream, as_stream
+from verifiers_rl.sync.verify import verify
+from verifiers_rl.sync.wire import (  # noqa: F401
     WeightGroup,
     broadcast,
     broadcast_async,

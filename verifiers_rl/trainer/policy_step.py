@@ -25,7 +25,7 @@ from verifiers_rl.batch.prefix_sharing import (
 )
 from verifiers_rl.batch.samples import PreparedBatch, Sample, shard_samples
 from verifiers_rl.batch.span_attention import span_attention
-from verifiers_rl.loss.forward import reference_logprobs, token_logprobs
+from verifiers_rl.loss.forward import attends_by_span, reference_logprobs, token_logprobs
 from verifiers_rl.loss.losses import policy_loss
 from verifiers_rl.sync.export import weight_export
 
@@ -121,7 +121,7 @@ def run_microbatches(accelerator, model, prepared: PreparedBatch, args, pad_toke
         ctx = contextlib.ExitStack()
         if i < n - 1:
             ctx.enter_context(accelerator.no_sync(model))
-        if mb.prefix_spans is not None:  # over the backward too: a checkpointed layer's recompute attends again
+        if attends_by_span(mb):  # over the backward too: a checkpointed layer's recompute attends again
             ctx.enter_context(span_attention(unwrapped))
         with ctx:
             batch = mb.to(device)
@@ -143,7 +143,7 @@ def run_microbatches(accelerator, model, prepared: PreparedBatch, args, pad_toke
                 clip_eps_high=args.epsilon_high,
                 ref_logprobs=ref,
                 kl_beta=args.kl_beta,
-                seq_index=batch.seq_index,
+                seq_index=batch.sample_of_target(),
             )
             if mb.empty:
                 loss = loss * 0.0

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from verifiers_rl.rl.inference.transfer import adapter, delta, gloo
-from verifiers_rl.rl.inference.transfer.buckets import DEFAULT_BUCKET_BYTES, UpdateInfo, plan_buckets
-from verifiers_rl.rl.inference.transfer.policy_weights import unsupported_adapter_features
-from verifiers_rl.rl.inference.transfer.shm import SharedSlots
-from verifiers_rl.rl.inference.transfer.verify import tensor_checksum
+from verifiers_rl.sync import adapter, delta, gloo
+from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES, UpdateInfo, plan_buckets
+from verifiers_rl.sync.policy_weights import unsupported_adapter_features
+from verifiers_rl.sync.shm import SharedSlots
+from verifiers_rl.sync.verify import tensor_checksum
 
 if TYPE_CHECKING:
     from verifiers_rl.inference.cpu.engine_api import Engine

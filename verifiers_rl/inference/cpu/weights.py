@@ -11,9 +11,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from verifiers_rl.rl.inference.cpu.memory import page_aligned_offsets, weight_buffer
-from verifiers_rl.rl.inference.transfer import delta
-from verifiers_rl.rl.inference.transfer.verify import tensor_checksum
+from verifiers_rl.inference.cpu.memory import page_aligned_offsets, weight_buffer
+from verifiers_rl.sync import delta
+from verifiers_rl.sync.verify import tensor_checksum
 
 
 class ServedWeights(ABC):
