@@ -39,6 +39,7 @@ BENCHMARKS = (
     "bench_load",
     "bench_roofline",
     "bench_reward_time",
+    "bench_cpu_tunings",
 )
 HEADERS = ["benchmark", "metric", "unit", "baseline", "ours", "ratio", "goal", "pass"]
 

@@ -138,8 +138,7 @@ def cpu_thread_split(
     With max_async_level >= 1 generation and training run at the same time; each process defaulting to every
     core oversubscribes them (measured on 2 cores: 1.17 s/step at 2+2 threads vs 0.68 s at 1+1, benchmarks/
     bench_async.py). None when they do not share cores or do not overlap (each phase then gets every core), or
-    when OMP_NUM_THREADS is set (the user's choice wins). The trainer takes the server's share too while no batch
-    is being generated (trainer/core_handoff.py).
+    when OMP_NUM_THREADS is set (the user's choice wins).
     """
     if os.environ.get("OMP_NUM_THREADS"):
         return None
