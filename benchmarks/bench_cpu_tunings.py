@@ -8,13 +8,15 @@ variant by variant, round by round (the machine is shared), and reports medians 
 
 - engine loop: the slot engine (lean forward) vs transformers' continuous batching (`cb` engine, its per-request
   attention) vs the same with transformers' own SDPA attention: tokens/s at C concurrent requests, in process;
-- weight buffer: slot-engine decode at batch 1 (Qwen3-0.6B layer shape) with the weights on 2 MiB pages and
-  page-aligned vs 4 KiB pages aligned vs packed end to end: ms/token;
 - OpenMP spin: a fixed fwd+bwd loop in a fresh process with GOMP_SPINCOUNT=10000 vs libgomp's default;
 - HTTP fast path: server CPU per chat request with and without `fast_chat` (both on httptools);
 - lean load: a fresh process's seconds to a loaded engine, lean_model vs from_pretrained;
 - span attention: a shared-prompt training step (8x8 rollouts) by span vs the dense mask vs plain packing;
 - shared-memory sync: a weight sync into the CPU server through /dev/shm vs over loopback gloo.
+
+Two tunings measured here fell short and are gone, so their parts are too (their numbers stay in
+results/cpu_tunings.json): the engine's weight buffer on huge pages with page-aligned weights, and the trainer
+borrowing the engine's cores while it had nothing to generate.
 """
 
 from __future__ import annotations
@@ -85,45 +87,6 @@ def engine_loop(quick: bool, log) -> dict:
             e.close()
     log("engine loop tok/s: " + ", ".join(f"{k} {v['median']:.0f}" for k, v in out.items()))
     return {"concurrency": conc, "max_tokens": max_tokens, "tokens_per_s": out}
-
-
-def weight_buffer(quick: bool, log, layers: int | None = None) -> dict:
-    import verifiers_rl.rl.inference.cpu.weights as weights
-    from verifiers_rl.rl.inference.cpu.memory import page_aligned_offsets
-    from verifiers_rl.rl.inference.cpu.memory import weight_buffer as huge_buffer
-    from verifiers_rl.rl.inference.cpu.slot_engine import SlotEngine
-    from verifiers_rl.tiny import build_tiny_model
-
-    default_layers, tokens, repeats = (2, 16, 3) if quick else (6, 32, 5)
-    layers = layers or default_layers
-    shape = dict(num_attention_heads=16, num_key_value_heads=8, intermediate_size=3072)
-    variants = {
-        "huge pages, aligned": (lambda n: huge_buffer(n, huge=True), page_aligned_offsets),
-        "4 KiB pages, aligned": (lambda n: huge_buffer(n, huge=False), page_aligned_offsets),
-        "4 KiB pages, packed": (lambda n: huge_buffer(n, huge=False), lambda s: page_aligned_offsets(s, 1 << 62)),
-    }
-    engines = {}
-    try:
-        for name, (buf, offsets) in variants.items():
-            weights.weight_buffer, weights.page_aligned_offsets = buf, offsets
-            model, tok = build_tiny_model(hidden=1024, layers=layers, head_dim=128, **shape)
-            engines[name] = SlotEngine(model, tok, max_model_len=512, max_num_seqs=4)
-    finally:
-        weights.weight_buffer, weights.page_aligned_offsets = huge_buffer, page_aligned_offsets
-    prompt = [list(range(32, 96))]
-
-    def per_token(e) -> float:
-        short = 1 / _tokens_per_s(e, prompt, 1)
-        return ((tokens + 1) / _tokens_per_s(e, prompt, tokens + 1) - short) / tokens * 1e3
-
-    try:
-        out = interleaved({k: (lambda e=e: per_token(e)) for k, e in engines.items()}, repeats)
-        advised = {k: bool(getattr(e, "huge_pages", False)) for k, e in engines.items()}
-    finally:
-        for e in engines.values():
-            e.close()
-    log("decode ms/token: " + ", ".join(f"{k} {v['median']:.2f}" for k, v in out.items()))
-    return {"layers": layers, "tokens": tokens, "ms_per_token": out, "huge_pages_advised": advised}
 
 
 SPIN_WORKLOAD = """
@@ -264,32 +227,6 @@ def shm_sync(tmp: str, quick: bool, log) -> dict:
     return {"bytes": nbytes, "seconds": out}
 
 
-def core_handoff(model_dir: str, tmp: str, quick: bool, log) -> dict:
-    import verifiers as vf
-    from bench_async import rl_config, run_rl, window_stats
-
-    import verifiers_rl.rl.trainer.runtime as runtime
-
-    steps, tokens, repeats = (3, 32, 3) if quick else (7, 128, 3)
-    env = vf.load_environment("reverse-text", num_train_examples=400, num_eval_examples=20, seed=0)
-    real = runtime.CoreHandoff
-    runs = iter(range(1000))
-
-    def step_s(handoff: bool) -> float:
-        runtime.CoreHandoff = real if handoff else (lambda *a, **k: None)  # None: as on a multi-rank run
-        try:
-            out = os.path.join(tmp, f"handoff-{next(runs)}")
-            args = rl_config(out, max_async_level=1, max_tokens=tokens, max_seq_len=256, max_steps=steps + 1,
-                             rollouts_per_example=8, batch_size=64, micro_batch_size=64)  # fmt: skip
-            return window_stats(run_rl(model_dir, env, args)["marks"], 1)["step_s"]
-        finally:
-            runtime.CoreHandoff = real
-
-    out = interleaved({"core handoff": lambda: step_s(True), "no handoff": lambda: step_s(False)}, repeats)
-    log("k=1 s/step: " + ", ".join(f"{k} {v['median']:.3f}" for k, v in out.items()))
-    return {"steps": steps, "max_tokens": tokens, "seconds": out}
-
-
 def _rows(r: dict) -> list[dict]:
     rows = []
     tps = r["engine_loop"]["tokens_per_s"]
@@ -299,12 +236,6 @@ def _rows(r: dict) -> list[dict]:
                     slots / cb, ">=1.15x", slots / cb >= ENGINE_KEEP, unit="tok/s"))  # fmt: skip
     rows.append(row(f"engine loop, c={c}: transformers CB with its SDPA vs with our varlen attention", sdpa, cb,
                     cb / sdpa, ">=1.1x", cb / sdpa >= KEEP, unit="tok/s"))  # fmt: skip
-    ms = {k: v["median"] for k, v in r["weight_buffer"]["ms_per_token"].items()}
-    huge, aligned, packed = ms.values()
-    rows.append(row("decode batch 1: 4 KiB pages vs huge pages (both aligned)", aligned, huge, aligned / huge,
-                    ">=1.1x", aligned / huge >= KEEP, unit="ms/token"))  # fmt: skip
-    rows.append(row("decode batch 1: packed vs page-aligned weights (4 KiB pages)", packed, aligned, packed / aligned,
-                    ">=1.1x", packed / aligned >= KEEP, unit="ms/token"))  # fmt: skip
     for label, sec in r["openmp_spin"]["seconds"].items():
         spin, default = (v["median"] for v in sec.values())
         rows.append(row(f"fwd+bwd loop ({label}): libgomp default vs GOMP_SPINCOUNT=10000", default, spin,
@@ -328,11 +259,6 @@ def _rows(r: dict) -> list[dict]:
     mb = r["shm_sync"]["bytes"] / 1e6
     rows.append(row(f"weight sync {mb:.0f} MB into the CPU server: loopback gloo vs shared memory", gloo, shm,
                     gloo / shm, ">=1.1x", gloo / shm >= KEEP, unit="s"))  # fmt: skip
-    ho = {k: v["median"] for k, v in r["core_handoff"]["seconds"].items()}
-    on, off = ho.values()
-    t = r["core_handoff"]["max_tokens"]
-    rows.append(row(f"k=1 step, 8x8 rollouts of {t} tokens: no core handoff vs core handoff", off, on, off / on,
-                    ">=1.1x", off / on >= KEEP, unit="s"))  # fmt: skip
     return rows
 
 
@@ -349,13 +275,11 @@ def run(quick: bool = False, wait_quiet: float | None = None, only: str | None =
         model_dir = str(save_tiny_model(os.path.join(tmp, "tiny"), hidden=128, layers=2))
         parts = {
             "engine_loop": lambda: engine_loop(quick, log),
-            "weight_buffer": lambda: weight_buffer(quick, log),
             "openmp_spin": lambda: openmp_spin(quick, log),
             "fast_path": lambda: fast_path(model_dir, tmp, quick, log),
             "lean_load": lambda: lean_load(model_dir, quick, log),
             "span_attention": lambda: span_attention(quick, log),
             "shm_sync": lambda: shm_sync(tmp, quick, log),
-            "core_handoff": lambda: core_handoff(model_dir, tmp, quick, log),
         }
         for k, fn in parts.items():
             if only is None or k in only.split(","):
