@@ -227,39 +227,63 @@ def shm_sync(tmp: str, quick: bool, log) -> dict:
     return {"bytes": nbytes, "seconds": out}
 
 
-def _rows(r: dict) -> list[dict]:
-    rows = []
-    tps = r["engine_loop"]["tokens_per_s"]
+def _engine_rows(r: dict) -> list[dict]:
+    tps = r["tokens_per_s"]
     slots, cb, sdpa = (tps[k]["median"] for k in tps)
-    c = r["engine_loop"]["concurrency"]
-    rows.append(row(f"engine loop, c={c}: transformers CB (varlen attention) vs slots + lean forward", cb, slots,
-                    slots / cb, ">=1.15x", slots / cb >= ENGINE_KEEP, unit="tok/s"))  # fmt: skip
-    rows.append(row(f"engine loop, c={c}: transformers CB with its SDPA vs with our varlen attention", sdpa, cb,
-                    cb / sdpa, ">=1.1x", cb / sdpa >= KEEP, unit="tok/s"))  # fmt: skip
-    for label, sec in r["openmp_spin"]["seconds"].items():
+    c = r["concurrency"]
+    return [
+        row(f"engine loop, c={c}: transformers CB (varlen attention) vs slots + lean forward", cb, slots, slots / cb,
+            ">=1.15x", slots / cb >= ENGINE_KEEP, unit="tok/s"),
+        row(f"engine loop, c={c}: transformers CB with its SDPA vs with our varlen attention", sdpa, cb, cb / sdpa,
+            ">=1.1x", cb / sdpa >= KEEP, unit="tok/s"),
+    ]  # fmt: skip
+
+
+def _spin_rows(r: dict) -> list[dict]:
+    rows = []
+    for label, sec in r["seconds"].items():
         spin, default = (v["median"] for v in sec.values())
+        goal = "busy" in label  # idle, the spin bound is not meant to gain
         rows.append(row(f"fwd+bwd loop ({label}): libgomp default vs GOMP_SPINCOUNT=10000", default, spin,
-                        default / spin, ">=1.1x" if "busy" in label else "(report)",
-                        default / spin >= KEEP if "busy" in label else None, unit="s"))  # fmt: skip
-    h = {k: v["cpu_ms_per_request"] for k, v in r["fast_path"]["servers"].items()}
-    fast, route = h.values()
-    rows.append(row("server CPU per chat request (httptools): FastAPI route vs fast path", route, fast, route / fast,
-                    ">=1.1x", route / fast >= KEEP, unit="ms"))  # fmt: skip
-    lo = {k: v["median"] for k, v in r["lean_load"]["seconds"].items()}
-    lean, hf = lo.values()
-    rows.append(row("fresh process to loaded engine: from_pretrained vs lean_model", hf, lean, hf / lean, ">=1.1x",
-                    hf / lean >= KEEP, unit="s"))  # fmt: skip
-    for completion, sec in r["span_attention"]["seconds"].items():
-        sp = {k: v["median"] for k, v in sec.items()}
-        other, span = min(sp["dense"], sp["plain"]), sp["span"]
-        rows.append(row(f"shared-prompt step 8x8, {completion} tokens: best of dense mask / plain packing vs span "
-                        "attention", other, span, other / span, ">=1.1x", other / span >= KEEP, unit="s"))  # fmt: skip
-    sy = {k: v["median"] for k, v in r["shm_sync"]["seconds"].items()}
-    shm, gloo = sy.values()
-    mb = r["shm_sync"]["bytes"] / 1e6
-    rows.append(row(f"weight sync {mb:.0f} MB into the CPU server: loopback gloo vs shared memory", gloo, shm,
-                    gloo / shm, ">=1.1x", gloo / shm >= KEEP, unit="s"))  # fmt: skip
+                        default / spin, ">=1.1x" if goal else "(report)", default / spin >= KEEP if goal else None,
+                        unit="s"))  # fmt: skip
     return rows
+
+
+def _pair_row(name: str, off: float, on: float, unit: str) -> dict:
+    return row(name, off, on, off / on, ">=1.1x", off / on >= KEEP, unit=unit)
+
+
+def _span_rows(r: dict) -> list[dict]:
+    rows = []
+    for completion, sec in r["seconds"].items():
+        sp = {k: v["median"] for k, v in sec.items()}
+        name = f"shared-prompt step 8x8, {completion} tokens: best of dense mask / plain packing vs span attention"
+        rows.append(_pair_row(name, min(sp["dense"], sp["plain"]), sp["span"], "s"))
+    return rows
+
+
+ROWS = {
+    "engine_loop": _engine_rows,
+    "openmp_spin": _spin_rows,
+    "fast_path": lambda r: [
+        _pair_row("server CPU per chat request (httptools): FastAPI route vs fast path",
+                  *(r["servers"][k]["cpu_ms_per_request"] for k in ("FastAPI route", "fast path")), "ms")
+    ],
+    "lean_load": lambda r: [
+        _pair_row("fresh process to loaded engine: from_pretrained vs lean_model",
+                  *(r["seconds"][k]["median"] for k in ("from_pretrained", "lean_model")), "s")
+    ],
+    "span_attention": _span_rows,
+    "shm_sync": lambda r: [
+        _pair_row(f"weight sync {r['bytes'] / 1e6:.0f} MB into the CPU server: loopback gloo vs shared memory",
+                  *(r["seconds"][k]["median"] for k in ("loopback gloo", "shared memory")), "s")
+    ],
+}  # fmt: skip
+
+
+def _rows(r: dict) -> list[dict]:
+    return [x for part, fn in ROWS.items() if part in r for x in fn(r[part])]
 
 
 def run(quick: bool = False, wait_quiet: float | None = None, only: str | None = None) -> dict:
@@ -286,7 +310,8 @@ def run(quick: bool = False, wait_quiet: float | None = None, only: str | None =
                 results[k] = fn()
     if only is not None:  # the other parts from the previous run of the same mode
         previous = RESULTS_DIR / f"{NAME}{'_quick' if quick else ''}.json"
-        results = {**json.loads(previous.read_text()), **results, "only": only}
+        kept = json.loads(previous.read_text()) if previous.exists() else {}
+        results = {**{k: v for k, v in kept.items() if k in ROWS}, **results, "only": only}
     return finish(NAME, quick, results, t_start, [(f"CPU tunings ({'quick' if quick else 'full'})", _rows(results))])
 
 
