@@ -5,9 +5,8 @@ same run, and how close the trainer and the engine come to them on the Qwen3-0.6
 
 (a) Peak: `torch.mm` of square fp32 matrices (1024, 2048, 3072) with every core's thread; best of N; FLOP = 2 n^3.
 (b) Bandwidth: `dst.copy_(src)` of a 1 GiB fp32 buffer (both pre-touched, so no page faults are timed); best of N;
-    bytes = 2 x size (read + write); timed on ordinary 4 KiB pages and on 2 MiB huge pages (where the engine keeps
-    its weights, `cpu/memory.py`), and the faster of the two is the machine's bandwidth. A read-only pass
-    (`src.sum()`) is reported next to it.
+    bytes = 2 x size (read + write), on ordinary pages, as the engine's weights. A read-only pass (`src.sum()`) is
+    reported next to it.
 (c) Trainer: one optimizer step of the trainer's own micro-batch loop (`policy_step.run_microbatches`: the chunked
     logprobs, the policy loss, backward) plus AdamW, with LoRA r16 on every projection, on a model of Qwen3-0.6B's
     shape (hidden 1024, intermediate 3072, 16 query / 8 KV heads of 128, untied head) with the tiny
@@ -61,28 +60,12 @@ def matmul_peak(sizes=(1024, 2048, 3072), repeats: int = 5) -> dict:
 
 
 def bandwidth(mib: int = 1024, repeats: int = 5) -> dict:
-    """Copy and read bandwidth of `mib` MiB fp32 buffers, on ordinary pages and on the huge pages the engine's
-    weights live on (cpu/memory.py); the bound is the better of the two (huge pages copy 3 % faster here at the
-    median, up to 18 % in a round)."""
-    size, out = mib << 20, {}
-    for kind in ("4k", "huge"):
-        src, dst = _buffer(size, kind == "huge"), _buffer(size, kind == "huge")  # written: pages faulted in
-        copy = min(_timed(lambda s=src, d=dst: d.copy_(s)) for _ in range(repeats))
-        read = min(_timed(lambda s=src: s.sum()) for _ in range(repeats))
-        out[kind] = {"copy_bytes_per_s": 2 * size / copy, "read_bytes_per_s": size / read}
-        del src, dst
-    return {
-        "copy_bytes_per_s": max(v["copy_bytes_per_s"] for v in out.values()),
-        "read_bytes_per_s": max(v["read_bytes_per_s"] for v in out.values()),
-        "bytes": size, "by_page_size": out,
-    }  # fmt: skip
-
-
-def _buffer(nbytes: int, huge: bool) -> torch.Tensor:
-    from verifiers_rl.inference.cpu.memory import weight_buffer
-
-    buf = weight_buffer(nbytes)[0].view(torch.float32) if huge else torch.empty(nbytes // 4)
-    return buf.fill_(1.0)
+    """Copy and read bandwidth of `mib` MiB fp32 buffers."""
+    size = mib << 20
+    src, dst = torch.ones(size // 4), torch.ones(size // 4)  # written: pages faulted in
+    copy = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    read = min(_timed(lambda: src.sum()) for _ in range(repeats))
+    return {"copy_bytes_per_s": 2 * size / copy, "read_bytes_per_s": size / read, "bytes": size}
 
 
 def _timed(fn) -> float:
@@ -294,15 +277,6 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             "(report)",
             None,
             unit="ms/token",
-        ),
-        row(
-            "memory bandwidth at the start of the run, copy: 4 KiB pages vs 2 MiB huge pages",
-            bw["by_page_size"]["4k"]["copy_bytes_per_s"] / 1e9,
-            bw["by_page_size"]["huge"]["copy_bytes_per_s"] / 1e9,
-            bw["by_page_size"]["huge"]["copy_bytes_per_s"] / bw["by_page_size"]["4k"]["copy_bytes_per_s"],
-            "(report)",
-            None,
-            unit="GB/s",
         ),
         row(
             "memory bandwidth: copy (read + write) vs read-only pass",

@@ -41,6 +41,7 @@ BENCHMARKS = (
     "bench_roofline",
     "bench_reward_time",
     "bench_overhead",
+    "bench_cpu_tunings",
 )
 HEADERS = ["benchmark", "metric", "unit", "baseline", "ours", "ratio", "goal", "pass"]
 

@@ -62,9 +62,6 @@ def test_single_turn_steps_log_sync_and_checkpoint(tiny_model_dir, tmp_path):
             stages = ("rollouts_wait", "train", "optimizer", "sync", "framework")
             assert sum(m[f"timing/{k}_s"] for k in stages) == pytest.approx(m["timing/wall_s"], abs=1e-6)
             assert m["timing/optimizer_s"] > 0 and 0 < m["timing/framework_frac"] < 0.5
-        if trainer.runtime.plan.threads:  # CPU engine beside an overlapping trainer: its idle cores are lent
-            assert all(m["timing/lent_cores_s"] >= 0.0 for m in metrics)
-            assert trainer.runtime.handoff is not None and trainer.runtime.handoff.wide is False  # back after sync
         # step 1 is on-policy: trainer and sampler agree; step 2 trains on rollouts of the previous policy
         assert abs(metrics[0]["ratio_mean"] - 1.0) < 1e-4 and metrics[0]["mismatch_kl"] < 1e-6
         assert metrics[0]["async_lag"] == 0 and metrics[1]["async_lag"] == 1

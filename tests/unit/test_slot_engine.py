@@ -5,7 +5,6 @@ forward pass (exactness, seeds, n > 1, stop strings, weight updates, slot reuse,
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import torch
@@ -349,7 +348,7 @@ def test_buckets_of_a_sync_arrive_in_the_served_parameters():
         for bucket in plan_buckets(metas, 1 << 16):
             target = eng.placement(bucket)
             assert target is not None and [t.numel() for t in target] == [m.nbytes for m in bucket.metas]
-            # a tiny model's tensors are all under memory.py's alignment threshold: end to end, as the bucket
+            # the engine's buffer holds the parameters end to end in this order, as the bucket does
             assert end_to_end(bucket, target) is not None
             scatter(bucket, pack(bucket, [dict(named)[m.name] for m in bucket.metas]), target)  # what gloo delivers
         eng.finish_update(1)
@@ -371,37 +370,6 @@ def test_buckets_of_a_sync_arrive_in_the_served_parameters():
         attn.q_proj.weight.data = attn.q_proj.weight.detach().clone()
         q = plan_buckets([m for m in metas if m.name == "model.layers.0.self_attn.q_proj.weight"], 1 << 20)[0]
         assert eng.placement(q) is None
-    finally:
-        eng.close()
-
-
-def test_large_weights_start_on_page_boundaries_of_a_huge_page_buffer():
-    """memory.py: every weight of at least 1 MiB starts on a 4 KiB boundary (Qwen3's 512-byte q/k norms no longer
-    shift the next layer's matrices), small ones stay end to end, the q/k/v and gate/up views the decoder packs
-    are still spans of the buffer, and on Linux with THP allowed the buffer is advised as huge pages."""
-    from verifiers_rl.inference.cpu.memory import PAGE, page_aligned_offsets
-
-    mib = 1 << 20
-    offsets, total = page_aligned_offsets([512, mib, 512, 512, mib])
-    assert offsets == [0, PAGE, PAGE + mib, PAGE + mib + 512, PAGE + mib + PAGE]  # 1 KiB of norms: up to a page
-    assert total == 2 * PAGE + 2 * mib
-    model, tok = build_tiny_model(hidden=512, layers=2, head_dim=64)
-    eng = se.SlotEngine(model, tok, max_model_len=64, max_num_seqs=1)
-    try:
-        params = dict(model.named_parameters())
-        large = {n: p for n, p in params.items() if p.numel() * p.element_size() >= 1 << 20}
-        assert large and all(p.data_ptr() % PAGE == 0 for p in large.values())
-        assert any(p.data_ptr() % PAGE for p in params.values() if p.ndim == 1)  # norms are not padded
-        arena = eng._arena
-        inside = [w for lw in eng.decoder.w for w in (lw.qkv_w, lw.gu_w)]
-        assert all(arena.data_ptr() <= w.data_ptr() < arena.data_ptr() + arena.numel() for w in inside)
-        thp = "/sys/kernel/mm/transparent_hugepage/enabled"
-        if os.path.exists(thp) and "[never]" not in open(thp).read():
-            assert eng.huge_pages
-        p = _prompt(tok, "aligned")
-        c = _run(eng, [(p, SamplingParams(max_tokens=6, seed=0, ignore_eos=True))])[0][0]
-        ref, _ = _teacher_forced(build_tiny_model(hidden=512, layers=2, head_dim=64)[0], p, c.token_ids)
-        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
     finally:
         eng.close()
 

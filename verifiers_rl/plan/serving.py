@@ -144,7 +144,7 @@ def cpu_thread_split(
     With max_async_level >= 1 generation and training run at the same time; each process defaulting to every core
     oversubscribes them (1+1 threads beat 2+2 on 2 cores in benchmarks/bench_async.py). None when they do not share
     cores or do not overlap (each phase then gets every core), or when OMP_NUM_THREADS is set (the user's choice
-    wins). The trainer takes the server's share too while no batch is being generated (trainer/core_handoff.py).
+    wins).
     """
     if os.environ.get("OMP_NUM_THREADS"):
         return None

@@ -343,10 +343,6 @@ class Orchestrator:
     def pending(self) -> list[int]:
         return sorted(set(self._futures) | set(self._ready))
 
-    def generating(self) -> bool:
-        """A submitted batch has not finished (it may still wait for its policy version): the server is busy."""
-        return any(not fut.done() for fut in self._futures.values())
-
     # ------------------------------------------------------------------ checkpoint
 
     def state_dict(self, timeout: float | None = None) -> dict:

@@ -63,9 +63,6 @@ class SyncWeights(TrainerCallback):
         metrics = self.trainer.step_metrics
         step_s = metrics.get("timing/step_s", 0.0) + sync_s
         metrics["timing/sync_s"] = sync_s
-        handoff = self.trainer.runtime.handoff
-        if handoff is not None:
-            metrics["timing/lent_cores_s"] = handoff.take_lent_seconds()
         metrics["timing/sync_frac"] = sync_s / step_s if step_s else 0.0
 
 

@@ -11,7 +11,6 @@ import torch
 
 from verifiers_rl.config.limits import room_for_prompt
 from verifiers_rl.errors import ServerError, ServerLost
-from verifiers_rl.inference.cpu.core_handoff import CoreHandoff
 from verifiers_rl.rollouts.difficulty_filter import DifficultyFilter
 from verifiers_rl.rollouts.env_mix import eval_rows
 from verifiers_rl.rollouts.metrics import rollout_metrics
@@ -44,7 +43,6 @@ class InferenceRuntime:
         # the trainer's current weights and version, for a replaced server (RLTrainer sets it)
         self.current: Callable[[], tuple[WeightExport, int]] | None = None
         self._threads_before: int | None = None
-        self.handoff: CoreHandoff | None = None  # the server's cores, lent to training while it idles
         self._held: RolloutBatch | None = None  # num_iterations > 1: the batch its later steps train again
 
     # ------------------------------------------------------------------ the server
@@ -74,12 +72,7 @@ class InferenceRuntime:
             logger.info(
                 "CPU engine and trainer overlap on %d cores: server %d threads, trainer %d", sum(threads), *threads
             )
-            if self.args.world_size == 1:  # other ranks would train on those cores too
-                self.handoff = CoreHandoff(threads[1], sum(threads), self._generating)
         return client
-
-    def _generating(self) -> bool:
-        return self.orchestrator is not None and self.orchestrator.generating()
 
     def check_server(self) -> None:
         self.session.check()
@@ -97,11 +90,7 @@ class InferenceRuntime:
     # ------------------------------------------------------------------ the policy
 
     def sync(self, export: WeightExport, version: int, changed: bool = True) -> float:
-        try:
-            return self._recovering(lambda: self.policy.sync(export, version, changed))
-        finally:
-            if self.handoff is not None:  # the next batch generates from here on: the server's cores go back
-                self.handoff.narrow()
+        return self._recovering(lambda: self.policy.sync(export, version, changed))
 
     def _recovering(self, attempt):
         """`attempt()`, and once more after the server was replaced when it failed because the server died."""
@@ -171,8 +160,6 @@ class InferenceRuntime:
         process = start_rollout_process(self.env) if self.orchestrator is None and self.args.rollout_process else None
         try:
             self.ensure_server(model, tokenizer, version)
-            if self.handoff is not None:
-                self.handoff.attach(model)
             if self.orchestrator is None:
                 rows, self.prompts_filtered = self.fitting_rows(rows, tokenizer)
                 args = self.args
@@ -272,9 +259,6 @@ class InferenceRuntime:
         self.stop_rollouts()
         self.session.close()
         self.policy.detach()  # a next server starts from the model files, not from these weights
-        if self.handoff is not None:  # the thread count is restored just below
-            self.handoff.detach()
-            self.handoff = None
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None

@@ -193,6 +193,7 @@ def _biases(tensors: dict[str, torch.Tensor]) -> dict[str, bool]:
     return {k: any(n.endswith(f".{k}.bias") for n in tensors) for k in kinds}
 
 
+# Kept by bench_cpu_tunings' row "fresh process to loaded engine: from_pretrained vs lean_model" (>= 1.1x).
 def load_lean_model(name_or_path: str) -> tuple[LeanCausalLM | None, str | None]:
     """(the model, None), or (None, why transformers should load it instead)."""
     folder = _local_folder(name_or_path)

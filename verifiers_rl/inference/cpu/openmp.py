@@ -19,6 +19,7 @@ from collections.abc import MutableMapping
 SPIN_COUNT = "10000"
 
 
+# Kept by bench_cpu_tunings' row "fwd+bwd loop: libgomp default vs GOMP_SPINCOUNT=10000", loaded (>= 1.1x).
 def bound_openmp_spin(environ: MutableMapping[str, str] | None = None) -> bool:
     """Set GOMP_SPINCOUNT unless the user chose a spin or wait policy; True when it was set."""
     environ = os.environ if environ is None else environ

@@ -106,6 +106,7 @@ def paged_varlen_attention(module, query, key, value, attention_mask, dropout=0.
     return varlen_sdpa(query, key, value, layout, scaling), None
 
 
+# Kept by bench_cpu_tunings' row "engine loop: transformers CB with its SDPA vs our varlen attention" (>= 1.1x).
 def install(model) -> None:
     """Register the function and switch `model` (already set up for continuous batching) to it."""
     from transformers import AttentionInterface

@@ -7,11 +7,11 @@ layers of a forward pass.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 
 import torch
 
-from verifiers_rl.inference.cpu.memory import page_aligned_offsets, weight_buffer
 from verifiers_rl.sync import delta
 from verifiers_rl.sync.verify import tensor_checksum
 
@@ -39,16 +39,14 @@ class ServedWeights(ABC):
 
         The trainer sends merged weights in that same order, bucket by bucket, so each tensor of a bucket has its
         own span here and arrives there directly (`placement`), with no staging copy. The forward reads the same
-        memory (the lean decoder packs q/k/v and gate/up as views of adjacent spans). The buffer is on huge pages
-        and every large weight starts on a page boundary (`memory.py` says why); the padding that costs means a
-        bucket's tensors are no longer always end to end here. Skipped for mixed dtypes."""
+        memory (the lean decoder packs q/k/v and gate/up as views of adjacent spans). Skipped for mixed dtypes."""
         params = list(self.model.named_parameters())
         dtypes = {p.dtype for _, p in params}
         if len(dtypes) != 1:
             return
         sizes = [p.numel() * p.element_size() for _, p in params]
-        offsets, total = page_aligned_offsets(sizes)
-        arena, self.huge_pages = weight_buffer(total)
+        offsets = [0, *itertools.accumulate(sizes)][:-1]
+        arena = torch.empty(sum(sizes), dtype=torch.uint8)
         spans = {}
         with torch.no_grad():
             for (name, p), offset, size in zip(params, offsets, sizes):
