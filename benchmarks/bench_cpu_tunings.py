@@ -52,7 +52,7 @@ def interleaved(variants: dict, repeats: int) -> dict:
 
 
 def _tokens_per_s(engine, prompts: list[list[int]], max_tokens: int) -> float:
-    from verifiers_rl.rl.inference.cpu.sampling import SamplingParams
+    from verifiers_rl.inference.cpu.sampling import SamplingParams
 
     async def go():
         params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, logprobs=True) for i in range(8)]
@@ -64,8 +64,8 @@ def _tokens_per_s(engine, prompts: list[list[int]], max_tokens: int) -> float:
 
 
 def engine_loop(quick: bool, log) -> dict:
-    from verifiers_rl.rl.inference.cpu.cb_engine import CPUEngine
-    from verifiers_rl.rl.inference.cpu.slot_engine import SlotEngine
+    from verifiers_rl.inference.cpu.cb_engine import CPUEngine
+    from verifiers_rl.inference.cpu.slot_engine import SlotEngine
     from verifiers_rl.tiny import build_tiny_model
 
     conc, max_tokens, repeats = (16, 16, 3) if quick else (32, 64, 5)
@@ -137,7 +137,7 @@ def openmp_spin(quick: bool, log) -> dict:
 
 LOAD_CODE = """
 import time; t0 = time.perf_counter()
-from verifiers_rl.rl.inference.cpu.engines import load_engine
+from verifiers_rl.inference.cpu.engines import load_engine
 e = load_engine(PATH, lean=LEAN); print(time.perf_counter() - t0); e.close()
 """
 
@@ -203,7 +203,7 @@ def span_attention(quick: bool, log) -> dict:
 def shm_sync(tmp: str, quick: bool, log) -> dict:
     from bench_sync import bucketed_sync, on
 
-    from verifiers_rl.rl.inference.launcher import InferenceServer
+    from verifiers_rl.serving.launcher import InferenceServer
     from verifiers_rl.tiny import build_tiny_model, save_tiny_model
 
     hidden, layers = (256, 16) if quick else (704, 22)

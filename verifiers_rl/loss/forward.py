@@ -25,9 +25,11 @@ def attends_by_span(mb: MicroBatch) -> bool:
 
 class HeadPlacement(Protocol):
     """Where the model's output head runs (sync's `WeightExport` says it): a sharded head is only reached inside
-    the model's own forward, a whole one can be applied here in vocabulary chunks."""
+    the model's own forward, a whole one is applied here in vocabulary chunks, from the unwrapped model (no DDP
+    wrapper in front of `get_output_embeddings`)."""
 
     head_in_forward: bool
+    model: torch.nn.Module  # unwrapped
 
 
 def model_inputs(mb: MicroBatch, logits_to_keep: int | torch.Tensor = 1) -> dict:
@@ -59,7 +61,7 @@ def token_logprobs(
     else:
         with spans:
             hidden = model(**model_inputs(mb)).hidden_states[-1][:, :-1]  # position t predicts token t+1
-        head = output_head(model)
+        head = output_head(export.model)
         lp, ent = chunked_logprobs(
             hidden[mask],
             head.weight,
