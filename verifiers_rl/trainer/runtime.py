@@ -7,10 +7,9 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-import torch
-
 from verifiers_rl.config.limits import room_for_prompt
 from verifiers_rl.errors import ServerError, ServerLost
+from verifiers_rl.inference.cpu.openmp import TrainerThreads
 from verifiers_rl.rollouts.difficulty_filter import DifficultyFilter
 from verifiers_rl.rollouts.env_mix import eval_rows
 from verifiers_rl.rollouts.metrics import rollout_metrics
@@ -42,7 +41,7 @@ class InferenceRuntime:
         self.recovery = ServerRecovery(self)
         # the trainer's current weights and version, for a replaced server (RLTrainer sets it)
         self.current: Callable[[], tuple[WeightExport, int]] | None = None
-        self._threads_before: int | None = None
+        self.cpu_threads = TrainerThreads()
         self._held: RolloutBatch | None = None  # num_iterations > 1: the batch its later steps train again
 
     # ------------------------------------------------------------------ the server
@@ -65,13 +64,7 @@ class InferenceRuntime:
         client = self.session.open(model, tokenizer, version, self.from_files)
         self.policy.attach(client, self.session.plan.weights, self.session.started_from)
         self.policy.bucket_bytes = self.args.sync_bucket_mb << 20
-        threads = self.session.plan.threads
-        if threads and self._threads_before is None:
-            self._threads_before = torch.get_num_threads()
-            torch.set_num_threads(threads[1])
-            logger.info(
-                "CPU engine and trainer overlap on %d cores: server %d threads, trainer %d", sum(threads), *threads
-            )
+        self.cpu_threads.take(self.session.plan.threads)
         return client
 
     def check_server(self) -> None:
@@ -259,9 +252,7 @@ class InferenceRuntime:
         self.stop_rollouts()
         self.session.close()
         self.policy.detach()  # a next server starts from the model files, not from these weights
-        if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)
-            self._threads_before = None
+        self.cpu_threads.give_back()
 
     # ------------------------------------------------------------------ eval
 

@@ -13,8 +13,11 @@ own GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import MutableMapping
+
+logger = logging.getLogger(__name__)
 
 SPIN_COUNT = "10000"
 
@@ -27,3 +30,28 @@ def bound_openmp_spin(environ: MutableMapping[str, str] | None = None) -> bool:
         return False
     environ["GOMP_SPINCOUNT"] = SPIN_COUNT
     return True
+
+
+class TrainerThreads:
+    """The trainer's share of the cores while our CPU engine generates beside it (the plan's `threads`: server,
+    trainer), and the count it had before, given back when the server goes."""
+
+    def __init__(self):
+        self._before: int | None = None
+
+    def take(self, threads: tuple[int, int] | None) -> None:
+        import torch
+
+        if threads and self._before is None:
+            self._before = torch.get_num_threads()
+            torch.set_num_threads(threads[1])
+            logger.info(
+                "CPU engine and trainer overlap on %d cores: server %d threads, trainer %d", sum(threads), *threads
+            )
+
+    def give_back(self) -> None:
+        import torch
+
+        if self._before is not None:
+            torch.set_num_threads(self._before)
+            self._before = None
