@@ -11,12 +11,12 @@ variant by variant, round by round (the machine is shared), and reports medians 
 - OpenMP spin: a fixed fwd+bwd loop in a fresh process with GOMP_SPINCOUNT=10000 vs libgomp's default;
 - HTTP fast path: server CPU per chat request with and without `fast_chat` (both on httptools);
 - lean load: a fresh process's seconds to a loaded engine, lean_model vs from_pretrained;
-- span attention: a shared-prompt training step (8x8 rollouts) by span vs the dense mask vs plain packing;
 - shared-memory sync: a weight sync into the CPU server through /dev/shm vs over loopback gloo.
 
-Two tunings measured here fell short and are gone, so their parts are too (their numbers stay in
-results/cpu_tunings.json): the engine's weight buffer on huge pages with page-aligned weights, and the trainer
-borrowing the engine's cores while it had nothing to generate.
+Three tunings measured here fell short and are gone, so their parts are too (their numbers stay in
+results/cpu_tunings.json and bench_cpu_tunings.json): the engine's weight buffer on huge pages with page-aligned
+weights, the trainer borrowing the engine's cores while it had nothing to generate, and shared prompts attended by
+span (slower than the dense mask in every run).
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -176,30 +174,6 @@ def fast_path(model_dir: str, tmp: str, quick: bool, log) -> dict:
     return {"concurrency": conc, "rounds": rounds, "servers": m}
 
 
-LAYOUTS = ("span", "dense", "plain")
-
-
-def span_attention(quick: bool, log) -> dict:
-    from accelerate import Accelerator
-    from gpu_prefix_layouts import batch, lora_policy, one_step
-
-    prompt, completions, repeats = (64, (32,), 3) if quick else (125, (48, 128), 5)
-    shape = dict(hidden=256, layers=4, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=768)  # fmt: skip
-    acc = Accelerator(cpu=True)
-    model = lora_policy(shape, torch.float32, "cpu")
-    out = {}
-    for completion in completions:
-        prepared, seq = batch(prompt, completion), prompt + completion
-        out[completion] = interleaved(
-            {k: (lambda k=k, b=prepared, n=seq: one_step(acc, model, b, k, 8, n, "cpu")[2]) for k in LAYOUTS},
-            repeats,
-        )
-        log(f"shared-prompt step s, {completion} tokens: " + ", ".join(f"{k} {v['median']:.3f}" for k, v in
-                                                                        out[completion].items()))  # fmt: skip
-    return {"prompt": prompt, "seconds": out}
-
-
 def shm_sync(tmp: str, quick: bool, log) -> dict:
     from bench_sync import bucketed_sync, on
 
@@ -254,15 +228,6 @@ def _pair_row(name: str, off: float, on: float, unit: str) -> dict:
     return row(name, off, on, off / on, ">=1.1x", off / on >= KEEP, unit=unit)
 
 
-def _span_rows(r: dict) -> list[dict]:
-    rows = []
-    for completion, sec in r["seconds"].items():
-        sp = {k: v["median"] for k, v in sec.items()}
-        name = f"shared-prompt step 8x8, {completion} tokens: best of dense mask / plain packing vs span attention"
-        rows.append(_pair_row(name, min(sp["dense"], sp["plain"]), sp["span"], "s"))
-    return rows
-
-
 ROWS = {
     "engine_loop": _engine_rows,
     "openmp_spin": _spin_rows,
@@ -274,7 +239,6 @@ ROWS = {
         _pair_row("fresh process to loaded engine: from_pretrained vs lean_model",
                   *(r["seconds"][k]["median"] for k in ("from_pretrained", "lean_model")), "s")
     ],
-    "span_attention": _span_rows,
     "shm_sync": lambda r: [
         _pair_row(f"weight sync {r['bytes'] / 1e6:.0f} MB into the CPU server: loopback gloo vs shared memory",
                   *(r["seconds"][k]["median"] for k in ("loopback gloo", "shared memory")), "s")
@@ -302,7 +266,6 @@ def run(quick: bool = False, wait_quiet: float | None = None, only: str | None =
             "openmp_spin": lambda: openmp_spin(quick, log),
             "fast_path": lambda: fast_path(model_dir, tmp, quick, log),
             "lean_load": lambda: lean_load(model_dir, quick, log),
-            "span_attention": lambda: span_attention(quick, log),
             "shm_sync": lambda: shm_sync(tmp, quick, log),
         }
         for k, fn in parts.items():

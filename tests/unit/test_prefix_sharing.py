@@ -20,11 +20,9 @@ from verifiers_rl.batch.prefix_sharing import (
     plan_units,
     rows_cost,
     shared_prefix_len,
-    spans_cost,
     unit_length,
 )
 from verifiers_rl.batch.samples import Sample
-from verifiers_rl.batch.span_attention import block_pairs, query_blocks
 from verifiers_rl.loss.forward import token_logprobs
 from verifiers_rl.loss.losses import LOSS_TYPES, policy_loss
 from verifiers_rl.sync.export import ReplicatedExport
@@ -129,16 +127,15 @@ def _by_sample(mb, values, n):
     return [values[(mb.seq_index == i) & mb.loss_mask] for i in range(n)]
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager", "spans"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_shared_logprobs_equal_plain_packing(policy, attn):
     samples = _groups()
-    policy.base_model.model.set_attn_implementation("sdpa" if attn == "spans" else attn)
+    policy.base_model.model.set_attn_implementation(attn)
     try:
         plain = collate_packed(samples)
         units = plan_units(samples, None, 10_000)
         for row_len in (None, 40):  # one row, and units first-fit into several rows
-            shared = collate_shared(samples, units, row_len, spans=attn == "spans")
-            assert (shared.prefix_spans is None) == (attn != "spans")
+            shared = collate_shared(samples, units, row_len)
             if attn == "eager":
                 shared.attention_mask = additive_mask(shared.attention_mask)
             assert shared.num_shared_tokens == 19 * 3 + 8 * 2 + 13 + 10 * 3
@@ -149,10 +146,9 @@ def test_shared_logprobs_equal_plain_packing(policy, attn):
             for r, g in zip(ref, got):
                 assert r.numel() > 0
                 torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
-        assert policy.config._attn_implementation == ("sdpa" if attn == "spans" else attn)  # the switch is undone
-        # the mask (or the spans) is what makes it right: without it every suffix also sees the suffixes before it
-        shared = collate_shared(samples, units, spans=attn == "spans")
-        shared.attention_mask = shared.prefix_spans = None
+        # the mask is what makes it right: without it every suffix also sees the suffixes before it
+        shared = collate_shared(samples, units)
+        shared.attention_mask = None
         with torch.no_grad():
             crossed = _by_sample(shared, _trained_logprobs(policy, shared), len(samples))
         assert not torch.allclose(crossed[1], ref[1], atol=1e-3)
@@ -160,9 +156,8 @@ def test_shared_logprobs_equal_plain_packing(policy, attn):
         policy.base_model.model.set_attn_implementation("sdpa")
 
 
-@pytest.mark.parametrize("spans", [False, True])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_shared_loss_and_lora_gradients_equal_plain(policy, loss_type, spans):
+def test_shared_loss_and_lora_gradients_equal_plain(policy, loss_type):
     samples = _groups(seed=2)
     plain = collate_packed(samples)
     with torch.no_grad():  # sampler logprobs near the policy's, so ratios stay inside the clip and mask ranges
@@ -173,7 +168,7 @@ def test_shared_loss_and_lora_gradients_equal_plain(policy, loss_type, spans):
         for t, x in zip(at, lp.tolist()):
             s.sampler_logprobs[t] = x + rng.gauss(0, 0.1)
     plain = collate_packed(samples)
-    shared = collate_shared(samples, plan_units(samples, None, 10_000), spans=spans)
+    shared = collate_shared(samples, plan_units(samples, None, 10_000))
     kw = dict(
         loss_type=loss_type,
         num_tokens_global=plain.num_loss_tokens,
@@ -262,41 +257,9 @@ def test_microbatches_choose_the_cheaper_layout(policy):
         model.config._attn_implementation = "sdpa"
 
 
-def test_spans_by_hand():
-    """The gather plan of the hand-made layout above: each segment's queries, its keys (prefix, then itself)."""
-    a = _sample([1, 2, 3], [4, 5], advantage=2.0)
-    b = _sample([1, 2, 3], [6], advantage=-1.0)
-    c = _sample([9, 8], [7], group=1, advantage=0.5)
-    mb = collate_shared([a, b, c], [([0, 1], 2), ([2], 0)], row_len=12, pad_token_id=0, spans=True)
-    spans = mb.prefix_spans
-    assert mb.attention_mask is None and mb.input_ids.shape == (1, 10)
-    # segments: prefix [0 1], suffix a [2 3 4], suffix b [5 6], c [7 8 9]; n = 3 queries, keys = 2 prefix + 3 own
-    assert spans.q_index.tolist() == [[0, 1, 1], [2, 3, 4], [5, 6, 6], [7, 8, 9]]
-    assert spans.k_index[:, 2:].tolist() == spans.q_index.tolist()
-    seen = spans.mask[:, 0]
-    keys = lambda s, t: [spans.k_index[s, k].item() for k in range(5) if seen[s, t, k]]  # noqa: E731
-    assert keys(0, 1) == [0, 1]  # the prefix, causal, sees no prefix of its own
-    assert keys(1, 2) == [0, 1, 2, 3, 4]  # suffix a: prefix + itself
-    assert keys(2, 1) == [0, 1, 5, 6]  # suffix b: prefix + itself, not suffix a
-    assert keys(3, 2) == [7, 8, 9]  # c: only itself
-    assert keys(0, 2) == [0, 1] and keys(2, 2) == [0, 1, 5, 6]  # padded queries: finite, and dropped below
-    assert sorted(spans.out_index.tolist()) == list(range(10))  # every real token gets one output, once
-    assert spans.out_select.tolist() == [0, 1, 3, 4, 5, 6, 7, 9, 10, 11]  # of the [4 x 3] queries
-    segments = [(2, 0), (3, 2), (2, 2), (3, 0)]
-    assert query_blocks(segments) == (3, [(0, 0, 2, 0), (1, 0, 3, 2), (2, 0, 2, 2), (3, 0, 3, 0)])
-    assert spans.pairs == block_pairs(segments) == 4 * 3 * 5
-    assert spans_cost([[0, 1]], [7, 3], [segments[:3], segments[3:]], 1.0, 1.0) == 2 * 7 + 4 * 3 * 5  # two rows
-    # a long prompt segment is cut into blocks as long as the longest rollout, each seeing the blocks before it
-    assert query_blocks([(7, 0), (2, 7), (3, 7)]) == (
-        3,
-        [(0, 0, 3, 0), (0, 3, 3, 3), (0, 6, 1, 6), (1, 0, 2, 7), (2, 0, 3, 7)],
-    )
-    assert block_pairs([(7, 0), (2, 7), (3, 7)]) == 5 * 3 * (7 + 3)
-
-
-def test_span_gradients_equal_plain_under_activation_checkpointing():
-    """A step through run_microbatches with checkpointed layers: the recompute inside backward attends by span
-    too (the switch covers the backward), so LoRA gradients match the plain layout's."""
+def test_shared_gradients_equal_plain_under_activation_checkpointing():
+    """A step through run_microbatches with checkpointed layers: the recompute inside backward attends under the
+    same mask, so LoRA gradients match the plain layout's."""
     from accelerate import Accelerator
 
     from verifiers_rl.trainer.policy_step import run_microbatches
@@ -316,23 +279,8 @@ def test_span_gradients_equal_plain_under_activation_checkpointing():
         _, metrics = run_microbatches(Accelerator(cpu=True), model, batch, step_args, 0)
         layouts.append(metrics["shared_prefix_frac"])
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
-    assert layouts[0] == 0 and layouts[1] > 0.5  # plain, then shared by span (the cost model's choice here)
+    assert layouts[0] == 0 and layouts[1] > 0.5  # plain, then shared (the cost model's choice here)
     for n in grads[0]:
         scale = float(grads[0][n].abs().max()) + 1e-12
         assert float((grads[1][n] - grads[0][n]).abs().max()) / scale < 1e-4, n
     assert model.config._attn_implementation == "sdpa"
-
-
-def test_spans_are_a_cpu_layout_for_full_attention_sdpa(policy):
-    """Span attention on CPU under SDPA; the dense mask elsewhere: on CUDA (an H100 measured SDPA's kernels under the
-    mask faster, benchmarks/gpu_prefix_layouts.py), under eager, and with sliding-window layers."""
-    from verifiers_rl.trainer.policy_step import by_spans
-
-    model = policy.base_model.model
-    assert by_spans(model)
-    config = SimpleNamespace(_attn_implementation="sdpa", layer_types=["full_attention"] * 2)
-    assert by_spans(SimpleNamespace(config=config, device=torch.device("cpu")))
-    assert not by_spans(SimpleNamespace(config=config, device=torch.device("cuda", 0)))
-    assert not by_spans(SimpleNamespace(config=SimpleNamespace(**{**vars(config), "_attn_implementation": "eager"})))
-    sliding = SimpleNamespace(_attn_implementation="sdpa", layer_types=["sliding_attention", "full_attention"])
-    assert not by_spans(SimpleNamespace(config=sliding, device=torch.device("cpu")))

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from verifiers_rl.batch.samples import Sample
-from verifiers_rl.batch.span_attention import PrefixSpans
 
 _LISTS = ("loss_mask", "sampler_logprobs")  # per-token lists that must be as long as input_ids
 
@@ -58,7 +57,7 @@ class MicroBatch:
         moved = {
             f.name: value.to(device)
             for f in dataclasses.fields(self)
-            if torch.is_tensor(value := getattr(self, f.name)) or isinstance(value, PrefixSpans)
+            if torch.is_tensor(value := getattr(self, f.name))
         }
         return dataclasses.replace(self, **moved)
 
@@ -90,19 +89,13 @@ class PackedBatch(MicroBatch):
 
 @dataclass(kw_only=True)
 class SharedPromptBatch(PackedBatch):
-    """A group's prompt once, its rollouts after it (prefix_sharing.py): packed, and the rollouts attend to the
-    prompt either through a 4D mask or by span (span_attention.py), never both."""
+    """A group's prompt once, its rollouts after it (prefix_sharing.py): packed, and each rollout attends to the
+    prompt and itself through a 4D mask."""
 
     attention_mask: torch.Tensor | None = None  # [R, 1, L, L] bool (True = attend), or additive (eager)
-    prefix_spans: PrefixSpans | None = None  # attended by span instead of the mask
 
     def model_inputs(self) -> dict:
-        inputs = super().model_inputs()
-        if self.attention_mask is not None:
-            inputs["attention_mask"] = self.attention_mask
-        if self.prefix_spans is not None:  # reaches span_attention_forward through the model's attention kwargs
-            inputs["prefix_spans"] = self.prefix_spans
-        return inputs
+        return {**super().model_inputs(), "attention_mask": self.attention_mask}
 
 
 def plan_microbatches(

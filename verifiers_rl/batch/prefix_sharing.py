@@ -33,7 +33,6 @@ from verifiers_rl.batch.microbatches import (
     plan_rows,
 )
 from verifiers_rl.batch.samples import Sample
-from verifiers_rl.batch.span_attention import block_pairs, spans_from_segments
 
 # (sample indices, shared prefix length): the samples of one unit, in order
 Unit = tuple[list[int], int]
@@ -100,10 +99,8 @@ def collate_shared(
     units: Sequence[Unit],
     row_len: int | None = None,
     pad_token_id: int = 0,
-    spans: bool = False,
 ) -> SharedPromptBatch:
     """Units laid out as [prefix | suffixes...] in rows of at most `row_len` tokens, with a 4D attention mask,
-    or (`spans`) the `PrefixSpans` that span_attention.py attends by instead.
 
     Tensors as `microbatches.collate_packed` (per-target tensors shifted by one, seq_index for the loss) plus
     `attention_mask` [R, 1, L, L] (bool, True = attend) and `num_shared_tokens` (prompt tokens not recomputed).
@@ -145,9 +142,6 @@ def collate_shared(
     mb = packed_tensors(rows, pad_token_id, len(samples), SharedPromptBatch)
     width = mb.input_ids.shape[1]
     mb.num_shared_tokens = sum(len(s.input_ids) for s in samples) - real
-    if spans:
-        mb.prefix_spans = spans_from_segments([r[6] for r in rows], [r[7] for r in rows], width)
-        return mb
     for *_, seg, sees in rows:  # padding is a segment of its own: it attends to itself
         pad_seg = max(seg) + 1
         sees += [pad_seg] * (width - len(seg))
@@ -182,23 +176,6 @@ def layer_costs(config) -> tuple[float, float]:
 def rows_cost(rows: int, width: int, per_token: float, per_pair: float) -> float:
     """Cost of an [rows, width] micro-batch under a dense mask (SDPA scores every query-key pair of a row)."""
     return rows * width * per_token + rows * width * width * per_pair
-
-
-def spans_cost(
-    plan: Sequence[Sequence[int]],
-    lengths: Sequence[int],
-    segments: Sequence[Sequence[tuple[int, int]]],
-    per_token: float,
-    per_pair: float,
-) -> float:
-    """Estimated cost of micro-batches of units attended by span (span_attention.py): the projections over the
-    same rows as `plan_cost`, attention over the query blocks the collator will build. Unit u has `lengths[u]`
-    tokens in segments `segments[u]`, each (tokens, prefix tokens it sees)."""
-    total = 0.0
-    for mb in plan:
-        rows, width = _rows([lengths[u] for u in mb])
-        total += rows * width * per_token + block_pairs([g for u in mb for g in segments[u]]) * per_pair
-    return total
 
 
 def _rows(sizes: Sequence[int]) -> tuple[int, int]:

@@ -14,13 +14,8 @@ from typing import Protocol
 
 import torch
 
-from verifiers_rl.batch.microbatches import MicroBatch, SharedPromptBatch
-from verifiers_rl.batch.span_attention import span_attention
+from verifiers_rl.batch.microbatches import MicroBatch
 from verifiers_rl.loss.logprobs import chunked_logprobs, logits_logprobs, output_head
-
-
-def attends_by_span(mb: MicroBatch) -> bool:
-    return isinstance(mb, SharedPromptBatch) and mb.prefix_spans is not None
 
 
 class HeadPlacement(Protocol):
@@ -51,16 +46,13 @@ def token_logprobs(
     """[B, T-1] logprobs of `target_ids` (0 where not trained) and the matching entropies (no grad)."""
     mask = mb.loss_mask
     targets = mb.target_ids[mask]
-    spans = span_attention(model) if attends_by_span(mb) else contextlib.nullcontext()
     if export.head_in_forward:
         # column j of the logits predicts token j+1, as row j of mask/targets describes it
         columns = mask.any(dim=0).nonzero().squeeze(-1)
-        with spans:
-            logits = model(**model_inputs(mb, logits_to_keep=columns)).logits
+        logits = model(**model_inputs(mb, logits_to_keep=columns)).logits
         lp, ent = logits_logprobs(logits[mask[:, columns]], targets, temperature, with_entropy=with_entropy)
     else:
-        with spans:
-            hidden = model(**model_inputs(mb)).hidden_states[-1][:, :-1]  # position t predicts token t+1
+        hidden = model(**model_inputs(mb)).hidden_states[-1][:, :-1]  # position t predicts token t+1
         head = output_head(export.model)
         lp, ent = chunked_logprobs(
             hidden[mask],

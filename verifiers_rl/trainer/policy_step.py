@@ -20,12 +20,10 @@ from verifiers_rl.batch.prefix_sharing import (
     layer_costs,
     plan_cost,
     plan_units,
-    spans_cost,
     unit_length,
 )
 from verifiers_rl.batch.samples import PreparedBatch, Sample, shard_samples
-from verifiers_rl.batch.span_attention import span_attention
-from verifiers_rl.loss.forward import attends_by_span, reference_logprobs, token_logprobs
+from verifiers_rl.loss.forward import reference_logprobs, token_logprobs
 from verifiers_rl.loss.losses import policy_loss
 from verifiers_rl.sync.export import weight_export
 
@@ -67,24 +65,9 @@ def _shared_plan(samples: list[Sample], plain: list[list[int]], args, model) -> 
     budget, cap = args.token_budget, args.micro_batch_size
     plan = plan_microbatches(unit_lengths, budget, packed=True, max_samples=cap, sizes=sizes)
     per_token, per_pair = layer_costs(model.config)
-    if by_spans(model):
-        segments = [([(p, 0)] if p else []) + [(lengths[i] - p, p) for i in idx] for idx, p in units]
-        shared_cost = spans_cost(plan, unit_lengths, segments, per_token, per_pair)
-    else:
-        shared_cost = plan_cost(plan, unit_lengths, per_token, per_pair)
-    if shared_cost >= plan_cost(plain, lengths, per_token, per_pair):
+    if plan_cost(plan, unit_lengths, per_token, per_pair) >= plan_cost(plain, lengths, per_token, per_pair):
         return None
     return [[units[u] for u in mb] for mb in plan]
-
-
-def by_spans(model) -> bool:
-    """Shared prompts attended by span (span_attention.py) rather than under a dense mask: SDPA models without
-    sliding-window layers (eager stays on the mask: a model that needs eager may need its own attention), on CPU.
-    On CUDA, SDPA under the dense mask beats the spans' gathers (benchmarks/gpu_prefix_layouts.py;
-    benchmarks/results/gpu_prefix_layouts_h100.json)."""
-    layers = getattr(model.config, "layer_types", None) or ["full_attention"]
-    on_cpu = getattr(getattr(model, "device", None), "type", "cpu") == "cpu"
-    return on_cpu and attn_implementation(model) == "sdpa" and all(t == "full_attention" for t in layers)
 
 
 def _collate_shared(samples: list[Sample], units: list[Unit], model, pad_token_id: int) -> MicroBatch:
@@ -93,7 +76,7 @@ def _collate_shared(samples: list[Sample], units: list[Unit], model, pad_token_i
     pos = {i: k for k, i in enumerate(idx)}
     local = [([pos[i] for i in u], p) for u, p in units]
     lens = [unit_length([len(samples[i].input_ids) for i in u], p) for u, p in units]
-    mb = collate_shared([samples[i] for i in idx], local, max(lens), pad_token_id, spans=by_spans(model))
+    mb = collate_shared([samples[i] for i in idx], local, max(lens), pad_token_id)
     if attn_implementation(model) == "eager":
         mb.attention_mask = additive_mask(mb.attention_mask, model.dtype)
     return mb
@@ -121,8 +104,6 @@ def run_microbatches(accelerator, model, prepared: PreparedBatch, args, pad_toke
         ctx = contextlib.ExitStack()
         if i < n - 1:
             ctx.enter_context(accelerator.no_sync(model))
-        if attends_by_span(mb):  # over the backward too: a checkpointed layer's recompute attends again
-            ctx.enter_context(span_attention(unwrapped))
         with ctx:
             batch = mb.to(device)
             logprobs, entropy = token_logprobs(model, export, batch, args.temperature)
