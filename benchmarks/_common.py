@@ -17,6 +17,18 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
+def git_commit() -> str:
+    """The commit a result was measured at (provenance for benchmarks/results/), "unknown" outside a checkout."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
 def machine() -> dict:
     import torch
 

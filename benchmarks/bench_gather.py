@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import arg_parser, finish, median, row  # noqa: E402
+from _common import arg_parser, finish, git_commit, median, row  # noqa: E402
 
 NAME = "bench_gather"
 MODELS = {"full": ("~100M", 704, 22), "quick": ("~10M", 256, 16)}
@@ -106,8 +106,7 @@ def run(quick: bool, repeats: int) -> dict:
 
     label, hidden, layers = MODELS["quick" if quick else "full"]
     t_start = time.perf_counter()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    results: dict = {"name": NAME, "quick": quick, "repeats": repeats, "commit": commit, "layouts": {}}
+    results: dict = {"name": NAME, "quick": quick, "repeats": repeats, "commit": git_commit(), "layouts": {}}
     results["model"] = {"label": label, "hidden": hidden, "layers": layers}
 
     def log(msg: str) -> None:

@@ -26,33 +26,24 @@ from __future__ import annotations
 import cProfile
 import os
 import pstats
-import subprocess
 import sys
 import tempfile
 import time
+import tomllib
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
+from _common import arg_parser, finish, git_commit, median, row, wait_for_quiet  # noqa: E402
 from bench_async import rl_config, run_rl, window_stats  # noqa: E402
 
 NAME = "bench_overhead"
 GOAL = 0.03
 STAGES = ("rollouts_wait", "train", "optimizer", "sync")
-DEMO_ARGS = dict(
-    use_lora=True,
-    lora_rank=16,
-    lora_alpha=32,
-    lora_modules_to_save=["norm"],
-    learning_rate=1e-3,
-    rollouts_per_example=8,
-    batch_size=64,
-    micro_batch_size=64,
-    pack_sequences=False,
-    max_tokens=48,
-    max_seq_len=128,
-    temperature=1.4,
-)
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "vf-rl" / "tiny-reverse-text.toml"
+# the demo's own settings, read from its config (a run's length, name and checkpoints are the benchmark's)
+_DEMO = tomllib.loads(DEMO_CONFIG.read_text())
+DEMO_ARGS = {k: v for k, v in _DEMO["trainer"]["args"].items() if k not in ("run_name", "max_steps", "save_steps")}
 QWEN_SHAPE = dict(
     hidden=1024,
     layers=2,
@@ -76,14 +67,6 @@ QWEN_ARGS = dict(
 )
 
 
-def commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def build_model(geometry: str, path: str) -> str:
     if geometry == "qwen0.6b":
         from verifiers_rl.tiny.qwen import save_qwen_model
@@ -91,7 +74,7 @@ def build_model(geometry: str, path: str) -> str:
         return str(save_qwen_model(path, seed=0, **QWEN_SHAPE))
     from verifiers_rl.tiny import save_tiny_model
 
-    return str(save_tiny_model(path, hidden=128, layers=2, seed=0))
+    return str(save_tiny_model(path, **_DEMO["tiny"]))
 
 
 def summarize(metrics: list[dict], marks: list[dict]) -> dict:
@@ -186,7 +169,7 @@ def run(quick: bool = False, wait_quiet: float | None = None, profile: bool = Fa
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
 
-    results: dict = {"name": NAME, "quick": quick, "commit": commit()}
+    results: dict = {"name": NAME, "quick": quick, "commit": git_commit()}
     results["machine_before"] = wait_for_quiet((0 if quick else 180) if wait_quiet is None else wait_quiet, log=log)
     env = vf.load_environment(
         "reverse-text", num_train_examples=400, num_eval_examples=20, seed=0, system_prompt="Reverse the text."

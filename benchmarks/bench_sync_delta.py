@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
+from _common import arg_parser, finish, git_commit, median, row, wait_for_quiet  # noqa: E402
 
 NAME = "bench_sync_delta"
 MODEL = ("~100M", 704, 22)  # (label, hidden, layers), as bench_sync's ~100M row
@@ -89,14 +89,6 @@ def changed_fraction(model, before: list) -> float:
     return changed / total
 
 
-def _commit() -> str:
-    import subprocess
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
-    return git.stdout.strip() or "unknown"
-
-
 def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     from verifiers_rl.serving.launcher import InferenceServer
     from verifiers_rl.sync.policy_weights import merged_stream
@@ -106,7 +98,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     label, hidden, layers = QUICK_MODEL if quick else MODEL
     lrs, repeats = (QUICK_LRS, 2) if quick else (LRS, 3)
     results: dict = {"name": NAME, "quick": quick, "repeats": repeats, "model": label, "lrs": {}}
-    results["commit"] = _commit()
+    results["commit"] = git_commit()
     results["started_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     t_start = time.perf_counter()
 
