@@ -4,7 +4,7 @@ raw gloo bandwidth between two local processes, and adapter vs merged sync of a 
     [VF_VLLM_PYTHON=<vLLM venv python>] .venv/bin/python benchmarks/bench_sync.py [--quick]
 
 Every sync goes trainer -> a running CPU-engine server (`InferenceServer(engine="cpu")`) on this machine as the
-trainer syncs into it: one request per sync, the buckets through shared memory (transfer/shm.py; an info row
+trainer syncs into it: one request per sync, the buckets through shared memory (sync/shm.py; an info row
 times the same sync with every byte on loopback gloo, which the per-tensor baseline uses too), and verified
 (every rank's checksums of what it loaded; an info row times the same sync without);
 adapter vs merged (`_adapter_sync.py`) also runs against real vLLM when VF_VLLM_PYTHON is set, for the tiny
@@ -46,7 +46,7 @@ BANDWIDTH_GOAL = 0.8  # bucketed GB/s vs raw gloo GB/s at ~100M (issue 24; it wa
 
 def on(client, model, shm: bool, bucket_bytes: int | None = None) -> bool:
     """Sync as the trainer does into our CPU engine (one request per sync; with `shm`, buckets through shared
-    memory, transfer/shm.py), re-joining the group only when the transport or bucket size changes, then syncing
+    memory, sync/shm.py), re-joining the group only when the transport or bucket size changes, then syncing
     once untimed: a trainer keeps its group for the whole run, so the first touch of a new group's buffers (the
     shared file's pages on both sides, 2 x 64 MB) is not what a sync costs."""
     sender = client.sender
@@ -69,7 +69,7 @@ def bucketed_sync(client, model) -> tuple[float, int]:
 
 
 def unverified_sync(client, model) -> tuple[float, int]:
-    """`bucketed_sync` without its verification (transfer/verify.py): no report id, so the server reads nothing
+    """`bucketed_sync` without its verification (sync/verify.py): no report id, so the server reads nothing
     back and reports nothing, and no checksums on the trainer's side; the same one request and buckets otherwise
     (`GlooSender.send` for a server that pauses itself), timed as the sender times itself. What the checksums cost
     is the difference."""

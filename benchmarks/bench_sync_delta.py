@@ -1,4 +1,4 @@
-"""Send only what changed (transfer/delta.py) vs today's full sync, after one real full fine-tuning step.
+"""Send only what changed (sync/delta.py) vs today's full sync, after one real full fine-tuning step.
 
     .venv/bin/python benchmarks/bench_sync_delta.py [--quick]
 

@@ -1,4 +1,4 @@
-"""Weight sync through shared memory (transfer/shm.py) into a real CPU-engine server on this machine.
+"""Weight sync through shared memory (sync/shm.py) into a real CPU-engine server on this machine.
 
 The trainer offers /dev/shm slots to our CPU engine on loopback; the same bucket plan, checksums and reports
 apply, so a sync that went through shared memory is verified like any other: these tests check that the path is

@@ -1,4 +1,4 @@
-"""Send only what changed (transfer/delta.py) into a real CPU-engine server over HTTP and real gloo.
+"""Send only what changed (sync/delta.py) into a real CPU-engine server over HTTP and real gloo.
 
 Full fine-tuning steps of the tiny model, synced in bf16: the first sync is whole, the next ones carry the changed
 elements only and are verified like any sync (the server's read-back checksums of every whole tensor against the

@@ -294,7 +294,7 @@ class TestTwoEngines:
             client.close()
 
     def test_a_sync_of_changes_only_is_drained_and_refused(self, server):
-        """vLLM's receivers take whole tensors only (transfer/delta.py is our CPU engine's): a delta sync, forced
+        """vLLM's receivers take whole tensors only (sync/delta.py is our CPU engine's): a delta sync, forced
         past the client's own refusal, is drained by every worker and refused at once; the group stays usable."""
         from verifiers_rl.serving.client import InferenceClient, ServerError
         from verifiers_rl.sync.delta import Snapshot

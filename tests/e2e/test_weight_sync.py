@@ -1,6 +1,6 @@
 """Trainer -> engine weight sync over real gloo into the CPU engine, checked against the trainer's peft model.
 
-Adapter sync speaks the same protocol as with vLLM (`/collective_rpc vf_lora_update`, transfer/adapter.py);
+Adapter sync speaks the same protocol as with vLLM (`/collective_rpc vf_lora_update`, sync/adapter.py);
 tests/e2e/test_vllm_gloo.py runs the same checks against the vLLM CPU build.
 """
 

@@ -1,5 +1,5 @@
-"""A sync that did not land is caught: the checksum both sides compute (transfer/verify.py), the trainer's
-comparison of every receiving rank's report, and the mismatch_kl guard's rule (trainer/sync_guard.py). The same
+"""A sync that did not land is caught: the checksum both sides compute (sync/verify.py), the trainer's
+comparison of every receiving rank's report, and the mismatch_kl guard's rule (sync/guard.py). The same
 checks run against real broken syncs in tests/e2e/test_sync_verify.py."""
 
 from __future__ import annotations

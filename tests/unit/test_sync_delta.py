@@ -1,4 +1,4 @@
-"""Send only what changed (transfer/delta.py): the diff in the wire dtype, the sparse/dense break-even, the
+"""Send only what changed (sync/delta.py): the diff in the wire dtype, the sparse/dense break-even, the
 receiver's apply and pairing, and the trainer's snapshot, tensor by tensor."""
 
 from __future__ import annotations

@@ -267,7 +267,7 @@ def plan_serving(
 
 
 def check_changed_only(engine: str, backend: str, *, use_lora: bool) -> None:
-    """sync_changed_only (transfer/delta.py) is for full fine-tuning into our CPU engine over gloo: vLLM's
+    """sync_changed_only (sync/delta.py) is for full fine-tuning into our CPU engine over gloo: vLLM's
     receivers load whole tensors only, and a LoRA sync is already small."""
     if use_lora:
         raise ValueError("sync_changed_only is for full fine-tuning; a LoRA policy's sync is small already")

@@ -1,6 +1,6 @@
 """Generate docs/configuration.md from RLConfig and the TOML schema: `python -m verifiers_rl.scripts.config_docs`.
 
-tests/test_docs.py regenerates it and fails when the committed file differs, so docs never drift from code."""
+tests/unit/test_docs.py regenerates it and fails when the committed file differs, so docs never drift from code."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from transformers import TrainingArguments
 HEADER = """# Configuration reference
 
 Generated from the code by `python -m verifiers_rl.scripts.config_docs` — do not edit by hand
-(`tests/test_docs.py` fails when this file and the code disagree).
+(`tests/unit/test_docs.py` fails when this file and the code disagree).
 
 ## TOML files (`vf-rl`, `vf-train`, `vf-sft`)
 

@@ -1,7 +1,7 @@
 """The guard every sync backend gets: at `max_async_level = 0` the sampler and the trainer hold the same weights,
 so `mismatch_kl` (k3 KL(sampler ‖ trainer) at the trained tokens) is numerical noise: ~1e-14 with float32 on
 both sides, ~1e-3 with bf16 kernels on a GPU. A sync that did not land, or landed wrong, shows as a jump in the
-first batch sampled after it. Checksums (inference/transfer/verify.py) catch a receiver that lost or never
+first batch sampled after it. Checksums (sync/verify.py) catch a receiver that lost or never
 loaded bytes; this catches what they cannot: wrong bytes both sides agree on (a wrongly gathered shard), and
 backends that report nothing (vLLM's NCCL engine).
 

@@ -6,7 +6,7 @@ After each optimizer step (and before evaluating) the trainer asks `sync(version
 - the server was started from exactly the trainer's weights of `version` (`started_from`), or the last step
   trained nothing (`changed=False`): no transfer, the server's version is advanced to `version`;
 - otherwise the weights move: the export's stream (merged or adapter, as the serving plan says) through the
-  client's weight sender, which checks that every receiving rank loaded what was sent (transfer/verify.py); a
+  client's weight sender, which checks that every receiving rank loaded what was sent (sync/verify.py); a
   sync that did not land stops the run.
 
 The served version lives in `PolicyVersion` (the orchestrator reads it); this class is its only writer.

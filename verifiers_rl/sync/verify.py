@@ -11,7 +11,7 @@
   once says something is broken.
 
 vLLM's NCCL backend receives with vLLM's own engine, which reports nothing: those syncs are not checksummed.
-The trainer's mismatch_kl guard (`trainer/sync_guard.py`) covers every backend, and catches what checksums
+The trainer's mismatch_kl guard (`sync/guard.py`) covers every backend, and catches what checksums
 cannot: wrong bytes that both sides agree on (a wrongly gathered shard).
 
 The checksum is memory-bandwidth bound (8-12 GB/s on one CPU core): the bytes as 64-bit words, summed per block of

@@ -17,7 +17,7 @@ with only the operations the arithmetic needs, and fewer of them:
   has, MKL streams the weight at a fraction of the memory bandwidth (numbers at `ONEDNN_MIN_ELEMENTS`).
 
 Arithmetic follows transformers' modeling code (float32 RMSNorm, rotate-half RoPE, same scaling), so logits match
-HF within float rounding (tests/test_slot_engine.py). `unsupported_reason` names what this does not cover; the
+HF within float rounding (tests/unit/test_slot_engine.py). `unsupported_reason` names what this does not cover; the
 engine then falls back to transformers' continuous batching.
 """
 

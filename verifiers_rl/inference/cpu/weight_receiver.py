@@ -88,7 +88,7 @@ class WeightReceiver:
         return None
 
     def lora_update(self, update_json: str) -> dict[str, Any]:
-        """`vf_lora_update` (transfer/adapter.py): W = W0 + B @ A on the pristine base weights, B pre-scaled.
+        """`vf_lora_update` (sync/adapter.py): W = W0 + B @ A on the pristine base weights, B pre-scaled.
         The result is the RPC's answer and, like every receiver's, left in the trainer's store."""
         if self.pg is None:
             raise ValueError(f"call /init_weight_transfer_engine before {adapter.UPDATE_RPC}")

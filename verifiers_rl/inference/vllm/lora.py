@@ -3,7 +3,7 @@
 Start vLLM with `--enable-lora --max-loras 1 --lora-modules policy=<step-0 adapter dir> --worker-extension-cls
 verifiers_rl.inference.vllm.lora.LoraSyncExtension` (`layout.AdapterServing.vllm_args`) and our gloo
 weight-transfer backend. vLLM mixes this class into every worker; `/collective_rpc` calls its methods on all
-workers of all data-parallel engines. The protocol is in `transfer/adapter.py`.
+workers of all data-parallel engines. The protocol is in `sync/adapter.py`.
 
 Each sync builds a LoRA model from the received tensors and swaps it in under the adapter's lora_int_id: the
 same id before and after, so requests already running on the adapter continue on the new weights, and the
@@ -73,7 +73,7 @@ class LoraSyncExtension:
         try:
             self._vf_install(update.lora_int_id, tensors, update.peft_config)
             result = {"tensors": len(tensors), "receive_s": received, "install_s": time.perf_counter() - t0 - received}
-            # the tensors handed to vLLM's LoRA model, in the update's order (transfer/verify.py)
+            # the tensors handed to vLLM's LoRA model, in the update's order (sync/verify.py)
             result["checksums"] = [
                 tensor_checksum(tensors[n]) if n in tensors else None for n in update.update_info.names
             ]

@@ -109,7 +109,7 @@ class _DrainingLoader:
 
 
 def _refuse_delta(worker, update_info: UpdateInfo) -> None:
-    """A sync of changes only (transfer/delta.py) is our CPU engine's: drained (the trainer is mid-broadcast),
+    """A sync of changes only (sync/delta.py) is our CPU engine's: drained (the trainer is mid-broadcast),
     answered in the store, then refused."""
     worker.receive(update_info.metas(), lambda named: None)
     if update_info.report:
