@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import httpx
 
+from verifiers_rl.config.choices import Transport
 from verifiers_rl.config.net import LOOPBACK
 from verifiers_rl.errors import ServerError
 from verifiers_rl.serving.auth import ADAPTER_ROUTES, CONTROL_ROUTES, TOKEN_HEADER
@@ -185,12 +186,12 @@ class InferenceClient:
         shared_memory: bool = True,
         changed_only: bool = False,
     ) -> WeightSender:
-        """Join the server's workers in a weight-transfer group (`transfer.backends.create_sender` backends).
+        """Join the server's workers in a weight-transfer group (`sync.backends.create_sender` backends).
         `server_pauses`: the server pauses and resumes itself around a sync (our CPU engine, gloo).
         `shared_memory`: with `server_pauses` and a loopback `host`, offer the server buckets through shared
-        memory (transfer/shm.py); False keeps every byte on gloo. `changed_only`: after the first sync, send only
-        the elements that changed (transfer/delta.py); our CPU engine over gloo only."""
-        if changed_only and not (backend == "gloo" and server_pauses):
+        memory (sync/shm.py); False keeps every byte on gloo. `changed_only`: after the first sync, send only
+        the elements that changed (sync/delta.py); our CPU engine over gloo only."""
+        if changed_only and not (backend == Transport.GLOO and server_pauses):
             raise ValueError("sending only what changed (sync_changed_only) needs the CPU engine over gloo")
         self.close_weight_transfer()
         timeout_s = self.sync_timeout if timeout_s is None else timeout_s

@@ -3,6 +3,7 @@ client loads without torch.distributed's extras or vLLM."""
 
 from __future__ import annotations
 
+from verifiers_rl.config.choices import Transport, values
 from verifiers_rl.config.net import LOOPBACK
 from verifiers_rl.sync.sender import WeightSender
 
@@ -16,20 +17,20 @@ def create_sender(
     timeout_s: float = 300.0,
 ) -> WeightSender:
     """`backend`: 'gloo' (merged weights over a gloo group), 'adapter' (LoRA A/B only, into the server's LoRA
-    slot for the policy adapter; see transfer/adapter.py) or 'nccl' (vLLM's own packed NCCL engine; GPU only)."""
+    slot for the policy adapter; see sync/adapter.py) or 'nccl' (vLLM's own packed NCCL engine; GPU only)."""
     from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES
 
     bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
-    if backend == "gloo":
+    if backend == Transport.GLOO:
         from verifiers_rl.sync.gloo import GlooSender
 
         return GlooSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-    if backend == "adapter":
+    if backend == Transport.ADAPTER:
         from verifiers_rl.sync.adapter import AdapterSender
 
         return AdapterSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-    if backend == "nccl":
+    if backend == Transport.NCCL:
         from verifiers_rl.sync.nccl import NCCLSender
 
         return NCCLSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-    raise ValueError(f"weight-sync backend={backend!r}; allowed: gloo, adapter, nccl")
+    raise ValueError(f"weight-sync backend={backend!r}; allowed: {', '.join(values(Transport))}")
