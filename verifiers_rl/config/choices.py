@@ -32,8 +32,8 @@ class Transport(StrEnum):
     """How the plan moves weights (resolved from `SyncBackend` and `LoraSync`): LoRA A/B over gloo into the
     served adapter, every weight over gloo (host memory), or over NCCL (GPU to GPU, vLLM's own engine)."""
 
-    ADAPTER = "adapter"
     GLOO = "gloo"
+    ADAPTER = "adapter"
     NCCL = "nccl"
 
 
