@@ -111,8 +111,8 @@ def test_a_corrupted_delta_fails_verification_and_the_next_sync_is_whole(server,
 
 
 def test_changed_only_is_refused_where_the_receiver_cannot_apply_it(server):
-    with pytest.raises(ValueError, match="needs the CPU engine over gloo"):
-        server.client.init_weight_transfer("gloo", server_pauses=False, changed_only=True)
+    with pytest.raises(ValueError, match="needs whole-weight sync over gloo or nccl, not 'adapter'"):
+        server.client.init_weight_transfer("adapter", changed_only=True)
 
 
 def test_a_full_finetuning_run_with_changed_only_trains_and_syncs(tiny_model_dir, tmp_path, monkeypatch):

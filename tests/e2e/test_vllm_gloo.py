@@ -294,21 +294,20 @@ class TestTwoEngines:
             client.close()
 
     def test_a_sync_of_changes_only_is_drained_and_refused(self, server):
-        """vLLM's receivers take whole tensors only (sync/delta.py is our CPU engine's): a delta sync, forced
-        past the client's own refusal, is drained by every worker and refused at once; the group stays usable."""
+        """vLLM's CPU build keeps its linear layers only repacked, so a sync of changes cannot be written in place
+        (inference/vllm/changes.py; on a GPU it is, tests/e2e/test_sync_changes_vllm.py): every worker drains it
+        and refuses at once, with the reason; the group stays usable and the next sync is whole."""
         from verifiers_rl.serving.client import InferenceClient, ServerError
-        from verifiers_rl.sync.delta import Snapshot
         from verifiers_rl.tiny import build_tiny_model
 
         client = InferenceClient(base_url=str(server["client"].base_url), sync_timeout=90)
         try:
-            sender = client.init_weight_transfer("gloo", bucket_bytes=BUCKET_BYTES)
-            sender.snapshot = Snapshot()
+            sender = client.init_weight_transfer("gloo", bucket_bytes=BUCKET_BYTES, changed_only=True)
             original, perturbed = build_tiny_model(seed=0)[0], build_tiny_model(seed=1)[0]
             client.update_weights(original.named_parameters(), version=20)  # whole: the snapshot is recorded
             assert sender.snapshot.version == 20
             t0 = time.monotonic()
-            with pytest.raises(ServerError, match="/update_weights failed"):
+            with pytest.raises(ServerError, match=r"refused by the server \(inference rank 1 and 1 more\).*repacked"):
                 client.update_weights(perturbed.named_parameters(), version=21)
             assert time.monotonic() - t0 < 30  # not the 90 s group timeout
             assert sender.snapshot.version is None and client.health() and not client.is_paused()

@@ -11,6 +11,7 @@ from verifiers_rl.plan.devices import assign_gpus
 from verifiers_rl.plan.run import Machine, plan_run
 from verifiers_rl.plan.serving import (
     ServingPlan,
+    check_changed_only,
     cpu_thread_split,
     plan_serving,
     resolve_engine,
@@ -215,15 +216,26 @@ def test_cpu_engine_plan():
         plan_serving(_cfg(server_engine="cpu", sync_backend="nccl"), mode="spawn", engine="cpu", cuda_count=0)
 
 
-def test_changed_only_sync_is_for_full_finetuning_into_the_cpu_engine():
+def test_changed_only_sync_is_for_full_finetuning_over_gloo_or_nccl():
     ok = plan_serving(
         _cfg(server_engine="cpu", use_lora=False, sync_changed_only=True), mode="spawn", engine="cpu", cuda_count=0
     )
     assert (ok.sync_backend, ok.server_pauses) == ("gloo", True)
     with pytest.raises(ValueError, match="sync_changed_only is for full fine-tuning"):
         plan_serving(_cfg(server_engine="cpu", sync_changed_only=True), mode="spawn", engine="cpu", cuda_count=0)
-    with pytest.raises(ValueError, match="sync_changed_only needs the CPU engine over gloo"):
-        plan_serving(_cfg(use_lora=False, sync_changed_only=True), mode="spawn", engine="vllm", cuda_count=2)
+    assert ok.server_weight_backend is None
+    nccl = plan_serving(_cfg(use_lora=False, sync_changed_only=True), mode="spawn", engine="vllm", cuda_count=2)
+    assert (nccl.sync_backend, nccl.changed_only, nccl.server_weight_backend) == ("nccl", True, "sparse_nccl")
+    dense = plan_serving(_cfg(use_lora=False), mode="spawn", engine="vllm", cuda_count=2)
+    assert (dense.changed_only, dense.server_weight_backend) == (False, "nccl")
+    shared = plan_serving(
+        _cfg(use_lora=False, sync_changed_only=True, sync_backend="gloo"), mode="spawn", engine="vllm", cuda_count=1
+    )
+    assert (shared.sync_backend, shared.server_weight_backend) == ("gloo", "gloo")
+    with pytest.raises(ValueError, match="sync_changed_only into vLLM needs vLLM on a GPU"):
+        plan_serving(_cfg(use_lora=False, sync_changed_only=True), mode="spawn", engine="vllm", cuda_count=0)
+    with pytest.raises(ValueError, match="sync_changed_only needs sync_backend gloo or nccl"):
+        check_changed_only("vllm", "adapter", use_lora=False)
 
 
 def test_cpu_thread_split(monkeypatch):

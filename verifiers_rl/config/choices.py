@@ -37,6 +37,11 @@ class Transport(StrEnum):
     NCCL = "nccl"
 
 
+# vLLM's NCCL backend for sparse patches (its `sparse_nccl` weight-transfer engine): what a vLLM server runs when the
+# plan syncs changes only over NCCL (sync/nccl.py).
+SPARSE_NCCL = "sparse_nccl"
+
+
 class LoraSync(StrEnum):
     """What a LoRA run sends each sync: the merged weights, or the adapter (vLLM loads it as a LoRA)."""
 

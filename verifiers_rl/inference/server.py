@@ -20,7 +20,7 @@ import threading
 import time
 from typing import NoReturn
 
-from verifiers_rl.config.choices import CPU_ENGINES, ENGINES, Engine, Transport
+from verifiers_rl.config.choices import CPU_ENGINES, ENGINES, SPARSE_NCCL, Engine, Transport
 from verifiers_rl.config.net import DEFAULT_PORT, LOOPBACK, is_loopback
 from verifiers_rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 from verifiers_rl.inference.cpu.openmp import bound_openmp_spin
@@ -65,9 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require this key on /v1 routes")
     p.add_argument(
         "--weight-transfer-backend",
-        choices=[Transport.NCCL, Transport.GLOO],
+        choices=[Transport.NCCL, Transport.GLOO, SPARSE_NCCL],
         default=None,
-        help="vLLM weight-sync backend (default nccl; gloo for CPU builds of vLLM)",
+        help="vLLM weight-sync backend (default nccl; gloo for CPU builds of vLLM; sparse_nccl for sync_changed_only "
+        "over nccl)",
     )
     p.add_argument(
         "--allow-remote-control",

@@ -28,6 +28,7 @@ from verifiers_rl.config.choices import (
     ENGINES,
     LORA_SYNC,
     SERVER_MODES,
+    SPARSE_NCCL,
     SYNC_BACKENDS,
     Engine,
     LoraSync,
@@ -170,6 +171,7 @@ class ServingPlan:
     server_uuids: tuple[str, ...] | None = None  # the same GPUs by UUID: one name in every process
     data_parallel: int = 1
     threads: tuple[int, int] | None = None  # (server, trainer) CPU threads
+    changed_only: bool = False  # sync only the changed elements (sync/delta.py): RLConfig.sync_changed_only
 
     def __post_init__(self):
         # a plan read back from JSON (`from_json`) or built from strings holds the same members as one planned here
@@ -187,10 +189,12 @@ class ServingPlan:
     @property
     def server_weight_backend(self) -> str | None:
         """vLLM's --weight-transfer-backend for a server we start: gloo for our gloo group (merged or adapter),
-        vLLM's own default (NCCL) otherwise; None for the CPU engine (it only speaks gloo)."""
+        vLLM's own NCCL otherwise (its `sparse_nccl` for changes only); None for the CPU engine (gloo only)."""
         if self.engine != Engine.VLLM:
             return None
-        return Transport.NCCL if self.sync_backend == Transport.NCCL else Transport.GLOO
+        if self.sync_backend == Transport.NCCL:
+            return SPARSE_NCCL if self.changed_only else Transport.NCCL
+        return Transport.GLOO
 
     def server_env(self) -> dict[str, str] | None:
         """The server's share of the CPU threads, as environment for its process."""
@@ -250,8 +254,9 @@ def plan_serving(
     )
     backend = resolve_sync_backend(args.sync_backend, engine, shared_gpu=shared, lora_sync=lora_sync)
     threads = cpu_thread_split(engine, local=local, max_async_level=args.max_async_level, cuda=cuda_count > 0)
-    if getattr(args, "sync_changed_only", False):
-        check_changed_only(engine, backend, use_lora=args.use_lora)
+    changed_only = bool(getattr(args, "sync_changed_only", False))
+    if changed_only:
+        check_changed_only(engine, backend, use_lora=args.use_lora, cuda=cuda_count > 0 or not local)
     return ServingPlan(
         engine=engine,
         mode=mode,
@@ -263,18 +268,23 @@ def plan_serving(
         server_uuids=tuple(server_uuids) if server_uuids is not None and engine == Engine.VLLM else None,
         data_parallel=data_parallel,
         threads=threads,
+        changed_only=changed_only,
     )
 
 
-def check_changed_only(engine: str, backend: str, *, use_lora: bool) -> None:
-    """sync_changed_only (sync/delta.py) is for full fine-tuning into our CPU engine over gloo: vLLM's
-    receivers load whole tensors only, and a LoRA sync is already small."""
+def check_changed_only(engine: str, backend: str, *, use_lora: bool, cuda: bool = True) -> None:
+    """sync_changed_only (sync/delta.py) is for full fine-tuning over gloo or NCCL: into our CPU engine, or into
+    vLLM on a GPU, which writes the changes into its live parameters (inference/vllm/changes.py). vLLM's CPU build
+    keeps its linear layers only repacked, and a LoRA sync is small already. `cuda`: vLLM may run on a GPU (a local
+    one is seen here; a remote server's is not, and its workers refuse in one line if they cannot)."""
     if use_lora:
         raise ValueError("sync_changed_only is for full fine-tuning; a LoRA policy's sync is small already")
-    if engine != "cpu" or backend != "gloo":
+    if backend not in (Transport.GLOO, Transport.NCCL):
+        raise ValueError(f"sync_changed_only needs sync_backend gloo or nccl (this run: {backend!r})")
+    if engine == Engine.VLLM and not cuda:
         raise ValueError(
-            f"sync_changed_only needs the CPU engine over gloo (this run: engine={engine!r}, sync_backend="
-            f"{backend!r}): vLLM's receivers load whole tensors only"
+            "sync_changed_only into vLLM needs vLLM on a GPU: its CPU build keeps linear layers only repacked for "
+            'its kernels, so changes cannot be written in place; use server_engine = "cpu" on CPU'
         )
 
 

@@ -190,20 +190,21 @@ class InferenceClient:
         `server_pauses`: the server pauses and resumes itself around a sync (our CPU engine, gloo).
         `shared_memory`: with `server_pauses` and a loopback `host`, offer the server buckets through shared
         memory (sync/shm.py); False keeps every byte on gloo. `changed_only`: after the first sync, send only
-        the elements that changed (sync/delta.py); our CPU engine over gloo only."""
-        if changed_only and not (backend == Transport.GLOO and server_pauses):
-            raise ValueError("sending only what changed (sync_changed_only) needs the CPU engine over gloo")
+        the elements that changed (sync/delta.py), over gloo or NCCL (vLLM's `sparse_nccl` backend)."""
+        if changed_only and backend not in (Transport.GLOO, Transport.NCCL):
+            raise ValueError(
+                "sending only what changed (sync_changed_only) needs whole-weight sync over gloo or nccl, "
+                f"not {backend!r}"
+            )
         self.close_weight_transfer()
         timeout_s = self.sync_timeout if timeout_s is None else timeout_s
-        sender = create_sender(backend, self, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        sender = create_sender(
+            backend, self, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s, changed_only=changed_only
+        )
         if server_pauses:
             sender.pauses_itself = True
         if not shared_memory:
             sender.offers_shared_memory = False
-        if changed_only:
-            from verifiers_rl.sync.delta import Snapshot
-
-            sender.snapshot = Snapshot()
         sender.init()
         self.sender = sender
         return sender

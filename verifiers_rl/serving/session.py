@@ -273,7 +273,7 @@ class ServerSession:
             bucket_bytes=args.sync_bucket_mb << 20,
             server_pauses=self.plan.server_pauses,
             shared_memory=args.sync_shared_memory,
-            changed_only=args.sync_changed_only,
+            changed_only=self.plan.changed_only,
         )
         self.client = client
         return client

@@ -15,20 +15,32 @@ def create_sender(
     host: str = LOOPBACK,
     bucket_bytes: int | None = None,
     timeout_s: float = 300.0,
+    changed_only: bool = False,
 ) -> WeightSender:
     """`backend`: 'gloo' (merged weights over a gloo group), 'adapter' (LoRA A/B only, into the server's LoRA
-    slot for the policy adapter; see sync/adapter.py) or 'nccl' (vLLM's own packed NCCL engine; GPU only)."""
+    slot for the policy adapter; see sync/adapter.py) or 'nccl' (vLLM's own packed NCCL engine; GPU only).
+    `changed_only`: after the first sync, send only the elements that changed (delta.py; vLLM's sparse_nccl
+    engine over NCCL)."""
     from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES
 
     bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
     if backend == Transport.GLOO:
         from verifiers_rl.sync.gloo import GlooSender
 
-        return GlooSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        sender = GlooSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        if changed_only:
+            from verifiers_rl.sync.delta import Snapshot
+
+            sender.snapshot = Snapshot()
+        return sender
     if backend == Transport.ADAPTER:
         from verifiers_rl.sync.adapter import AdapterSender
 
         return AdapterSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    if backend == Transport.NCCL and changed_only:
+        from verifiers_rl.sync.sparse_nccl import SparseNCCLSender
+
+        return SparseNCCLSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
     if backend == Transport.NCCL:
         from verifiers_rl.sync.nccl import NCCLSender
 

@@ -185,17 +185,24 @@ class Snapshot:
 
         return WeightStream(stream.metas, produce)
 
-    def delta(self, stream: WeightStream) -> Delta:
-        """Diff every tensor of `stream` against the snapshot, which then holds the new tensors. A dense update
-        travels as the snapshot's tensor (a stream's tensor may be a view its producer reuses)."""
-        wire: list[tuple[str, torch.Tensor]] = []
-        sums: list[int] = []
+    def updates(self, stream: WeightStream) -> Iterator[tuple[str, Sparse | torch.Tensor | None]]:
+        """Diff every tensor of `stream` against the snapshot, which then holds the new tensors: (name, update),
+        None where nothing changed. A dense update is the snapshot's tensor (a stream's tensor may be a view its
+        producer reuses)."""
         for name, t in stream:
             held = self.tensors[name]
             update = diff(held, t, self.threshold)
             if update is not None:
                 apply(held, update)
-                wire += wire_items(name, held if not isinstance(update, Sparse) else update)
-            sums.append(tensor_checksum(held))
+            yield name, held if update is not None and not isinstance(update, Sparse) else update
+
+    def delta(self, stream: WeightStream) -> Delta:
+        """`updates` as the tensors a bucketed sync moves, and the checksums of the whole tensors they update."""
+        wire: list[tuple[str, torch.Tensor]] = []
+        sums: list[int] = []
+        for name, update in self.updates(stream):
+            if update is not None:
+                wire += wire_items(name, update)
+            sums.append(tensor_checksum(self.tensors[name]))
         metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in wire]
         return Delta(WeightStream(metas, lambda: iter(wire)), list(stream.metas), sums)

@@ -241,12 +241,24 @@ class GlooSender:
         refused the update (the adapter's RPC does, after draining the data, so the group stays usable) reports
         {"error": ...} instead."""
         reports = collect_reports(self.group, report, min(REPORT_WAIT_S, self.timeout_s))
-        refused = {rank: r["error"] for rank, r in reports.items() if r.get("error")}
+        refused = _refusal(reports)
         if refused:
-            rank, reason = next(iter(refused.items()))
-            where = f"inference rank {rank}" + (f" and {len(refused) - 1} more" if len(refused) > 1 else "")
-            raise ServerError(f"the weight update was refused by the server ({where}): {reason}")
+            raise ServerError(refused)
         verify(version, [m.name for m in metas], [m.nbytes for m in metas], sent, reports)
+
+    def _answer(self, pending: _Result, report: str):
+        """The update request's answer. vLLM answers a worker's refusal with a bare 500; the worker left its reason
+        in the store first, so the error says that instead."""
+        try:
+            return pending.join()
+        except ServerError as e:
+            try:
+                refused = _refusal(collect_reports(self.group, report, 1.0))
+            except RuntimeError:
+                refused = None
+            if refused:
+                raise ServerError(refused) from e
+            raise
 
     def send(self, named_tensors: NamedTensors, version: int) -> SyncStats:
         if self.group is None:
@@ -271,8 +283,10 @@ class GlooSender:
         return stats
 
     def _send(self, tensors: WeightStream, version: int, t0: float, change: Delta | None = None, base=None):
-        """Describe the sync, move its buckets, check what landed; `change`: a delta sync (delta.py), whose
-        receivers report checksums of the whole tensors it updates."""
+        """Describe the sync, move its buckets, check what landed; `change`: a delta sync (delta.py). Our CPU
+        engine reports checksums of the whole tensors a delta updates (it reads its parameters back); vLLM's
+        workers, whose parameters are fused and sharded, report the tensors received and compare the changes with
+        where they landed (inference/vllm/changes.py)."""
         metas = tensors.metas
         buckets = plan_buckets(metas, self.bucket_bytes)
         report, sums = f"{version}-{secrets.token_hex(6)}", []
@@ -280,18 +294,19 @@ class GlooSender:
         if change is not None:
             info.delta = {"base_version": str(base), **UpdateInfo.from_metas(change.targets).to_dict()}
         info = info.to_dict()
-        held, held_sums = (change.targets, change.checksums) if change is not None else (metas, sums)
+        whole = change is not None and self.pauses_itself
+        held, held_sums = (change.targets, change.checksums) if whole else (metas, sums)
         if self.pauses_itself:  # our CPU engine: the whole sync is one request (vLLM keeps its own routes)
             body = {"update_info": info, "weight_version": str(version)}
             pending = run_in_thread(lambda: self.post("/update_weights", body))
-            sent = send_buckets(self.group, buckets, tensors, sums if change is None else None)
-            pending.join()
+            sent = send_buckets(self.group, buckets, tensors, None if whole else sums)
+            self._answer(pending, report)
             self.verify(report, held, held_sums, version)
             return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)
         self.post("/start_weight_update")
         pending = run_in_thread(lambda: self.post("/update_weights", {"update_info": info}))
-        sent = send_buckets(self.group, buckets, tensors, sums if change is None else None)
-        pending.join()
+        sent = send_buckets(self.group, buckets, tensors, None if whole else sums)
+        self._answer(pending, report)
         self.verify(report, held, held_sums, version)  # before finish: a sync that did not land never gets its version
         self.post("/finish_weight_update", {"weight_version": str(version)})
         self.client.reset_prefix_cache(timeout=self.timeout_s)
@@ -307,6 +322,16 @@ class GlooSender:
                 self.client.post("/shutdown_weight_transfer_engine", timeout=5.0)
             except Exception:  # noqa: BLE001 - the server may already be gone
                 pass
+
+
+def _refusal(reports: dict[int, dict]) -> str | None:
+    """The line for receivers that refused an update (their report is {"error": ...}), or None."""
+    refused = {rank: r["error"] for rank, r in reports.items() if r.get("error")}
+    if not refused:
+        return None
+    rank, reason = next(iter(refused.items()))
+    where = f"inference rank {rank}" + (f" and {len(refused) - 1} more" if len(refused) > 1 else "")
+    return f"the weight update was refused by the server ({where}): {reason}"
 
 
 def _local(host: str) -> bool:

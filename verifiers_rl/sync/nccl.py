@@ -101,25 +101,34 @@ class NCCLSender:
                 "NCCL weight sync needs vLLM in the trainer's environment (pip install 'verifiers-rl[vllm]'); "
                 "on CPU use the gloo backend"
             ) from e
+        self._init_with(NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine)
+
+    def _init_with(self, info_cls, engine_cls) -> None:
+        """vLLM's trainer engine `engine_cls`, its communicator opened by `BoundedInit` from an `info_cls`."""
         if not torch.cuda.is_available():
             raise RuntimeError("NCCL weight sync needs a CUDA device in the trainer process; use gloo on CPU")
-        info = NCCLTrainerInitInfo(
+        info = info_cls(
             master_address=self.host,
             master_port=free_port(self.host),
             world_size=1 + self.client.get_world_size(),
-            packed=True,
-            packed_buffer_size_bytes=self.bucket_bytes,
             rank=0,  # the one trainer process that sends; vLLM's workers take ranks 1..n
+            **self._wire_params(info_cls),
         )
-        engine = NCCLTrainerWeightTransferEngine(
+        engine = self._engine(engine_cls, info)
+        group = engine.model_update_group = BoundedInit(self.control, self.init_timeout_s).open(info)
+        self.engine, self.device = engine, group.device
+
+    def _wire_params(self, info_cls) -> dict:
+        return {"packed": True, "packed_buffer_size_bytes": self.bucket_bytes}
+
+    def _engine(self, engine_cls, info):
+        return engine_cls(
             client=self.control,
             source=_stream_source(self),
             packed=info.packed,
             packed_buffer_size_bytes=info.packed_buffer_size_bytes,
             packed_num_buffers=info.packed_num_buffers,
         )
-        group = engine.model_update_group = BoundedInit(self.control, self.init_timeout_s).open(info)
-        self.engine, self.device = engine, group.device
 
     def send(self, named_tensors: NamedTensors, version: int) -> SyncStats:
         if self.engine is None:

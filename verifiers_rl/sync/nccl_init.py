@@ -58,14 +58,14 @@ class BoundedInit:
         communicator, after the server confirmed its workers' side."""
         from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
 
+        # the dense engine's wire params (the sparse engine's info has none: the workers keep their defaults)
+        wire = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
         workers = NCCLWeightTransferInitInfo(
             master_address=info.master_address,
             master_port=info.master_port,
             rank_offset=1,
             world_size=info.world_size,
-            packed=info.packed,
-            packed_buffer_size_bytes=info.packed_buffer_size_bytes,
-            packed_num_buffers=info.packed_num_buffers,
+            **{k: getattr(info, k) for k in wire if hasattr(info, k)},
         )
         payload = worker_init_payload(workers)
         request = _Background(lambda: self.control.init_weight_transfer_engine(payload), "nccl-init-request")

@@ -5,6 +5,9 @@ vLLM discovers it through the `vllm.general_plugins` entry point (`register`), w
 server, the engine core and every worker; only the workers ever instantiate the engine. Start vLLM with
 `--weight-transfer-config '{"backend": "gloo"}'` and `VLLM_SERVER_DEV_MODE=1`.
 
+A sync of changes only (sync/delta.py) is written into the live parameters instead (changes.py); it needs
+vLLM on a GPU.
+
 Trainer side, per sync (the same requests our CPU engine accepts):
   POST /start_weight_update
   POST /update_weights {"update_info": UpdateInfo.from_metas(metas).to_dict()}   while send_buckets(...) runs
@@ -108,13 +111,51 @@ class _DrainingLoader:
             raise ValueError(f"weight update failed: {type(self.error).__name__}: {self.error}") from self.error
 
 
-def _refuse_delta(worker, update_info: UpdateInfo) -> None:
-    """A sync of changes only (sync/delta.py) is our CPU engine's: drained (the trainer is mid-broadcast),
-    answered in the store, then refused."""
-    worker.receive(update_info.metas(), lambda named: None)
-    if update_info.report:
-        worker.report(update_info.report, {"error": "this vLLM server takes whole tensors only"})
-    raise ValueError("a sync of changes only (sync_changed_only) needs the CPU engine")
+class _ChangeLoader(_DrainingLoader):
+    """`_DrainingLoader` for a sync of changes only (sync/delta.py): each bucket's changes are paired, written in
+    place (`changes.load_changes`) and compared with where they landed (`changes.not_landed`). The report holds the
+    checksums of the tensors received; a tensor whose changes did not land reports 0 (no tensor's checksum: the
+    length is mixed in), so the trainer names it as holding other bytes than were sent."""
+
+    def __init__(self, model, targets, device):
+        from verifiers_rl.inference.vllm import changes
+        from verifiers_rl.sync import delta
+
+        super().__init__(self._load, device)
+        self.model, self.targets, self.changes = model, {m.name: m for m in targets}, changes
+        self.pairing = delta.Pairing()
+        self.wire_of: dict[str, list[str]] = {}
+        packed = changes.packed_away(model)
+        if packed is not None:
+            self.error = ValueError(
+                f"this vLLM keeps {packed} only repacked for its kernels (vLLM's CPU build does so with every linear "
+                "layer), so changed elements cannot be written in place: a sync of changes only (sync_changed_only) "
+                "needs vLLM on a GPU or the CPU engine"
+            )
+
+    def _load(self, copies) -> None:
+        from verifiers_rl.sync import delta
+
+        for name, _ in copies:
+            target = name.removesuffix(delta.INDEX_SUFFIX).removesuffix(delta.VALUE_SUFFIX)
+            self.wire_of.setdefault(target, []).append(name)
+        updates = list(self.pairing.updates(copies))
+        self.changes.load_changes(self.model, updates, self.targets)
+        for target in self.changes.not_landed(self.model, updates, self.targets):
+            self.sums.update((n, 0) for n in self.wire_of[target])
+
+
+def _loader_for(engine, update_info: UpdateInfo) -> _DrainingLoader:
+    """The bucket callback for one update: changes only are written into the live parameters; whole tensors load
+    under layerwise reload, started with the session's first whole tensors."""
+    if update_info.delta is not None:
+        return _ChangeLoader(engine.model, update_info.delta_targets(), engine.device)
+    if not engine._reloading:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(engine.model)
+        engine._reloading = True
+    return _DrainingLoader(engine.model.load_weights, engine.device)
 
 
 @functools.cache
@@ -137,6 +178,7 @@ def engine_class():
             super().__init__(config, vllm_config, device, model)
             self._group = None
             self._bucket_bytes = DEFAULT_BUCKET_BYTES
+            self._reloading = False
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             if self._group is not None:
@@ -149,9 +191,9 @@ def engine_class():
             self._group = connect_group(init_info, rank)
 
         def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
+            # Layerwise reload (parameters swapped out until each layer's tensors have all arrived) starts with the
+            # first whole tensors (`receive_weights`): a sync of changes only writes into the live parameters.
+            self._reloading = False
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only host.
@@ -172,9 +214,7 @@ def engine_class():
             publish_report(self.joined(), sync_id, result)
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
-            if update_info.delta is not None:
-                _refuse_delta(self, update_info)
-            loader = _DrainingLoader(self.model.load_weights, self.device)
+            loader = _loader_for(self, update_info)
             with _mtp_check_disabled():
                 self.receive(update_info.metas(), loader)
             if update_info.report:
@@ -184,8 +224,10 @@ def engine_class():
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-            finalize_layerwise_reload(self.model, self.model_config)
-            _retie_cpu_lm_head(self.model, self.model_config)
+            if self._reloading:
+                finalize_layerwise_reload(self.model, self.model_config)
+                _retie_cpu_lm_head(self.model, self.model_config)
+            self._reloading = False
 
         def shutdown(self) -> None:
             group, self._group = self._group, None

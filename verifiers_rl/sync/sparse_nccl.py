@@ -1,0 +1,109 @@
+"""Changes only over NCCL: vLLM's own `sparse_nccl` engines, fed from our snapshot (delta.py).
+
+vLLM ships a sparse NCCL backend (`SparseNCCLTrainerWeightTransferEngine` here, its worker engine on the server,
+started with `--weight-transfer-config '{"backend": "sparse_nccl"}'`): flat int32 indices and values per checkpoint
+tensor, written on each worker through the model's own loader into the live parameters, TP shards and fused q/k/v
+and gate/up included. It takes sparse patches only, so a tensor that travels whole (the first sync, a sync after
+the server was replaced, a tensor that changed almost everywhere) is a patch of every index: 3x its bf16 bytes,
+paid once per run plus whatever delta.py's threshold sends whole. Tensors go out in chunks of about a bucket, one
+`/update_weights` each, so a full sync never holds more than a bucket of patches besides the snapshot.
+
+Like the dense NCCL path, vLLM's workers report nothing about what they loaded: the mismatch guard (guard.py) is
+the check. vLLM is imported lazily.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from verifiers_rl.sync.delta import Snapshot, Sparse
+from verifiers_rl.sync.nccl import NCCLSender
+from verifiers_rl.sync.sender import NamedTensors, SyncStats
+from verifiers_rl.sync.stream import as_stream
+
+_INT32_MAX = 2**31 - 1
+
+
+def _patch(name: str, update: Sparse | torch.Tensor, shape: tuple[int, ...]):
+    from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseWeightPatch
+
+    if isinstance(update, Sparse):
+        return SparseWeightPatch(name, update.index.to(torch.int32), update.values.reshape(-1), shape)
+    if update.numel() > _INT32_MAX:
+        raise ValueError(f"{name} has {update.numel()} elements; vLLM's sparse_nccl indexes with int32")
+    values = update.reshape(-1)
+    return SparseWeightPatch(name, torch.arange(values.numel(), dtype=torch.int32, device=values.device), values, shape)
+
+
+def patch_nbytes(patch) -> int:
+    return patch.indices.numel() * patch.indices.element_size() + patch.values.numel() * patch.values.element_size()
+
+
+class SparseNCCLSender(NCCLSender):
+    """`NCCLSender`'s init and control, vLLM's sparse engine for the bytes, a `Snapshot` for what changed."""
+
+    def __init__(self, client, **kwargs):
+        super().__init__(client, **kwargs)
+        self.snapshot = Snapshot()
+
+    def init(self) -> None:
+        try:
+            from vllm.distributed.weight_transfer.sparse_nccl_engine import (
+                SparseNCCLTrainerInitInfo,
+                SparseNCCLTrainerWeightTransferEngine,
+            )
+        except ImportError as e:
+            raise RuntimeError(
+                "sync_changed_only over NCCL needs vLLM >= 0.32 in the trainer's environment (its sparse_nccl "
+                "engine: pip install 'verifiers-rl[vllm]'); on CPU use the gloo backend"
+            ) from e
+        self._init_with(SparseNCCLTrainerInitInfo, SparseNCCLTrainerWeightTransferEngine)
+
+    def _wire_params(self, info_cls) -> dict:
+        return {}  # sparse patches are never packed
+
+    def _engine(self, engine_cls, info):
+        return engine_cls(client=self.control)
+
+    def _chunks(self, stream, version: int) -> Iterator[list]:
+        """The sync's patches in chunks of about a bucket: changes against the snapshot when it matches the
+        server's version, every element of every tensor otherwise (recorded as the new snapshot)."""
+        snap = self.snapshot
+        if snap.valid_for(self.client.weight_version(), stream.metas):
+            updates = ((n, u) for n, u in snap.updates(stream) if u is not None)
+        else:
+            updates = ((n, snap.tensors[n]) for n, _ in snap.recording(stream))
+        shapes = {m.name: tuple(m.shape) for m in stream.metas}
+        chunk, size = [], 0
+        for name, update in updates:
+            patch = _patch(name, update, shapes[name])
+            chunk.append(patch)
+            size += patch_nbytes(patch)
+            if size >= self.bucket_bytes:
+                yield chunk
+                chunk, size = [], 0
+        if chunk:
+            yield chunk
+
+    def send(self, named_tensors: NamedTensors, version: int) -> SyncStats:
+        if self.engine is None:
+            raise RuntimeError("call init() before send()")
+        t0 = time.perf_counter()
+        stream = as_stream(named_tensors)
+        torch.cuda.current_stream().synchronize()  # the optimizer's writes, before the diff reads them
+        sent, chunks = 0, 0
+        try:
+            self.control.start_weight_update()
+            for chunk in self._chunks(stream, version):
+                self.engine.send_weight_chunk(chunk)
+                sent, chunks = sent + sum(map(patch_nbytes, chunk)), chunks + 1
+            self.control.finish_weight_update(str(version))
+            self.client.reset_prefix_cache(timeout=self.timeout_s)
+        except BaseException:
+            self.snapshot.forget()  # the server may hold anything now: the next sync sends every element
+            raise
+        self.snapshot.version = version
+        return SyncStats(time.perf_counter() - t0, sent, len(stream.metas), chunks, version)
