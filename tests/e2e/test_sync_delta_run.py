@@ -110,6 +110,33 @@ def test_a_corrupted_delta_fails_verification_and_the_next_sync_is_whole(server,
     assert _sync(client, model, 21).bytes == whole
 
 
+def test_a_step_that_trained_nothing_keeps_the_next_sync_a_delta(server):
+    """PolicySync moves the server's version without moving weights after a step that trained nothing; the
+    snapshot follows it, so the next sync still sends only the changes."""
+    from verifiers_rl.sync.export import ReplicatedExport
+    from verifiers_rl.sync.policy_sync import PolicySync
+
+    client = server.client
+    sender = client.init_weight_transfer("gloo", bucket_bytes=BUCKET_BYTES, server_pauses=True, changed_only=True)
+    model = build_tiny_model(seed=6)[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    export = ReplicatedExport(model, torch.bfloat16)
+    policy = PolicySync()
+    policy.attach(client, "merged", started_from=None)
+    whole = sum(t.numel() * 2 for t in _wire(model).values())
+    policy.sync(export, 1)
+    assert sender.snapshot.version == 1
+    assert policy.sync(export, 2, changed=False) == 0.0  # nothing trained: no transfer
+    assert (client.weight_version(), sender.snapshot.version) == ("2", 2)
+    _step(model, opt, 3)
+    sizes = []
+    send = sender.send
+    sender.send = lambda tensors, version: sizes.append(stats := send(tensors, version)) or stats
+    policy.sync(export, 3)
+    assert 0 < sizes[0].bytes < whole  # a delta against version 2's (= version 1's) weights, and it landed
+    assert client.weight_version() == "3"
+
+
 def test_changed_only_is_refused_where_the_receiver_cannot_apply_it(server):
     with pytest.raises(ValueError, match="needs whole-weight sync over gloo or nccl, not 'adapter'"):
         server.client.init_weight_transfer("adapter", changed_only=True)

@@ -328,7 +328,7 @@ class TestTwoEngines:
         try:
             client.init_weight_transfer("gloo", bucket_bytes=BUCKET_BYTES)
             t0 = time.monotonic()
-            with pytest.raises(ServerError, match="/update_weights failed") as err:
+            with pytest.raises(ServerError, match="refused by the server.*no module or parameter named") as err:
                 client.update_weights(bad, version=12)
             print(f"refused in {time.monotonic() - t0:.1f}s: {err.value}")
             assert time.monotonic() - t0 < 30  # not the 90 s group timeout

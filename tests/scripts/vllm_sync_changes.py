@@ -2,7 +2,7 @@
 vLLM's real model classes, through vLLM's real loaders, over gloo and over vLLM's sparse NCCL engines.
 
 Real: vLLM's Qwen3 model class built by vLLM's `initialize_model` on CPU, its `load_weights` (q/k/v into qkv_proj,
-gate/up into gate_up_proj, vocabulary padding), vLLM's checkpoint-patch loader, vLLM's `Worker` weight-transfer
+gate/up into gate_up_proj, vocabulary padding), vLLM's checkpoint-patch loader (NCCL), vLLM's `Worker` weight-transfer
 methods, vLLM's RL HTTP routes, our gloo engine (inference/vllm/plugin.py), vLLM's `SparseNCCLWeightTransferEngine`
 and `SparseNCCLTrainerWeightTransferEngine`, our client and senders, real gloo.
 

@@ -86,6 +86,7 @@ LAYOUTS = {
     "8 gpus, tp 2 x dp 2, 2 trainers": (8, 4, 2, {}, "[inference.args]\ntensor_parallel_size = 2"),
     "8 gpus, zero3 x 4, full": (8, 4, 4, {"use_lora": False}, f'accelerate_config = "{ZERO3}"'),
     "1 gpu, the user's vLLM share": (1, 1, 1, {"server_args": ["--gpu-memory-utilization", "0.6"]}, ""),
+    "2 gpus, full, changes only": (2, 1, 1, {"use_lora": False, "sync_changed_only": True}, ""),
 }
 
 
@@ -117,6 +118,9 @@ def test_the_printed_plan_is_the_launched_plan(name, tmp_path, tiny_model_dir, m
         assert not [a for a in cmd if a.startswith("--trainer.args.") and "vllm_server" not in a]
     else:
         assert launched["trainer_args"].vllm_server_port == launched["port"]
+    if args.get("sync_changed_only"):  # vLLM's sparse NCCL engine on the server, the trainer's copy in the plan
+        assert argv[argv.index("--weight-transfer-backend") + 1] == "sparse_nccl"
+        assert "sync snapshot" in text
     if plan.serving.shared_gpu:  # the memory split printed is the share vLLM gets
         share = float(argv[argv.index("--gpu-memory-utilization") + 1])
         split = next(line for line in text.splitlines() if "on the same GPU" in line)

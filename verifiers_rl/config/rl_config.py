@@ -299,10 +299,11 @@ class RLConfig(TrainingArguments):
     sync_changed_only: bool = field(
         default=False,
         metadata=_help(
-            "Full fine-tuning into our CPU engine over gloo: after the first sync, send only the elements whose "
-            "wire-dtype (e.g. bf16) value changed, as indices and values (a whole tensor where that is smaller), "
-            "checked as every sync is. The trainer keeps one more wire-dtype copy of the weights. Not for LoRA, "
-            "vLLM or NCCL."
+            "Full fine-tuning: after the first sync, send only the elements whose wire-dtype (e.g. bf16) value "
+            "changed, as indices and values (a whole tensor where that is smaller). Into our CPU engine or vLLM on "
+            "a GPU over gloo (checked as every sync is), or over NCCL with vLLM's sparse_nccl engine (vf-rl starts "
+            "vLLM with it; the first sync sends every index too, 3x the bf16 bytes once). The trainer keeps one "
+            "more wire-dtype copy of the weights (the plan counts it). Not for LoRA, nor vLLM's CPU build."
         ),
     )
     lora_sync: str = field(

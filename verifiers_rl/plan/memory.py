@@ -185,12 +185,15 @@ def rank_parts(
     activation_checkpointing: bool,
     param_bytes: int = 2,
     master_bytes: int = FLOAT32,
+    sync_snapshot: bool = False,
 ) -> dict[str, int]:
     """One trainer rank's peak by part. ZeRO-3 and FSDP2 divide parameters, gradients and optimizer state by the
     number of ranks; DDP keeps them whole on every rank; activations are per rank either way. A LoRA adapter
     trains in float32 (peft's default): weight 4 bytes, gradient 4, two AdamW moments 8. Full fine-tuning keeps
     float32 master weights (`master_bytes`; models.training_kwargs), so gradient 4 and moments 8 too; the
-    `param_bytes` copies autocast casts for compute are tensors backward keeps, counted with the activations."""
+    `param_bytes` copies autocast casts for compute are tensors backward keeps, counted with the activations.
+    `sync_snapshot` (sync_changed_only): the sending rank keeps the last-sent weights whole, in `param_bytes`
+    (sync/delta.py); counted on every rank, as the plan is the largest rank's."""
     shard = ranks if layout in ("zero3", "fsdp2") else 1
     casts = 0
     if use_lora:
@@ -220,6 +223,8 @@ def rank_parts(
         ),
         "cuda_context": CUDA_CONTEXT,
     }
+    if sync_snapshot:
+        parts["sync_snapshot"] = shape.params * param_bytes
     parts["total"] = sum(parts.values())
     return parts
 
@@ -246,6 +251,7 @@ PART_NAMES = {
     "activations": "activations",
     "logprobs": "logprob chunks",
     "cuda_context": "CUDA context",
+    "sync_snapshot": "sync snapshot",  # only with sync_changed_only
 }
 _HOW = {"ddp": "whole on every rank", "zero3": "ZeRO-3 shards", "fsdp2": "FSDP2 shards"}
 TOKEN_STEP = 256  # a chosen micro_batch_tokens is a multiple of this (and at least max_seq_len)
@@ -267,7 +273,7 @@ class MemoryFit:
 
     def describe(self) -> list[str]:
         p = self.parts
-        terms = " + ".join(f"{name} {p[key] / GIB:.2f}" for key, name in PART_NAMES.items())
+        terms = " + ".join(f"{name} {p[key] / GIB:.2f}" for key, name in PART_NAMES.items() if key in p)
         lines = [
             f"each of {self.ranks} trainer rank(s) ({_HOW[self.layout]}): {terms} = ~{p['total'] / GIB:.1f} GiB "
             f"of {self.gpu_bytes / GIB:.1f} GiB"
@@ -299,6 +305,7 @@ def fit_training(
     gpu_memory_utilization: float | None = None,
     param_bytes: int = 2,
     headroom: float = 0.1,
+    sync_snapshot: bool = False,
 ) -> MemoryFit:
     """Plan one trainer rank's memory, and vLLM's share when it shares the GPU.
 
@@ -329,6 +336,7 @@ def fit_training(
             max_seq_len=max_seq_len,
             activation_checkpointing=checkpointing,
             param_bytes=param_bytes,
+            sync_snapshot=sync_snapshot,
         )
 
     tokens = micro_batch_tokens or micro_batch_size * max_seq_len
@@ -475,7 +483,9 @@ def _refusal(
     fixes.append(f"a shorter max_seq_len (now {max_seq_len})")
     if shared and gpu_memory_utilization is None:
         fixes.append("a second GPU, so that the server has one of its own")
-    terms = ", ".join(f"{name} {best[key] / GIB:.2f}" for key, name in PART_NAMES.items())
+    if "sync_snapshot" in best:
+        fixes.append("sync_changed_only = false")
+    terms = ", ".join(f"{name} {best[key] / GIB:.2f}" for key, name in PART_NAMES.items() if key in best)
     at_best = f"~{best['total'] / GIB:.1f} GiB ({terms})"
     if best is not configured:
         at_best += (

@@ -199,6 +199,7 @@ def _fit(args, machine, layout, gpus, serving, shape, user_set: frozenset[str]):
         activation_checkpointing=checkpointing if "activation_checkpointing" in user_set or checkpointing else None,
         shared_with_server=shared,
         gpu_memory_utilization=float(user_share) if user_share is not None and shared else None,
+        sync_snapshot=serving.changed_only,
     )
 
 
