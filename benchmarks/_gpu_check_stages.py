@@ -21,6 +21,8 @@ PROBE_TOKENS = 6
 TRAIN_STAGES = {
     "lora-bf16": {"lora_sync": "merged", "bf16": True, "learning_rate": 5e-2},
     "full-bf16": {"use_lora": False, "bf16": True, "learning_rate": 1e-2},
+    # sync_changed_only: the diff against the last-sent copy runs on the trainer's device (sync/delta.py)
+    "full-bf16-changes": {"use_lora": False, "bf16": True, "learning_rate": 1e-2, "sync_changed_only": True},
 }
 MEMORY_STAGES = {"memory-lora": True, "memory-full": False}  # name: use_lora
 
@@ -102,11 +104,13 @@ def train_stage(name: str, model_dir: str, work: str, steps: int, cpu: bool, bro
         max_prompt_len=None, use_cpu=cpu, report_to="none", server_engine="cpu", sync_backend="gloo",
         max_async_level=0, disable_tqdm=True, **TRAIN_STAGES[name],
     )  # fmt: skip
+    rec["changed_only"] = bool(args.sync_changed_only)
     env = vf.load_environment(
         "reverse-text", num_train_examples=32, num_eval_examples=4, system_prompt="Reverse the text."
     )
     trainer = RLTrainer(model=model_dir, env=env, args=args)
     probes: list[dict] = []
+    syncs: list[dict] = []
 
     class SyncProbe(TrainerCallback):
         """Added last, so it runs after SyncWeights: at train begin and after each step's sync."""
@@ -122,6 +126,31 @@ def train_stage(name: str, model_dir: str, work: str, steps: int, cpu: bool, bro
 
         def on_train_begin(self, a, state, control, **kw):
             self.probe(0)
+            sender = trainer.runtime.client.sender
+            send = sender.send
+
+            def recorded(tensors, version):  # each sync's bytes, whether it was a diff, what the copy then holds
+                snapshot = getattr(sender, "snapshot", None)
+                diffs = getattr(snapshot, "diffs", 0)
+                stats = send(tensors, version)
+                syncs.append(
+                    {"version": version, "bytes": stats.bytes, "diff": getattr(snapshot, "diffs", 0) > diffs,
+                     "snapshot": getattr(snapshot, "version", None)}
+                )  # fmt: skip
+                rec["syncs"] = syncs
+                return stats
+
+            snapshot = getattr(sender, "snapshot", None)
+            if snapshot is not None:  # count the diffs (Snapshot.updates runs once per diffed sync)
+                updates, snapshot.diffs = snapshot.updates, 0
+
+                def counted(stream):
+                    snapshot.diffs += 1
+                    return updates(stream)
+
+                snapshot.updates = counted
+
+            sender.send = recorded
 
         def on_step_end(self, a, state, control, **kw):
             self.probe(state.global_step)

@@ -12,6 +12,8 @@ min(--stage-timeout, what is left of --budget):
     lora-bf16    RLTrainer.train() (server_mode="spawn", server_engine="cpu", gloo sync, max_async_level=0) on the
                  tiny offline model and the repo's reverse-text environment: LoRA, merged sync, bf16 = true
     full-bf16    the same, full fine-tuning: float32 master weights (models.training_kwargs), bf16 compute
+    full-bf16-changes  the same with sync_changed_only: every sync after the first is a diff against the
+                 last-sent copy, computed on the trainer's device (sync/delta.py)
     memory-lora  forward/backward/AdamW of the Qwen3-0.6B shape (memory.KNOWN["qwen3-0.6b"], random weights) at
     memory-full  4 x 1024 tokens: torch.cuda.max_memory_allocated vs plan.memory.rank_parts (less the CUDA context)
 
@@ -91,7 +93,14 @@ def train_checks(rec: dict, steps: int, cuda: bool) -> list[tuple[str, bool]]:
         out.append((f"parameters on {rec['param_devices']}; trainable {rec['trainable_dtypes']}, frozen "
                     f"{rec['frozen_dtypes']}", rec["param_devices"] == ["cuda"]
                     and rec["trainable_dtypes"] == ["float32"]))  # fmt: skip
-    return out + sync_checks(rec.get("probes", []), steps, AGREE["cuda" if cuda else "cpu"])
+    out += sync_checks(rec.get("probes", []), steps, AGREE["cuda" if cuda else "cpu"])
+    if rec.get("changed_only"):
+        syncs = [(s["version"], s["bytes"], s["diff"], s["snapshot"]) for s in rec.get("syncs", [])]
+        ok = len(syncs) == steps and [d for _, _, d, _ in syncs] == [False] + [True] * (steps - 1)
+        ok = ok and all(v == snap for v, _, _, snap in syncs)
+        out.append((f"(c) sync_changed_only: the first sync whole, every later one a diff; (version, bytes, diff, "
+                    f"snapshot version) {syncs}", ok))  # fmt: skip
+    return out
 
 
 def memory_checks(rec: dict, cuda: bool) -> list[tuple[str, bool | None]]:

@@ -358,14 +358,15 @@ def _gpu_check(tmp_path, *args, timeout=120):
 
 def test_gpu_check_runs_on_cpu_and_ends_with_its_all_passed_line(tmp_path):
     """benchmarks/gpu_check.py, what a lent GPU machine runs, runs every stage here with --cpu (small shapes)."""
-    r, out = _gpu_check(tmp_path)
+    r, out = _gpu_check(tmp_path, timeout=300)
     lines = r.stdout.strip().splitlines()
     assert r.returncode == 0 and lines[-2].startswith("gpu_check: every check passed"), (
         r.stdout[-3000:] + r.stderr[-2000:]
     )
-    for name in ("lora-bf16", "full-bf16"):
+    for name in ("lora-bf16", "full-bf16", "full-bf16-changes"):
         probes = out["stages"][name]["probes"]
         assert [p["server_version"] for p in probes] == ["0", "1", "2", "3"]
+    assert [s["diff"] for s in out["stages"]["full-bf16-changes"]["syncs"]] == [False, True, True]
 
 
 def test_gpu_check_sync_checks_fail_when_the_sync_is_skipped(tmp_path):
