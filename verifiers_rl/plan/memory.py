@@ -192,8 +192,7 @@ def rank_parts(
     trains in float32 (peft's default): weight 4 bytes, gradient 4, two AdamW moments 8. Full fine-tuning keeps
     float32 master weights (`master_bytes`; models.training_kwargs), so gradient 4 and moments 8 too; the
     `param_bytes` copies autocast casts for compute are tensors backward keeps, counted with the activations.
-    `sync_snapshot` (sync_changed_only): the sending rank keeps the last-sent weights whole, in `param_bytes`
-    (sync/delta.py); counted on every rank, as the plan is the largest rank's."""
+    `sync_snapshot`: sync_changed_only's last-sent weights, whole, on the sending rank (sync/delta.py)."""
     shard = ranks if layout in ("zero3", "fsdp2") else 1
     casts = 0
     if use_lora:
@@ -480,17 +479,13 @@ def _refusal(
         fixes.append("activation_checkpointing = true")
     if micro_batch_tokens is not None and micro_batch_tokens > max_seq_len:
         fixes.append(f"a smaller micro_batch_tokens (now {micro_batch_tokens})")
-    fixes.append(f"a shorter max_seq_len (now {max_seq_len})")
+    fixes += [f"a shorter max_seq_len (now {max_seq_len})"] + ["sync_changed_only = false"] * ("sync_snapshot" in best)
     if shared and gpu_memory_utilization is None:
         fixes.append("a second GPU, so that the server has one of its own")
-    if "sync_snapshot" in best:
-        fixes.append("sync_changed_only = false")
     terms = ", ".join(f"{name} {best[key] / GIB:.2f}" for key, name in PART_NAMES.items() if key in best)
     at_best = f"~{best['total'] / GIB:.1f} GiB ({terms})"
     if best is not configured:
-        at_best += (
-            f" even at the smallest setting the planner may choose (as configured ~{configured['total'] / GIB:.1f})"
-        )
+        at_best += f" even at the planner's smallest setting (as configured ~{configured['total'] / GIB:.1f})"
     if shared and gpu_memory_utilization is not None:
         room = (
             f"the {gpu_bytes / GIB:.1f} GiB GPU less vLLM's gpu_memory_utilization = {gpu_memory_utilization} "
