@@ -8,7 +8,15 @@ import pytest
 
 from verifiers_rl.serving.launcher import InferenceServer
 
-VLLM_PYTHON = os.environ.get("VF_VLLM_PYTHON")
+VLLM_PYTHON = os.environ.get("VF_VLLM_PYTHON", "")
+# A module or test that needs the vLLM CPU venv (its python runs the vLLM side).
+NEEDS_VLLM = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not (VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK)),
+        reason="set VF_VLLM_PYTHON to the python of a venv with vLLM >= 0.32",
+    ),
+]
 ENGINES = [
     "cpu",
     pytest.param(

@@ -17,19 +17,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from servers import NEEDS_VLLM, VLLM_PYTHON
 
 from verifiers_rl.serving.launcher import InferenceServer
 from verifiers_rl.sync.nccl import SyncControl
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = os.environ.get("VF_VLLM_PYTHON", "")
-needs_vllm = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        not (VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK)),
-        reason="set VF_VLLM_PYTHON to the python of a venv with vLLM >= 0.32",
-    ),
-]
+needs_vllm = NEEDS_VLLM
 
 
 @pytest.fixture(scope="module")

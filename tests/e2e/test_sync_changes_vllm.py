@@ -10,16 +10,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from servers import NEEDS_VLLM, VLLM_PYTHON
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = os.environ.get("VF_VLLM_PYTHON", "")
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        not (VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK)),
-        reason="set VF_VLLM_PYTHON to the python of a venv with vLLM >= 0.32",
-    ),
-]
+pytestmark = NEEDS_VLLM
 
 
 @pytest.fixture(scope="module")

@@ -113,32 +113,25 @@ def test_a_sync_of_changes_only_counts_the_snapshot():
     """sync_changed_only keeps the last-sent weights whole in the wire dtype (sync/delta.py) on the sending rank,
     whatever the layout shards; the printed plan names the part."""
     shape = shape_of("Qwen/Qwen3-0.6B")
-    kw = dict(ranks=2, use_lora=False, lora_rank=16, micro_batch_tokens=4096, max_seq_len=1024)
+    kw = dict(ranks=2, use_lora=False, lora_rank=16, max_seq_len=1024)
     for layout in ("ddp", "zero3"):
-        plain = rank_parts(shape, layout=layout, activation_checkpointing=True, **kw)
-        snap = rank_parts(shape, layout=layout, activation_checkpointing=True, sync_snapshot=True, **kw)
+        plain = rank_parts(shape, layout=layout, activation_checkpointing=True, micro_batch_tokens=4096, **kw)
+        snap = rank_parts(
+            shape, layout=layout, activation_checkpointing=True, micro_batch_tokens=4096, sync_snapshot=True, **kw
+        )
         assert snap["total"] - plain["total"] == snap["sync_snapshot"] == 2 * shape.params
         assert "sync_snapshot" not in plain
-    fit = fit_training(
-        shape,
-        80 * GIB,
-        layout="zero3",
-        micro_batch_size=4,
-        micro_batch_tokens=None,
-        activation_checkpointing=None,
-        shared_with_server=False,
-        sync_snapshot=True,
-        **{k: v for k, v in kw.items() if k != "micro_batch_tokens"},
-    )
-    assert f"sync snapshot {2 * shape.params / GIB:.2f}" in fit.describe()[0]
-    plain_fit = fit_training(
-        shape,
-        80 * GIB,
-        layout="zero3",
-        micro_batch_size=4,
-        micro_batch_tokens=None,
-        activation_checkpointing=None,
-        shared_with_server=False,
-        **{k: v for k, v in kw.items() if k != "micro_batch_tokens"},
-    )
-    assert "sync snapshot" not in plain_fit.describe()[0]
+    for snapshot in (True, False):
+        fit = fit_training(
+            shape,
+            80 * GIB,
+            layout="zero3",
+            micro_batch_size=4,
+            micro_batch_tokens=None,
+            activation_checkpointing=None,
+            shared_with_server=False,
+            sync_snapshot=snapshot,
+            **kw,
+        )
+        named = f"sync snapshot {2 * shape.params / GIB:.2f}" in fit.describe()[0]
+        assert named == snapshot
