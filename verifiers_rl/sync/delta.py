@@ -6,16 +6,19 @@ indices and the new values (`Sparse`), or the whole tensor where that is smaller
 
 The trainer keeps the last-sent wire-dtype copy of every tensor (`Snapshot`, on the tensors' own device: one extra
 copy of the synced weights) and updates it with the same `apply` the receiver runs, so the two stay equal. A delta
-is only valid against the version the server holds: the sender checks the server's version first and the receiver
-checks the delta's base version again (sync/gloo.py, cpu/weight_receiver.py); any doubt is a full sync.
+is only valid against the version the server holds: the sender checks the server's version first, and our CPU
+engine checks the delta's base version again (sync/gloo.py, cpu/weight_receiver.py); any doubt is a full sync.
 
-The sparse parts travel as ordinary tensors (`<name>#delta_index`, `<name>#delta_values`) through the same bucket
-path as full tensors, so every backend that moves buckets moves them; `UpdateInfo.delta` names the whole tensors
-they update, and the receivers report checksums of those whole tensors after applying (sync/verify.py).
+Over gloo the sparse parts travel as ordinary tensors (`<name>#delta_index`, `<name>#delta_values`) through the
+same bucket path as full tensors; `UpdateInfo.delta` names the whole tensors they update. Our CPU engine reports
+checksums of those whole tensors after applying; vLLM's workers report the tensors received and compare the changes
+where they landed (inference/vllm/changes.py; sync/verify.py). Over NCCL they go to vLLM's sparse engine as patches
+(sparse_nccl.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -173,6 +176,16 @@ class Snapshot:
     def forget(self) -> None:
         """A sync failed or was refused: the server may hold anything; the next sync is a full one."""
         self.tensors, self.version = {}, None
+
+    @contextlib.contextmanager
+    def sending(self, version: int):
+        """Around one sync (delta or full): the snapshot holds `version` once it landed, nothing if it failed."""
+        try:
+            yield
+        except BaseException:
+            self.forget()
+            raise
+        self.version = version
 
     def recording(self, stream: WeightStream) -> WeightStream:
         """`stream` as it is, copying each tensor into the snapshot as it passes (a full sync)."""

@@ -268,19 +268,13 @@ class GlooSender:
         snap = self.snapshot
         if snap is None:
             return self._send(tensors, version, t0)
-        try:
+        with snap.sending(version):
             # A delta only against the version the server holds now (a restart, a replaced server or a version
-            # moved without us: a full sync); the receiver checks the base version again.
+            # moved without us: a full sync); our CPU engine checks the base version again.
             if snap.valid_for(self.client.weight_version(), tensors.metas):
                 change = snap.delta(tensors)
-                stats = self._send(change.wire, version, t0, change, base=snap.version)
-            else:
-                stats = self._send(snap.recording(tensors), version, t0)
-        except BaseException:
-            snap.forget()
-            raise
-        snap.version = version
-        return stats
+                return self._send(change.wire, version, t0, change, base=snap.version)
+            return self._send(snap.recording(tensors), version, t0)
 
     def _send(self, tensors: WeightStream, version: int, t0: float, change: Delta | None = None, base=None):
         """Describe the sync, move its buckets, check what landed; `change`: a delta sync (delta.py). Our CPU

@@ -112,13 +112,13 @@ class NCCLSender:
             master_port=free_port(self.host),
             world_size=1 + self.client.get_world_size(),
             rank=0,  # the one trainer process that sends; vLLM's workers take ranks 1..n
-            **self._wire_params(info_cls),
+            **self._wire_params(),
         )
         engine = self._engine(engine_cls, info)
         group = engine.model_update_group = BoundedInit(self.control, self.init_timeout_s).open(info)
         self.engine, self.device = engine, group.device
 
-    def _wire_params(self, info_cls) -> dict:
+    def _wire_params(self) -> dict:
         return {"packed": True, "packed_buffer_size_bytes": self.bucket_bytes}
 
     def _engine(self, engine_cls, info):

@@ -62,13 +62,13 @@ class SparseNCCLSender(NCCLSender):
             ) from e
         self._init_with(SparseNCCLTrainerInitInfo, SparseNCCLTrainerWeightTransferEngine)
 
-    def _wire_params(self, info_cls) -> dict:
+    def _wire_params(self) -> dict:
         return {}  # sparse patches are never packed
 
     def _engine(self, engine_cls, info):
         return engine_cls(client=self.control)
 
-    def _chunks(self, stream, version: int) -> Iterator[list]:
+    def _chunks(self, stream) -> Iterator[list]:
         """The sync's patches in chunks of about a bucket: changes against the snapshot when it matches the
         server's version, every element of every tensor otherwise (recorded as the new snapshot)."""
         snap = self.snapshot
@@ -95,15 +95,11 @@ class SparseNCCLSender(NCCLSender):
         stream = as_stream(named_tensors)
         torch.cuda.current_stream().synchronize()  # the optimizer's writes, before the diff reads them
         sent, chunks = 0, 0
-        try:
+        with self.snapshot.sending(version):  # a failed sync: the next one sends every element
             self.control.start_weight_update()
-            for chunk in self._chunks(stream, version):
+            for chunk in self._chunks(stream):
                 self.engine.send_weight_chunk(chunk)
                 sent, chunks = sent + sum(map(patch_nbytes, chunk)), chunks + 1
             self.control.finish_weight_update(str(version))
             self.client.reset_prefix_cache(timeout=self.timeout_s)
-        except BaseException:
-            self.snapshot.forget()  # the server may hold anything now: the next sync sends every element
-            raise
-        self.snapshot.version = version
         return SyncStats(time.perf_counter() - t0, sent, len(stream.metas), chunks, version)
