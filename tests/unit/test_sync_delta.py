@@ -156,3 +156,13 @@ def test_a_tensor_of_another_shape_or_dtype_is_an_error():
         delta.diff(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="cannot compare"):
         delta.diff(torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16))
+
+
+def test_sparse_nccl_refuses_a_tensor_its_int32_indices_cannot_address():
+    """vLLM's sparse engine indexes with int32: past 2**31 elements our int64 index would wrap, so it is refused
+    (checked before vLLM is imported: this runs without it)."""
+    from verifiers_rl.sync.sparse_nccl import _patch
+
+    big = delta.Sparse(torch.tensor([2**31 + 5], dtype=torch.int64), torch.ones(1, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="2147483648 elements; vLLM's sparse_nccl indexes with int32"):
+        _patch("model.embed_tokens.weight", big, (2**20, 2**11))

@@ -14,26 +14,25 @@ the check. vLLM is imported lazily.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 
 import torch
 
-from verifiers_rl.sync.delta import Snapshot, Sparse
+from verifiers_rl.sync.delta import Snapshot, Sparse, index_dtype
 from verifiers_rl.sync.nccl import NCCLSender
 from verifiers_rl.sync.sender import NamedTensors, SyncStats
 from verifiers_rl.sync.stream import as_stream
 
-_INT32_MAX = 2**31 - 1
-
 
 def _patch(name: str, update: Sparse | torch.Tensor, shape: tuple[int, ...]):
+    if index_dtype(math.prod(shape)) != torch.int32:  # a Sparse index there is int64, which int32 would wrap
+        raise ValueError(f"{name} has {math.prod(shape)} elements; vLLM's sparse_nccl indexes with int32")
     from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseWeightPatch
 
     if isinstance(update, Sparse):
         return SparseWeightPatch(name, update.index.to(torch.int32), update.values.reshape(-1), shape)
-    if update.numel() > _INT32_MAX:
-        raise ValueError(f"{name} has {update.numel()} elements; vLLM's sparse_nccl indexes with int32")
     values = update.reshape(-1)
     return SparseWeightPatch(name, torch.arange(values.numel(), dtype=torch.int32, device=values.device), values, shape)
 
