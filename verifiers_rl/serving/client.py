@@ -15,7 +15,6 @@ from collections.abc import Iterator
 
 import httpx
 
-from verifiers_rl.config.choices import Transport
 from verifiers_rl.config.net import LOOPBACK
 from verifiers_rl.errors import ServerError
 from verifiers_rl.serving.auth import ADAPTER_ROUTES, CONTROL_ROUTES, TOKEN_HEADER
@@ -191,16 +190,11 @@ class InferenceClient:
         `shared_memory`: with `server_pauses` and a loopback `host`, offer the server buckets through shared
         memory (sync/shm.py); False keeps every byte on gloo. `changed_only`: after the first sync, send only
         the elements that changed (sync/delta.py), over gloo or NCCL (vLLM's `sparse_nccl` backend)."""
-        if changed_only and backend not in (Transport.GLOO, Transport.NCCL):
-            raise ValueError(
-                "sending only what changed (sync_changed_only) needs whole-weight sync over gloo or nccl, "
-                f"not {backend!r}"
-            )
-        self.close_weight_transfer()
         timeout_s = self.sync_timeout if timeout_s is None else timeout_s
-        sender = create_sender(
+        sender = create_sender(  # a backend it refuses leaves the group this client has, as it was
             backend, self, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s, changed_only=changed_only
         )
+        self.close_weight_transfer()
         if server_pauses:
             sender.pauses_itself = True
         if not shared_memory:

@@ -24,6 +24,10 @@ def create_sender(
     from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES
 
     bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
+    if changed_only and backend not in (Transport.GLOO, Transport.NCCL):
+        raise ValueError(
+            f"sending only what changed (sync_changed_only) needs whole-weight sync over gloo or nccl, not {backend!r}"
+        )
     if backend == Transport.GLOO:
         from verifiers_rl.sync.gloo import GlooSender
 
