@@ -82,3 +82,18 @@ def test_the_copy_swap_is_this_threads_only():
     assert seen["other"] == [1.0, 1.0, 1.0] and dst.tolist() == [0.0, 0.0, 0.0]
     dst.copy_(torch.ones(3))  # restored afterwards
     assert dst.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_loader_that_does_not_end_in_one_same_shaped_copy_is_refused():
+    """A quantized layer's loader (say) copies into another shape: changes cannot be written there, and the worker
+    says so rather than writing what it cannot place."""
+
+    class Reshaping(Fused):
+        def load_weights(self, weights):
+            for _, w in weights:
+                self.gate_up.data.view(-1)[:12].copy_(w)  # a flattened destination: not the same shape
+
+    update = changes.Sparse(torch.tensor([0], dtype=torch.int32), torch.tensor([1.0], dtype=torch.bfloat16))
+    refused = r"does not end in one same-shaped floating-point copy \(\(3, 4\) into \(12,\)"
+    with pytest.raises(ValueError, match=refused):
+        changes.load_changes(Reshaping(), [("gate", update)], {"gate": TensorMeta("gate", torch.bfloat16, (3, 4))})

@@ -61,7 +61,7 @@ def _writes(write: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
 def _final_copy(destination: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """The source of the loader's final copy, checked against vLLM's contract (one same-shaped float copy)."""
     if not (destination.is_floating_point() and source.is_floating_point() and destination.shape == source.shape):
-        raise NotImplementedError(
+        raise ValueError(
             f"this model's loader does not end in one same-shaped floating-point copy ({tuple(source.shape)} into "
             f"{tuple(destination.shape)}): a sync of changes cannot be written into it"
         )

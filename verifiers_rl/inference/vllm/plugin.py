@@ -23,6 +23,8 @@ import contextlib
 import functools
 from typing import Any
 
+from verifiers_rl.inference.vllm import changes
+from verifiers_rl.sync import delta
 from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES, UpdateInfo
 from verifiers_rl.sync.gloo import GlooInitInfo
 from verifiers_rl.sync.verify import tensor_checksum
@@ -118,11 +120,8 @@ class _ChangeLoader(_DrainingLoader):
     length is mixed in), so the trainer names it as holding other bytes than were sent."""
 
     def __init__(self, model, targets, device):
-        from verifiers_rl.inference.vllm import changes
-        from verifiers_rl.sync import delta
-
         super().__init__(self._load, device)
-        self.model, self.targets, self.changes = model, {m.name: m for m in targets}, changes
+        self.model, self.targets = model, {m.name: m for m in targets}
         self.pairing = delta.Pairing()
         self.wire_of: dict[str, list[str]] = {}
         packed = changes.packed_away(model)
@@ -134,14 +133,12 @@ class _ChangeLoader(_DrainingLoader):
             )
 
     def _load(self, copies) -> None:
-        from verifiers_rl.sync import delta
-
         for name, _ in copies:
             target = name.removesuffix(delta.INDEX_SUFFIX).removesuffix(delta.VALUE_SUFFIX)
             self.wire_of.setdefault(target, []).append(name)
         updates = list(self.pairing.updates(copies))
-        self.changes.load_changes(self.model, updates, self.targets)
-        for target in self.changes.not_landed(self.model, updates, self.targets):
+        changes.load_changes(self.model, updates, self.targets)
+        for target in changes.not_landed(self.model, updates, self.targets):
             self.sums.update((n, 0) for n in self.wire_of[target])
 
 
