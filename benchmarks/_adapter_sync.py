@@ -61,8 +61,9 @@ def _server(engine: str, model_dir: str, out: str, serving):
     from verifiers_rl.serving.launcher import InferenceServer
 
     if engine == "cpu":
-        args = ["--max-model-len", "1024", "--max-num-seqs", "8", "--log-level", "warning"]
-        return InferenceServer(model_dir, engine="cpu", output_dir=out, extra_args=args, startup_timeout=600)
+        from _common import sync_server
+
+        return sync_server(model_dir, out, startup_timeout=600)
     args = ["--weight-transfer-backend", "gloo", "--dtype", "float32", "--max-model-len", "512"]
     args += ["--enforce-eager", "--max-num-seqs", "8"]
     return InferenceServer(

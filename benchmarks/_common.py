@@ -111,6 +111,17 @@ def cpu_server(model: str, work: str, **serve_kwargs):
     return Variant(model, engine="cpu", output_dir=work, startup_timeout=120.0)
 
 
+def sync_server(model_dir, out: str, startup_timeout: float = 300):
+    """Our CPU engine as the sync benchmarks run it (the trainer's launcher, engine="cpu"): a small KV cache and a
+    quiet log, so the server's own work stays out of what a sync costs."""
+    from verifiers_rl.serving.launcher import InferenceServer
+
+    args = ["--max-model-len", "1024", "--max-num-seqs", "8", "--log-level", "warning"]
+    return InferenceServer(
+        str(model_dir), engine="cpu", output_dir=out, extra_args=args, startup_timeout=startup_timeout
+    )
+
+
 def row(name: str, baseline, ours, ratio, goal: str, passed: bool | None, unit: str = "", **extra) -> dict:
     """One line of a result table. `passed` is None for rows that only report (no goal)."""
     return {

@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import RESULTS_DIR, cpu_server, finish, median, row, wait_for_quiet  # noqa: E402
+from _common import RESULTS_DIR, cpu_server, finish, median, row, sync_server, wait_for_quiet  # noqa: E402
 
 NAME = "bench_cpu_tunings"
 KEEP = 1.10  # a tuning stays at >= 10 %
@@ -177,17 +177,13 @@ def fast_path(model_dir: str, tmp: str, quick: bool, log) -> dict:
 def shm_sync(tmp: str, quick: bool, log) -> dict:
     from bench_sync import bucketed_sync, on
 
-    from verifiers_rl.serving.launcher import InferenceServer
     from verifiers_rl.tiny import build_tiny_model, save_tiny_model
 
     hidden, layers = (256, 16) if quick else (704, 22)
     repeats = 3 if quick else 5
     model_dir = save_tiny_model(os.path.join(tmp, "sync"), hidden=hidden, layers=layers)
     model, _ = build_tiny_model(hidden=hidden, layers=layers)
-    server = InferenceServer(
-        str(model_dir), engine="cpu", output_dir=os.path.join(tmp, "sync-out"), startup_timeout=300,
-        extra_args=["--max-model-len", "1024", "--max-num-seqs", "8", "--log-level", "warning"],
-    )  # fmt: skip
+    server = sync_server(model_dir, os.path.join(tmp, "sync-out"))
     with server as client:
         out = interleaved(
             {

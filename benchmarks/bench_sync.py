@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _adapter_sync  # noqa: E402
 import torch  # noqa: E402
-from _common import arg_parser, finish, median, row, wait_for_quiet  # noqa: E402
+from _common import arg_parser, finish, median, row, sync_server, wait_for_quiet  # noqa: E402
 
 NAME = "bench_sync"
 
@@ -194,7 +194,6 @@ def raw_gloo_bandwidth(nbytes: int, repeats: int, fresh: bool = False) -> dict:
 
 def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
     from verifiers_rl.models import weight_bytes
-    from verifiers_rl.serving.launcher import InferenceServer
     from verifiers_rl.tiny import build_tiny_model, save_tiny_model
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -218,13 +217,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
             n_tensors = sum(1 for _ in model.parameters())
             nbytes = weight_bytes(model)
             is_last = i == len(models) - 1
-            server = InferenceServer(
-                str(model_dir),
-                engine="cpu",
-                output_dir=os.path.join(tmp, "out"),
-                extra_args=["--max-model-len", "1024", "--max-num-seqs", "8", "--log-level", "warning"],
-                startup_timeout=300,
-            )
+            server = sync_server(model_dir, os.path.join(tmp, "out"))
             info = {"hidden": hidden, "layers": layers, "params": n_params, "tensors": n_tensors, "bytes": nbytes}
             with server as client:
                 on(client, model, shm=True)  # the default bucket size (DEFAULT_BUCKET_BYTES)

@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from _common import arg_parser, finish, git_commit, median, row, wait_for_quiet  # noqa: E402
+from _common import arg_parser, finish, git_commit, median, row, sync_server, wait_for_quiet  # noqa: E402
 
 NAME = "bench_sync_delta"
 MODEL = ("~100M", 704, 22)  # (label, hidden, layers), as bench_sync's ~100M row
@@ -90,7 +90,6 @@ def changed_fraction(model, before: list) -> float:
 
 
 def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
-    from verifiers_rl.serving.launcher import InferenceServer
     from verifiers_rl.sync.policy_weights import merged_stream
     from verifiers_rl.tiny import build_tiny_model, save_tiny_model
 
@@ -114,13 +113,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
         before = [(n, t.clone()) for n, t in merged_stream(model, torch.bfloat16)]
         results.update(params=n_params, wire_bytes=sum(t.numel() * 2 for _, t in before))
-        server = InferenceServer(
-            str(model_dir),
-            engine="cpu",
-            output_dir=os.path.join(tmp, "out"),
-            extra_args=["--max-model-len", "1024", "--max-num-seqs", "8", "--log-level", "warning"],
-            startup_timeout=300,
-        )
+        server = sync_server(model_dir, os.path.join(tmp, "out"))
         with server as client:
             client.init_weight_transfer(server_pauses=True, changed_only=True)
             for lr in lrs:
