@@ -65,13 +65,6 @@ class StepClock:
         finally:
             self.add(stage, self.now() - t0)
 
-    def timed(self, stage: str, fn: Callable) -> Callable:
-        def wrapper(*args, **kwargs):
-            with self.span(stage):
-                return fn(*args, **kwargs)
-
-        return wrapper
-
     def open(self, stage: str) -> None:
         self._open[stage] = self.now()
 

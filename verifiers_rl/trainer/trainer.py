@@ -162,7 +162,12 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         """The step's wall time by stage (step_timing.py; a new clock per train()); returns the optimizer's timer."""
         self.clock = StepClock()
         waits = self.runtime.policy.before_transfer  # a sync first waits for batches that need older weights
-        self.runtime.policy.before_transfer = lambda version: self.clock.timed("rollouts_wait", waits)(version)
+
+        def timed_wait(version: int) -> None:
+            with self.clock.span("rollouts_wait"):  # this train()'s clock, looked up when the sync runs
+                waits(version)
+
+        self.runtime.policy.before_transfer = timed_wait
         return TimeOptimizer(self)
 
     @staticmethod
