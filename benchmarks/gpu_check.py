@@ -25,8 +25,9 @@ Memory stages: the estimate is within +-15 % of the measured peak (on CUDA only)
 after the first a no-op (no bytes, no version), so (a) and (b) must fail. Writes gpu_check.json (device, versions,
 per stage: record and checks) to --out after every stage; exits 1 when a check failed.
 
-Installing on a machine with CUDA torch, transformers, peft and accelerate but no network: build the wheels here
-and carry them (benchmarks/README.md has the commands; `--wheel-list` names the packages).
+On a lent machine (no network) this project and what its image lacks travel as wheels: gpu_wheels.py builds them
+here, gpu_check_device.sh installs them there and runs this script. `[warn] preflight:` lines name requirements
+the installed packages do not meet.
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ _pp = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 os.environ["PYTHONPATH"] = os.pathsep.join(_pp + [p for p in (str(ROOT), str(ENV_DIR)) if p not in _pp])
 
 import _gpu_check_stages as stages  # noqa: E402
+import gpu_wheels  # noqa: E402
 
 RESULT = "gpu_check.json"
 MEMORY_TOLERANCE = 0.15
 MOVED = 0.05  # a served logprob that moved less than this after the large step did not move
 AGREE = {"cpu": 1e-2, "cuda": 3e-2}  # bf16 compute on both sides: max |server - trainer| per token
 ALL_PASSED = "gpu_check: every check passed"
-ON_MACHINE = ("torch", "transformers", "peft", "accelerate")  # what a lent GPU machine has
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -187,40 +188,6 @@ def run_stage(cmd: list[str], log: Path, timeout: float) -> tuple[int | None, li
 # ---------------------------------------------------------------------------------------------- main
 
 
-def wheel_list() -> tuple[list[str], list[str]]:
-    """This project's dependency closure less what a lent GPU machine has (ON_MACHINE's closure), split into
-    pure-Python distributions (carry them as wheels) and those with compiled files (the machine must have them)."""
-    import importlib.metadata as md
-
-    from packaging.requirements import Requirement
-
-    def closure(names) -> set[str]:
-        seen, todo = set(), list(names)
-        while todo:
-            name = todo.pop().lower().replace("_", "-")
-            if name in seen:
-                continue
-            seen.add(name)
-            try:
-                reqs = md.requires(name) or []
-            except md.PackageNotFoundError:
-                continue
-            for line in reqs:
-                r = Requirement(line)
-                if r.marker is None or r.marker.evaluate({"extra": ""}):
-                    todo.append(r.name)
-        return seen
-
-    pure, compiled = [], []
-    for name in sorted(closure(["verifiers-rl"]) - closure(ON_MACHINE)):
-        try:
-            files = md.distribution(name).files or []
-        except md.PackageNotFoundError:
-            continue
-        (compiled if any(str(f).endswith((".so", ".pyd")) for f in files) else pure).append(name)
-    return pure, compiled
-
-
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -230,7 +197,6 @@ def parse(argv):
     ap.add_argument("--stage-timeout", type=float, default=180.0, help="seconds one stage may take at most")
     ap.add_argument("--only", choices=[*stages.TRAIN_STAGES, *stages.MEMORY_STAGES], action="append")
     ap.add_argument("--break-sync", action="store_true", help="debug: skip every sync after the first")
-    ap.add_argument("--wheel-list", action="store_true", help="print the packages to carry as wheels, and exit")
     ap.add_argument("--stage", help=argparse.SUPPRESS)  # worker mode
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -243,11 +209,6 @@ def main(argv=None) -> int:
     if a.stage:
         stages.run(a.stage, a.result, a.model_dir, a.work, a.steps, a.cpu, a.break_sync)
         return 0
-    if a.wheel_list:
-        pure, compiled = wheel_list()
-        print(" ".join(pure))
-        print(f"compiled (the machine must have them): {' '.join(compiled)}", file=sys.stderr)
-        return 0
     start = time.monotonic()
     import torch
 
@@ -259,6 +220,9 @@ def main(argv=None) -> int:
             "torch": torch.__version__, "python": sys.version.split()[0], "steps": a.steps,
             "break_sync": a.break_sync, "budget_s": a.budget}  # fmt: skip
     print(json.dumps(info), flush=True)
+    info["preflight"] = gpu_wheels.unmet()  # information: the H200 ran with such lines about the image's packages
+    for line in info["preflight"]:
+        print(f"[warn] preflight: {line}", flush=True)
     results: dict = {"info": info, "stages": {}}
     os.makedirs(a.out, exist_ok=True)
     path = Path(a.out) / RESULT
