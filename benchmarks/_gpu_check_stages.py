@@ -175,23 +175,46 @@ def train_stage(name: str, model_dir: str, work: str, steps: int, cpu: bool, bro
 # ---------------------------------------------------------------------------------------------- memory stages
 
 
+# One micro-batch of 4 x 1024 tokens as the trainer packs rollouts of mixed lengths under SDPA (rows as wide as
+# the longest sample, shorter samples sharing a row): positions restart inside rows, so transformers builds the
+# block-diagonal mask and repeats k/v, the case the planner counts. Equal-length samples would fill one row each
+# and run maskless, a smaller peak than the planner's.
+SAMPLE_LENGTHS = (1024, 700, 324, 600, 424, 512, 512)
+
+
+def packed_microbatch(vocab: int, row_len: int):
+    """The trainer's own collation (batch.microbatches.collate_packed) of SAMPLE_LENGTHS scaled to `row_len`."""
+    import torch
+
+    from verifiers_rl.batch.microbatches import collate_packed
+    from verifiers_rl.batch.samples import Sample
+
+    lengths = [n * row_len // 1024 for n in SAMPLE_LENGTHS]
+    samples = [
+        Sample(input_ids=torch.randint(0, vocab, (n,)).tolist(), loss_mask=[k >= n // 4 for k in range(n)],
+               sampler_logprobs=[0.0] * n, advantage=1.0, rollout=i)
+        for i, n in enumerate(lengths)
+    ]  # fmt: skip
+    return collate_packed(samples, row_len)
+
+
 def memory_stage(use_lora: bool, cpu: bool, rec: Record, steps: int = 3) -> None:
     """Peak allocated memory of the trainer's forward/backward/AdamW on the Qwen3-0.6B shape (random weights, built
-    offline; CPU: a small shape, the same code) against the planner's estimate for one DDP rank."""
+    offline; CPU: a small shape, the same code) against the planner's estimate for one DDP rank: packed
+    micro-batches of 4 x 1024 tokens, two a step, under bf16 autocast (accelerate's, under bf16 = true)."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from verifiers_rl.batch.microbatches import PaddedBatch
+    from verifiers_rl.config.lora import lora_config, wrap_lora
     from verifiers_rl.loss.forward import token_logprobs
     from verifiers_rl.models import training_kwargs
     from verifiers_rl.plan.memory import KNOWN, ModelShape, rank_parts
     from verifiers_rl.sync.export import ReplicatedExport
 
     _, hidden, inter, layers, heads, kv, head_dim, vocab, tied = KNOWN["qwen3-0.6b"]
-    seq_len, rows = 1024, 4
+    seq_len = 1024  # the row width; the micro-batch holds 4 rows (SAMPLE_LENGTHS)
     if cpu:
-        hidden, inter, layers, heads, kv, head_dim, vocab, seq_len, rows = 64, 128, 2, 4, 2, 16, 1024, 64, 2
+        hidden, inter, layers, heads, kv, head_dim, vocab, seq_len = 64, 128, 2, 4, 2, 16, 1024, 64
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
                       tie_word_embeddings=tied)  # fmt: skip
@@ -205,29 +228,27 @@ def memory_stage(use_lora: bool, cpu: bool, rec: Record, steps: int = 3) -> None
         torch.cuda.reset_peak_memory_stats()
     with torch.device(device):
         model = Qwen3ForCausalLM(cfg).to(dtype)
-    if use_lora:
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets))
+    if use_lora:  # the trainer's adapter (its default targets)
+        model = wrap_lora(model, lora_config(16))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     head = ReplicatedExport(model)
+    tokens = 0
     for _ in range(steps):
-        ids = torch.randint(0, vocab, (rows, seq_len), device=device)
-        mask = torch.zeros(rows, seq_len - 1, dtype=torch.bool, device=device)
-        mask[:, seq_len // 4 :] = True  # the completion part of each row is trained
-        mb = PaddedBatch(input_ids=ids, attention_mask=torch.ones_like(ids), target_ids=ids[:, 1:], loss_mask=mask,
-                        sampler_logprobs=torch.zeros(mask.shape, device=device),
-                        advantages=torch.ones(rows, device=device), num_real_tokens=ids.numel(),
-                        num_padded_tokens=0, num_loss_tokens=int(mask.sum()), num_sequences=rows)  # fmt: skip
-        with torch.autocast(device.type, torch.bfloat16):
-            logprobs, _ = token_logprobs(model, head, mb, 1.0)
-            loss = -(logprobs * mask).sum() / mask.sum()
-        loss.backward()
+        # two micro-batches a step, as the trainer accumulates them: the first one's gradients live through the
+        # second one's activations, the peak the planner counts (with one, no gradient exists at the peak)
+        for _ in range(2):
+            mb = packed_microbatch(vocab, seq_len).to(device)
+            tokens = int(mb.input_ids.numel())
+            with torch.autocast(device.type, torch.bfloat16):
+                logprobs, _ = token_logprobs(model, head, mb, 1.0)
+                loss = -(logprobs * mb.loss_mask).sum() / mb.loss_mask.sum()
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     est = rank_parts(ModelShape.from_config(cfg), layout="ddp", ranks=1, use_lora=use_lora, lora_rank=16,
-                     micro_batch_tokens=rows * seq_len, max_seq_len=seq_len, activation_checkpointing=False,
+                     micro_batch_tokens=tokens, max_seq_len=seq_len, activation_checkpointing=False,
                      param_bytes=2)  # fmt: skip
-    rec["shape"] = {"hidden": hidden, "layers": layers, "vocab": vocab, "tokens": rows * seq_len}
+    rec["shape"] = {"hidden": hidden, "layers": layers, "vocab": vocab, "tokens": tokens, "row": seq_len}
     rec["master_dtypes"] = sorted({str(p.dtype)[6:] for p in model.parameters() if p.requires_grad})
     rec["planner_allocated_bytes"] = est["total"] - est["cuda_context"]  # max_memory_allocated omits the context
     rec["planner_parts"] = est

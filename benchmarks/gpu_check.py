@@ -14,8 +14,9 @@ min(--stage-timeout, what is left of --budget):
     full-bf16    the same, full fine-tuning: float32 master weights (models.training_kwargs), bf16 compute
     full-bf16-changes  the same with sync_changed_only: every sync after the first is a diff against the
                  last-sent copy, computed on the trainer's device (sync/delta.py)
-    memory-lora  forward/backward/AdamW of the Qwen3-0.6B shape (memory.KNOWN["qwen3-0.6b"], random weights) at
-    memory-full  4 x 1024 tokens: torch.cuda.max_memory_allocated vs plan.memory.rank_parts (less the CUDA context)
+    memory-lora  forward/backward/AdamW of the Qwen3-0.6B shape (memory.KNOWN["qwen3-0.6b"], random weights), two
+    memory-full  packed micro-batches of 4 x 1024 tokens a step: torch.cuda.max_memory_allocated vs
+                 plan.memory.rank_parts (less the CUDA context)
 
 Checks, one `[ok]` / `[FAIL]` / `[skip]` line each. Training stages: train() returned; the parameters are on cuda
 and train in float32 (not with --cpu); (a) after every step the server's own `/weight_info` version equals the

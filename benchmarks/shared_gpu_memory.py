@@ -90,8 +90,9 @@ def measure(use_lora: bool, tokens: int, checkpointing: bool, seq_len: int = 102
             num_loss_tokens=int(mask.sum()),
             num_sequences=rows,
         )
-        logprobs, _ = token_logprobs(model, head, mb, 1.0)
-        loss = -(logprobs * mask).sum() / mask.sum()
+        with torch.autocast("cuda", torch.bfloat16):  # bf16 = true: the trainer's forward runs under autocast
+            logprobs, _ = token_logprobs(model, head, mb, 1.0)
+            loss = -(logprobs * mask).sum() / mask.sum()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -113,6 +114,7 @@ def measure(use_lora: bool, tokens: int, checkpointing: bool, seq_len: int = 102
     torch.cuda.empty_cache()
     return {
         "use_lora": use_lora,
+        "autocast": True,  # rows without this key were measured without it (results of 2026-11)
         "tokens": rows * seq_len,
         "checkpointing": checkpointing,
         "peak_gib": peak / GIB,

@@ -1,10 +1,10 @@
 """The planner's activation estimate against the peak one forward+backward really holds, measured on CPU.
 
 The model has Qwen3-0.6B's layer shape (hidden 1024, intermediate 3072, 16 heads, 8 kv heads, head_dim 128) with
-two layers and a 512-token vocabulary, in bf16 with SDPA (the trainer's attention), LoRA on the project's default
-targets and full fine-tuning, with and without activation checkpointing. The step is the trainer's: one packed row
-of two samples (position_ids restart, so transformers builds a block-diagonal mask), hidden states out, the head
-applied by chunked_logprobs at the trained positions.
+two layers and a 512-token vocabulary, in bf16 under bf16 autocast with SDPA (as the trainer runs under
+bf16 = true), LoRA on the project's default targets and full fine-tuning, with and without activation
+checkpointing. The step is the trainer's: one packed row of two samples (position_ids restart, so transformers
+builds a block-diagonal mask), hidden states out, the head applied by chunked_logprobs at the trained positions.
 
 How the peak is measured: CPU tensors have no allocator statistics, and the profiler's CPU memory events proved
 unusable here (they came back unordered, frees without their allocations). `LiveBytes`, a TorchDispatchMode, sees
@@ -100,9 +100,10 @@ def _step(model) -> None:
     positions = torch.cat([torch.arange(k) for k in TOKENS])[None]
     trained = torch.ones(1, n - 1, dtype=torch.bool)
     trained[:, : n // 4] = False
-    out = model(input_ids=ids, position_ids=positions, use_cache=False, output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1][:, :-1]
-    logprobs, _ = chunked_logprobs(hidden[trained], model.get_output_embeddings().weight, ids[:, 1:][trained])
+    with torch.autocast("cpu", torch.bfloat16):  # bf16 = true: accelerate runs the forward under autocast
+        out = model(input_ids=ids, position_ids=positions, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+        hidden = out.hidden_states[-1][:, :-1]
+        logprobs, _ = chunked_logprobs(hidden[trained], model.get_output_embeddings().weight, ids[:, 1:][trained])
     (-logprobs.sum()).backward()
 
 
@@ -134,4 +135,5 @@ def test_activation_estimate_matches_the_measured_peak(use_lora, checkpointing, 
         max_seq_len=max(TOKENS),
         activation_checkpointing=checkpointing,
     ) + logprob_bytes(shape, trains_head=False, tokens=tokens)  # fmt: skip  (the head's gradient is a gradient)
-    assert 0.75 <= estimate / measured <= 1.25, (estimate / 2**20, measured / 2**20)
+    # measured 0.93-1.08; the estimate without autocast's bf16 copy of LoRA's inputs was 1.21 (too wide before)
+    assert 0.9 <= estimate / measured <= 1.1, (estimate / 2**20, measured / 2**20)

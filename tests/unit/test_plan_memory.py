@@ -9,17 +9,25 @@ import pytest
 
 from verifiers_rl.errors import ConfigError
 from verifiers_rl.plan.devices import assign_gpus
-from verifiers_rl.plan.memory import GIB, ModelShape, fit_training, rank_parts, shape_of
+from verifiers_rl.plan.memory import FLOAT32, GIB, LORA_TARGETS, ModelShape, fit_training, rank_parts, shape_of
 from verifiers_rl.plan.serving import resolve_sync_backend
 
 MEASURED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "shared_gpu_memory.json"
 
 
 def test_trainer_estimate_covers_measured_peaks_without_wasting_the_gpu():
-    """benchmarks/shared_gpu_memory.py on an H100: Qwen3-0.6B shape, bf16, LoRA r16 and full fine-tuning."""
+    """benchmarks/shared_gpu_memory.py on an H100: Qwen3-0.6B shape, bf16, LoRA r16 and full fine-tuning.
+
+    The committed rows ran the step without autocast (the benchmark now runs it under autocast and says so in
+    each row). Under bf16 = true the trainer's forward runs under accelerate's autocast, which changes one thing
+    the planner counts: LoRA's adapters keep their inputs in bf16, not in peft's float32 copy
+    (tests/unit/test_memory_measured.py measures the step as the trainer runs it). So a LoRA row measured without
+    autocast is held against the estimate plus those copies' extra two bytes, counted here from the shape."""
     shape = shape_of("Qwen/Qwen3-0.6B")
     rows = json.loads(MEASURED.read_text())["trainer"]
-    assert len(rows) >= 5
+    assert len(rows) >= 5 and any(r["use_lora"] for r in rows)
+    q = shape.heads * shape.head_dim
+    adapter_inputs = 3 * shape.hidden + q + 2 * shape.hidden + shape.intermediate + LORA_TARGETS * 16
     for r in rows:
         parts = rank_parts(  # one process on its own GPU: a single DDP rank
             shape,
@@ -33,6 +41,8 @@ def test_trainer_estimate_covers_measured_peaks_without_wasting_the_gpu():
             master_bytes=2,  # what these rows measured: bf16 weights and AdamW state (before float32 master weights)
         )
         est = parts["total"] - parts["cuda_context"]  # torch.cuda.max_memory_allocated does not see the context
+        if r["use_lora"] and not r.get("autocast"):  # float32 adapter inputs: every layer's, or the recomputed one
+            est += (FLOAT32 - 2) * adapter_inputs * r["tokens"] * (1 if r["checkpointing"] else shape.layers)
         ratio = est / GIB / r["peak_gib"]
         assert 1.0 <= ratio <= 1.25, (r, ratio)  # never below the peak, at most a quarter above
 

@@ -29,8 +29,8 @@ LORA_TARGETS = 7  # q, k, v, o, gate, up, down
 FLOAT32 = 4
 # Bytes per token outside the decoder layers, in units of (bytes per element x hidden): the embedding output, the
 # final norm, the trained positions' hidden states handed to the head, and the backward's transient gradients of
-# one layer. Checked with the per-layer counts against peaks measured on CPU (Qwen3-0.6B's layer shape, bf16,
-# SDPA as the trainer runs it; tests/unit/test_memory_measured.py): within 7 %.
+# one layer. Checked with the per-layer counts against peaks measured on CPU (Qwen3-0.6B's layer shape, bf16
+# autocast and SDPA as the trainer runs them; tests/unit/test_memory_measured.py): within 7 %.
 ACT_FIXED = 10.0
 Layout = Literal["ddp", "zero3", "fsdp2"]
 
@@ -113,15 +113,16 @@ def layer_activation_bytes(shape: ModelShape, *, use_lora: bool, lora_rank: int,
       RoPE, v, k and v repeated to all heads (packed rows carry a mask, and with a mask transformers repeats them
       instead of using SDPA's GQA), and the attention output;
     - the MLP keeps gate, up, silu(gate) and, when down_proj trains, its input;
-    - peft's LoRA layers keep a float32 copy of each adapted projection's input (the adapter runs in float32) and
-      the rank-r output of A, while the frozen base projections keep nothing.
+    - peft's LoRA layers keep each adapted projection's input and the rank-r output of A in the compute dtype:
+      peft casts the input to the adapter's float32, and autocast (bf16 = true) casts that copy back for the
+      adapter's matmul, which keeps the cast; the frozen base projections keep nothing.
     """
     b, h, i = param_bytes, shape.hidden, shape.intermediate
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     attention = FLOAT32 * (q + kv) + b * (4 * q + 2 * kv)
     if use_lora:
         norms = 2 * FLOAT32 * h
-        adapters = FLOAT32 * ((3 * h) + q + (2 * h) + i + LORA_TARGETS * lora_rank)  # q/k/v, o, gate/up, down
+        adapters = b * ((3 * h) + q + (2 * h) + i + LORA_TARGETS * lora_rank)  # q/k/v, o, gate/up, down
         return norms + attention + adapters + 3 * b * i
     return 2 * (FLOAT32 * h + 2 * b * h) + attention + b * (q + kv) + 4 * b * i
 
