@@ -1,0 +1,106 @@
+"""Provenance of the CPU counts in gpu_check_rehearsal.md: gpu_check's memory stage (the Qwen3-0.6B shape, packed
+micro-batches from _gpu_check_stages.packed_microbatch, two a step, bf16 autocast, AdamW), run on the CPU with
+every tensor storage counted from its creation to its release (the method of tests/unit/test_memory_measured.py;
+CPU tensors have no allocator statistics), against plan.memory.rank_parts.
+
+    .venv/bin/python benchmarks/results/gpu_check_memory_counted.py lora 4   # rows of 1024 tokens: 1, 2 or 4
+    .venv/bin/python benchmarks/results/gpu_check_memory_counted.py full 2   # 4 rows need ~21 GB of RAM
+
+Not CUDA: no caching-allocator rounding, and CPU kernels (SDPA's among them) may keep other temporaries.
+"""
+
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _gpu_check_stages import SAMPLE_LENGTHS  # noqa: E402
+
+
+class Count(TorchDispatchMode):
+    """Live bytes of the storages operators return while the mode is on (plus `track`ed ones), and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak, self.refs = {}, 0, 0, []
+
+    def track(self, tensors) -> None:
+        for t in tensors:
+            self._add(t)
+
+    def _add(self, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        storage = t.untyped_storage()
+        key = id(storage)  # torch keeps one Python object per live storage
+        if key in self.live or storage.nbytes() == 0:
+            return
+        self.live[key] = storage.nbytes()
+        self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+        self.refs.append(weakref.ref(storage, lambda _r, k=key: self._free(k)))
+
+    def _free(self, key) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self._add(t)
+        return out
+
+
+def main(use_lora: bool, rows: int) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from verifiers_rl.batch.microbatches import collate_packed
+    from verifiers_rl.batch.samples import Sample
+    from verifiers_rl.config.lora import lora_config, wrap_lora
+    from verifiers_rl.loss.forward import token_logprobs
+    from verifiers_rl.models import training_kwargs
+    from verifiers_rl.plan.memory import KNOWN, ModelShape, rank_parts
+    from verifiers_rl.sync.export import ReplicatedExport
+
+    _, hidden, inter, layers, heads, kv, head_dim, vocab, tied = KNOWN["qwen3-0.6b"]
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                      tie_word_embeddings=tied)  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    model = Qwen3ForCausalLM(cfg).to(training_kwargs(use_lora).get("dtype", torch.bfloat16))
+    if use_lora:
+        model = wrap_lora(model, lora_config(16))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    head = ReplicatedExport(model)
+    lengths = SAMPLE_LENGTHS[: {1: 1, 2: 3, 4: 7}[rows]]  # 1, 2 or 4 rows of 1024 tokens
+    t0, count = time.time(), Count()
+    count.track([*model.parameters(), *model.buffers()])
+    with count:
+        for _ in range(2):
+            for _ in range(2):
+                samples = [Sample(input_ids=torch.randint(0, vocab, (n,)).tolist(),
+                                  loss_mask=[k >= n // 4 for k in range(n)], sampler_logprobs=[0.0] * n,
+                                  advantage=1.0, rollout=i) for i, n in enumerate(lengths)]  # fmt: skip
+                mb = collate_packed(samples, 1024)
+                with torch.autocast("cpu", torch.bfloat16):
+                    logprobs, _ = token_logprobs(model, head, mb, 1.0)
+                    loss = -(logprobs * mb.loss_mask).sum() / mb.loss_mask.sum()
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    est = rank_parts(ModelShape.from_config(cfg), layout="ddp", ranks=1, use_lora=use_lora, lora_rank=16,
+                     micro_batch_tokens=rows * 1024, max_seq_len=1024, activation_checkpointing=False,
+                     param_bytes=2)  # fmt: skip
+    planner = est["total"] - est["cuda_context"]
+    mib = {k: round(v / 2**20) for k, v in est.items()}
+    what = f"{'lora' if use_lora else 'full'} {rows}x1024"
+    print(f"{what}: planner {planner / 2**20:.0f} MiB, counted peak {count.peak / 2**20:.0f} MiB, ratio "
+          f"{planner / count.peak:.2f}; parts {mib}; {time.time() - t0:.0f}s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] == "lora", int(sys.argv[2]))
