@@ -182,14 +182,14 @@ def train_stage(name: str, model_dir: str, work: str, steps: int, cpu: bool, bro
 SAMPLE_LENGTHS = (1024, 700, 324, 600, 424, 512, 512)
 
 
-def packed_microbatch(vocab: int, row_len: int):
-    """The trainer's own collation (batch.microbatches.collate_packed) of SAMPLE_LENGTHS scaled to `row_len`."""
+def packed_microbatch(vocab: int, row_len: int, lengths=SAMPLE_LENGTHS):
+    """The trainer's own collation (batch.microbatches.collate_packed) of `lengths` scaled to `row_len`."""
     import torch
 
     from verifiers_rl.batch.microbatches import collate_packed
     from verifiers_rl.batch.samples import Sample
 
-    lengths = [n * row_len // 1024 for n in SAMPLE_LENGTHS]
+    lengths = [n * row_len // 1024 for n in lengths]
     samples = [
         Sample(input_ids=torch.randint(0, vocab, (n,)).tolist(), loss_mask=[k >= n // 4 for k in range(n)],
                sampler_logprobs=[0.0] * n, advantage=1.0, rollout=i)
@@ -198,46 +198,19 @@ def packed_microbatch(vocab: int, row_len: int):
     return collate_packed(samples, row_len)
 
 
-def memory_stage(use_lora: bool, cpu: bool, rec: Record, steps: int = 3) -> None:
-    """Peak allocated memory of the trainer's forward/backward/AdamW on the Qwen3-0.6B shape (random weights, built
-    offline; CPU: a small shape, the same code) against the planner's estimate for one DDP rank: packed
-    micro-batches of 4 x 1024 tokens, two a step, under bf16 autocast (accelerate's, under bf16 = true)."""
+def train_steps(model, head, opt, vocab: int, row_len: int, steps: int, lengths=SAMPLE_LENGTHS) -> int:
+    """`steps` optimizer steps of two packed micro-batches each, as the trainer accumulates them: the first one's
+    gradients live through the second one's activations, the peak the planner counts (with one micro-batch a step,
+    no gradient exists at the peak). Returns the tokens of one micro-batch."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from verifiers_rl.config.lora import lora_config, wrap_lora
     from verifiers_rl.loss.forward import token_logprobs
-    from verifiers_rl.models import training_kwargs
-    from verifiers_rl.plan.memory import KNOWN, ModelShape, rank_parts
-    from verifiers_rl.sync.export import ReplicatedExport
 
-    _, hidden, inter, layers, heads, kv, head_dim, vocab, tied = KNOWN["qwen3-0.6b"]
-    seq_len = 1024  # the row width; the micro-batch holds 4 rows (SAMPLE_LENGTHS)
-    if cpu:
-        hidden, inter, layers, heads, kv, head_dim, vocab, seq_len = 64, 128, 2, 4, 2, 16, 1024, 64
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-                      tie_word_embeddings=tied)  # fmt: skip
-    cfg._attn_implementation = "sdpa"
-    device = torch.device("cpu" if cpu else "cuda")
-    # what the trainer loads under bf16 = true: a bf16 base under LoRA, float32 master weights in full
-    dtype = training_kwargs(use_lora).get("dtype", torch.bfloat16)
-    torch.manual_seed(0)
-    if not cpu:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).to(dtype)
-    if use_lora:  # the trainer's adapter (its default targets)
-        model = wrap_lora(model, lora_config(16))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    head = ReplicatedExport(model)
+    device = next(model.parameters()).device
     tokens = 0
     for _ in range(steps):
-        # two micro-batches a step, as the trainer accumulates them: the first one's gradients live through the
-        # second one's activations, the peak the planner counts (with one, no gradient exists at the peak)
         for _ in range(2):
-            mb = packed_microbatch(vocab, seq_len).to(device)
+            mb = packed_microbatch(vocab, row_len, lengths).to(device)
             tokens = int(mb.input_ids.numel())
             with torch.autocast(device.type, torch.bfloat16):
                 logprobs, _ = token_logprobs(model, head, mb, 1.0)
@@ -245,10 +218,61 @@ def memory_stage(use_lora: bool, cpu: bool, rec: Record, steps: int = 3) -> None
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    est = rank_parts(ModelShape.from_config(cfg), layout="ddp", ranks=1, use_lora=use_lora, lora_rank=16,
-                     micro_batch_tokens=tokens, max_seq_len=seq_len, activation_checkpointing=False,
-                     param_bytes=2)  # fmt: skip
-    rec["shape"] = {"hidden": hidden, "layers": layers, "vocab": vocab, "tokens": tokens, "row": seq_len}
+    return tokens
+
+
+def memory_setup(use_lora: bool, small: bool, device: str):
+    """What the trainer loads under bf16 = true on the Qwen3-0.6B shape (random weights, built offline; `small`: a
+    small shape, the same code): a bf16 base with the trainer's adapter under LoRA, float32 master weights in full;
+    AdamW and the head as the loss applies it. Returns (model, head, optimizer, config)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from verifiers_rl.config.lora import lora_config, wrap_lora
+    from verifiers_rl.models import training_kwargs
+    from verifiers_rl.plan.memory import KNOWN
+    from verifiers_rl.sync.export import ReplicatedExport
+
+    _, hidden, inter, layers, heads, kv, head_dim, vocab, tied = KNOWN["qwen3-0.6b"]
+    if small:
+        hidden, inter, layers, heads, kv, head_dim, vocab = 64, 128, 2, 4, 2, 16, 1024
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                      tie_word_embeddings=tied)  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(training_kwargs(use_lora).get("dtype", torch.bfloat16))
+    if use_lora:
+        model = wrap_lora(model, lora_config(16))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    return model, ReplicatedExport(model), opt, cfg
+
+
+def planner_estimate(cfg, use_lora: bool, tokens: int, row_len: int) -> dict[str, int]:
+    """plan.memory.rank_parts for one DDP rank of this step."""
+    from verifiers_rl.plan.memory import ModelShape, rank_parts
+
+    return rank_parts(ModelShape.from_config(cfg), layout="ddp", ranks=1, use_lora=use_lora, lora_rank=16,
+                      micro_batch_tokens=tokens, max_seq_len=row_len, activation_checkpointing=False,
+                      param_bytes=2)  # fmt: skip
+
+
+def memory_stage(use_lora: bool, cpu: bool, rec: Record, steps: int = 3) -> None:
+    """Peak allocated memory of the trainer's forward/backward/AdamW on the Qwen3-0.6B shape against the planner's
+    estimate for one DDP rank: packed micro-batches of 4 x 1024 tokens, two a step, under bf16 autocast
+    (accelerate's, under bf16 = true). CPU: a small shape, the same code, no measurement."""
+    import torch
+
+    row_len = 64 if cpu else 1024  # the micro-batch holds 4 rows (SAMPLE_LENGTHS)
+    if not cpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model, head, opt, cfg = memory_setup(use_lora, small=cpu, device="cpu" if cpu else "cuda")
+    tokens = train_steps(model, head, opt, cfg.vocab_size, row_len, steps)
+    est = planner_estimate(cfg, use_lora, tokens, row_len)
+    rec["shape"] = {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size,
+                    "tokens": tokens, "row": row_len}  # fmt: skip
     rec["master_dtypes"] = sorted({str(p.dtype)[6:] for p in model.parameters() if p.requires_grad})
     rec["planner_allocated_bytes"] = est["total"] - est["cuda_context"]  # max_memory_allocated omits the context
     rec["planner_parts"] = est

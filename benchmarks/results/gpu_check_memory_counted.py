@@ -1,5 +1,5 @@
-"""Provenance of the CPU counts in gpu_check_rehearsal.md: gpu_check's memory stage (the Qwen3-0.6B shape, packed
-micro-batches from _gpu_check_stages.packed_microbatch, two a step, bf16 autocast, AdamW), run on the CPU with
+"""Provenance of the CPU counts in gpu_check_rehearsal.md: gpu_check's memory stage (the Qwen3-0.6B shape, its own
+steps, _gpu_check_stages.train_steps: packed micro-batches, two a step, bf16 autocast, AdamW), run on the CPU with
 every tensor storage counted from its creation to its release (the method of tests/unit/test_memory_measured.py;
 CPU tensors have no allocator statistics), against plan.memory.rank_parts.
 
@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _gpu_check_stages import SAMPLE_LENGTHS  # noqa: E402
+from _gpu_check_stages import SAMPLE_LENGTHS, memory_setup, planner_estimate, train_steps  # noqa: E402
 
 
 class Count(TorchDispatchMode):
@@ -56,45 +56,13 @@ class Count(TorchDispatchMode):
 
 
 def main(use_lora: bool, rows: int) -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from verifiers_rl.batch.microbatches import collate_packed
-    from verifiers_rl.batch.samples import Sample
-    from verifiers_rl.config.lora import lora_config, wrap_lora
-    from verifiers_rl.loss.forward import token_logprobs
-    from verifiers_rl.models import training_kwargs
-    from verifiers_rl.plan.memory import KNOWN, ModelShape, rank_parts
-    from verifiers_rl.sync.export import ReplicatedExport
-
-    _, hidden, inter, layers, heads, kv, head_dim, vocab, tied = KNOWN["qwen3-0.6b"]
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-                      tie_word_embeddings=tied)  # fmt: skip
-    cfg._attn_implementation = "sdpa"
-    model = Qwen3ForCausalLM(cfg).to(training_kwargs(use_lora).get("dtype", torch.bfloat16))
-    if use_lora:
-        model = wrap_lora(model, lora_config(16))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    head = ReplicatedExport(model)
+    model, head, opt, cfg = memory_setup(use_lora, small=False, device="cpu")
     lengths = SAMPLE_LENGTHS[: {1: 1, 2: 3, 4: 7}[rows]]  # 1, 2 or 4 rows of 1024 tokens
     t0, count = time.time(), Count()
     count.track([*model.parameters(), *model.buffers()])
     with count:
-        for _ in range(2):
-            for _ in range(2):
-                samples = [Sample(input_ids=torch.randint(0, vocab, (n,)).tolist(),
-                                  loss_mask=[k >= n // 4 for k in range(n)], sampler_logprobs=[0.0] * n,
-                                  advantage=1.0, rollout=i) for i, n in enumerate(lengths)]  # fmt: skip
-                mb = collate_packed(samples, 1024)
-                with torch.autocast("cpu", torch.bfloat16):
-                    logprobs, _ = token_logprobs(model, head, mb, 1.0)
-                    loss = -(logprobs * mb.loss_mask).sum() / mb.loss_mask.sum()
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    est = rank_parts(ModelShape.from_config(cfg), layout="ddp", ranks=1, use_lora=use_lora, lora_rank=16,
-                     micro_batch_tokens=rows * 1024, max_seq_len=1024, activation_checkpointing=False,
-                     param_bytes=2)  # fmt: skip
+        tokens = train_steps(model, head, opt, cfg.vocab_size, 1024, 2, lengths)  # the stage's own steps
+    est = planner_estimate(cfg, use_lora, tokens, 1024)
     planner = est["total"] - est["cuda_context"]
     mib = {k: round(v / 2**20) for k, v in est.items()}
     what = f"{'lora' if use_lora else 'full'} {rows}x1024"
