@@ -124,8 +124,8 @@ class TestWithVLLM:
         assert "needs a CUDA device in the trainer process" in report["without_cuda"]
 
     # The init's three stages, each made to fail or never end (INIT_BOUND_S = 2 s each; the control requests' own
-    # timeout is 30 s, so only the stage bounds can end these). vLLM's trainer_init reads the server's answer only
-    # after ncclCommInitRank returned: the first two would wait forever there.
+    # timeout is CONTROL_TIMEOUT_S = 30 s, so only the stage bounds can end these sooner). vLLM's trainer_init
+    # reads the server's answer only after ncclCommInitRank returned: the first two would wait forever there.
     def test_a_worker_that_fails_after_the_store_ends_the_init_at_once_with_the_servers_error(self, report):
         fault = report["init_faults"]["worker_fails"]
         # the stage it names is the one the trainer waited in: the store's end and the worker's error may cross
@@ -146,4 +146,6 @@ class TestWithVLLM:
     def test_a_stage_that_never_ends_is_bounded_and_named(self, report, fault, stage):
         result = report["init_faults"][fault]
         assert stage in result["error"], result
-        assert report["init_bound_s"] <= result["seconds"] < report["init_bound_s"] + 5
+        # ended by its stage's bound, not by the control requests' timeout; the time also holds the stages before
+        # it and the sender's first requests, which took 12 s once on a loaded CI machine (2 s when quiet)
+        assert report["init_bound_s"] <= result["seconds"] < report["control_timeout_s"]

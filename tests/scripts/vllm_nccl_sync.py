@@ -36,7 +36,8 @@ import torch
 
 EVENTS: list[str] = []  # device calls and stream reads, in order
 RELEASE = threading.Event()  # set at the end: whatever a fault scenario left waiting ends (threads joined at exit)
-INIT_BOUND_S = 2.0  # each init stage's bound in the fault scenarios (the control requests' own timeout is 30 s)
+INIT_BOUND_S = 2.0  # each init stage's bound in the fault scenarios
+CONTROL_TIMEOUT_S = 30.0  # the control requests' own timeout: what would end a stage the bounds did not
 
 
 class FakeStream:
@@ -346,8 +347,10 @@ def init_faults(report: dict) -> None:
         engine_client = Workers(make_workers(tp=2), update_delay_s=0.0)
         engine_client.hold_init, engine_client.hold_answer = fault == "store_unreached", fault == "answer_never_comes"
         StoreCommunicator.worker_fault = {"worker_fails": "fail", "worker_hangs": "hang"}.get(fault)
-        client = InferenceClient(port=serve(engine_client), request_timeout=30.0, sync_timeout=30.0)
-        sender = NCCLSender(client, bucket_bytes=40 * 1024, timeout_s=30.0)
+        client = InferenceClient(
+            port=serve(engine_client), request_timeout=CONTROL_TIMEOUT_S, sync_timeout=CONTROL_TIMEOUT_S
+        )
+        sender = NCCLSender(client, bucket_bytes=40 * 1024, timeout_s=CONTROL_TIMEOUT_S)
         sender.init_timeout_s = INIT_BOUND_S
         t0 = time.monotonic()
         try:
@@ -357,7 +360,7 @@ def init_faults(report: dict) -> None:
             faults[fault] = {"error": f"{type(e).__name__}: {e}"}
         faults[fault]["seconds"] = time.monotonic() - t0
     StoreCommunicator.worker_fault = None
-    report["init_faults"], report["init_bound_s"] = faults, INIT_BOUND_S
+    report["init_faults"], report["init_bound_s"], report["control_timeout_s"] = faults, INIT_BOUND_S, CONTROL_TIMEOUT_S
 
 
 def main() -> None:
