@@ -6,68 +6,23 @@ bf16 = true), LoRA on the project's default targets and full fine-tuning, with a
 checkpointing. The step is the trainer's: one packed row of two samples (position_ids restart, so transformers
 builds a block-diagonal mask), hidden states out, the head applied by chunked_logprobs at the trained positions.
 
-How the peak is measured: CPU tensors have no allocator statistics, and the profiler's CPU memory events proved
-unusable here (they came back unordered, frees without their allocations). `LiveBytes`, a TorchDispatchMode, sees
-every tensor an operator returns, records a storage the first time it appears (its bytes and a serial number) and
-watches it with a weakref finalizer on the storage, which fires when the last tensor using it is gone (torch keeps
-one Python object per live storage). The running sum of those allocations and frees is the live memory of the
-step; its maximum is the peak. Parameters and buffers existed before the step and are left out; so are the
-parameters' gradients (by serial number, not address, since the allocator reuses freed addresses), which the
-planner counts as trainable state, not activations.
+How the peak is measured: tests/live_bytes.py counts every tensor storage the step creates, from allocation to
+release. Parameters and buffers existed before the step and are left out; so are the parameters' gradients (by
+serial number), which the planner counts as trainable state, not activations.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_leaves  # noqa: E402
+from live_bytes import LiveBytes  # noqa: E402
 
 from verifiers_rl.plan.memory import ModelShape, activation_bytes, logprob_bytes  # noqa: E402
 
 TOKENS = (128, 128)  # two samples packed in one row
-
-
-class LiveBytes(TorchDispatchMode):
-    """Allocations and frees of tensor storages created while the mode is active (see the module's docstring)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.before = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-        self.live: dict[int, tuple[int, int]] = {}  # address -> (serial, bytes)
-        self.events: list[tuple[int, int]] = []  # (serial, +bytes allocated / -bytes freed)
-
-    def _free(self, address: int) -> None:
-        serial, size = self.live.pop(address)
-        self.events.append((serial, -size))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                address = storage.data_ptr()
-                if address and address not in self.live and address not in self.before:
-                    self.live[address] = (len(self.events), storage.nbytes())
-                    self.events.append((len(self.events), storage.nbytes()))
-                    weakref.finalize(storage, self._free, address)
-        return out
-
-    def serials(self, tensors) -> set[int]:
-        return {self.live[t.untyped_storage().data_ptr()][0] for t in tensors}
-
-    def peak(self, leave_out: set[int]) -> int:
-        now = top = 0
-        for serial, size in self.events:
-            if serial not in leave_out:
-                now += size
-                top = max(top, now)
-        return top
 
 
 def _model(use_lora: bool, checkpointing: bool):
