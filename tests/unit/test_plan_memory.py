@@ -9,15 +9,7 @@ import pytest
 
 from verifiers_rl.errors import ConfigError
 from verifiers_rl.plan.devices import assign_gpus
-from verifiers_rl.plan.memory import (
-    FLOAT32,
-    GIB,
-    ModelShape,
-    fit_training,
-    lora_kept_elements,
-    rank_parts,
-    shape_of,
-)
+from verifiers_rl.plan.memory import FLOAT32, GIB, LORA_TARGETS, ModelShape, fit_training, rank_parts, shape_of
 from verifiers_rl.plan.serving import resolve_sync_backend
 
 MEASURED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "shared_gpu_memory.json"
@@ -34,7 +26,8 @@ def test_trainer_estimate_covers_measured_peaks_without_wasting_the_gpu():
     shape = shape_of("Qwen/Qwen3-0.6B")
     rows = json.loads(MEASURED.read_text())["trainer"]
     assert len(rows) >= 5 and any(r["use_lora"] for r in rows)
-    adapter_inputs = lora_kept_elements(shape, 16)
+    q = shape.heads * shape.head_dim
+    adapter_inputs = 3 * shape.hidden + q + 2 * shape.hidden + shape.intermediate + LORA_TARGETS * 16
     for r in rows:
         parts = rank_parts(  # one process on its own GPU: a single DDP rank
             shape,

@@ -122,15 +122,9 @@ def layer_activation_bytes(shape: ModelShape, *, use_lora: bool, lora_rank: int,
     attention = FLOAT32 * (q + kv) + b * (4 * q + 2 * kv)
     if use_lora:
         norms = 2 * FLOAT32 * h
-        return norms + attention + b * lora_kept_elements(shape, lora_rank) + 3 * b * i
+        adapters = b * ((3 * h) + q + (2 * h) + i + LORA_TARGETS * lora_rank)  # q/k/v, o, gate/up, down
+        return norms + attention + adapters + 3 * b * i
     return 2 * (FLOAT32 * h + 2 * b * h) + attention + b * (q + kv) + 4 * b * i
-
-
-def lora_kept_elements(shape: ModelShape, lora_rank: int) -> int:
-    """Elements per token one layer's LoRA adapters keep for backward: each adapted projection's input (q/k/v
-    share one, gate/up one, o and down their own) and the rank-r output of each A."""
-    h, q = shape.hidden, shape.heads * shape.head_dim
-    return 3 * h + q + 2 * h + shape.intermediate + LORA_TARGETS * lora_rank
 
 
 def activation_bytes(
