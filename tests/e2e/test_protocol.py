@@ -181,6 +181,42 @@ def test_control_routes_need_the_token(server):
     assert r.status_code == 200 and r.json()["is_paused"] is False
 
 
+def _live_routes(server) -> list[tuple[str, str]]:
+    """(method, path) of every route the running server mounts, read from its own table (/openapi.json, itself
+    behind the token), path parameters filled in."""
+    import re
+
+    r = httpx.get(server.base_url + "/openapi.json", headers={"Authorization": f"Bearer {server.token}"}, timeout=30)
+    assert r.status_code == 200, r.text[:300]
+    return [
+        (method.upper(), re.sub(r"\{[^}]+\}", "x", path))
+        for path, ops in r.json()["paths"].items()
+        for method in ops
+        if method in ("get", "post", "put", "delete", "patch")
+    ]
+
+
+def test_every_route_that_is_not_inference_refuses_a_caller_without_the_token(server, oai, tiny_model_dir):
+    """Against the server's live route table: whatever the engine (and its version) mounts besides inference answers
+    401 without the token or with a wrong one, before the route runs. vLLM's `/weight_checker` reset, which zeroes
+    every weight, leaves the weights as they were."""
+    from verifiers_rl.serving.auth import INFERENCE_ROUTES
+
+    before = _chat(oai, tiny_model_dir, temperature=0, max_tokens=8).choices[0].token_ids
+    routes = _live_routes(server)
+    guarded = [(m, p) for m, p in routes if p not in INFERENCE_ROUTES]
+    paths = {p for _, p in guarded}
+    assert {"/pause", "/update_weights", "/collective_rpc"} <= paths
+    if server.engine_name == "vllm":  # VLLM_SERVER_DEV_MODE=1 mounts these too
+        assert {"/weight_checker", "/release_kv_cache_memory", "/server_info", "/reset_mm_cache"} <= paths, paths
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        for method, path in guarded + [("POST", "/weight_checker"), ("GET", "/openapi.json")]:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-VF-Control-Token": "wrong"}):
+                r = http.request(method, path, json={"action": "reset"}, headers=headers)
+                assert r.status_code == 401, (method, path, headers, r.status_code, r.text[:200])
+    assert _chat(oai, tiny_model_dir, temperature=0, max_tokens=8).choices[0].token_ids == before
+
+
 def test_pause_resume(server):
     client = server.client
     client.pause("keep")

@@ -232,9 +232,46 @@ def test_control_guard_covers_vllm_lora_routes_with_its_own_header():
         assert _guard_status(path, {**api, "X-VF-Control-Token": "ctl"}) == 200
         assert _guard_status(path, {**api, "X-VF-Control-Token": "ctl"}, client="10.0.0.2") == 403
     assert _guard_status("/collective_rpc", {"Authorization": "Bearer ctl"}) == 200
-    assert _guard_status("/collective_rpc", {"X-VF-Control-Token": "ctl"}) == 401
+    assert _guard_status("/collective_rpc", {"X-VF-Control-Token": "ctl"}) == 200  # its own header works anywhere
     assert _guard_status("/collective_rpc", {"Authorization": "Bearer \u00e9"}) == 401  # non-ASCII: no crash
     assert _guard_status("/v1/chat/completions", api) == 200
+
+
+def test_control_guard_admits_inference_and_guards_every_other_path():
+    """It lists what it admits: routes it has never heard of (vLLM's dev routes, a future release's) are guarded."""
+    from verifiers_rl.serving.auth import INFERENCE_ROUTES
+
+    for path in INFERENCE_ROUTES:
+        assert _guard_status(path, {}) == 200, path
+        assert _guard_status(path, {}, client="10.0.0.2") == 200, path  # the API key (vLLM's) is their guard
+    unknown = ["/weight_checker", "/release_kv_cache_memory", "/start_draft_weight_update", "/scale_elastic_ep",
+               "/reset_mm_cache", "/server_info", "/openapi.json", "/docs", "/a_route_of_vllm_0_99", "/",
+               "/health/", "//health", "/v1/chat/completions/", "/v1/models/x", "/v2/rerank", "/HEALTH"]  # fmt: skip
+    for path in unknown:
+        assert _guard_status(path, {}) == 401, path
+        assert _guard_status(path, {"Authorization": "Bearer ctl"}, client="10.0.0.2") == 403, path
+    assert _guard_status("/weight_checker", {"Authorization": "Bearer ctl"}) == 200
+
+
+def test_control_guard_closes_an_unauthorised_websocket():
+    import asyncio
+
+    from verifiers_rl.serving.auth import ControlGuard
+
+    sent = []
+
+    async def app(scope, receive, send):
+        sent.append("app")
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": "/v1/realtime", "client": ("127.0.0.1", 1), "headers": []}
+    asyncio.run(ControlGuard(app, token="ctl", allow_remote=False)(scope, None, send))
+    assert sent == [{"type": "websocket.close", "code": 1008, "reason": sent[0]["reason"]}]
+    scope["headers"] = [(b"x-vf-control-token", b"ctl")]
+    asyncio.run(ControlGuard(app, token="ctl", allow_remote=False)(scope, None, send))
+    assert sent[-1] == "app"
 
 
 def test_client_sends_both_credentials_to_lora_routes():
@@ -247,6 +284,7 @@ def test_client_sends_both_credentials_to_lora_routes():
             "X-VF-Control-Token": "ctl",
         }
         assert client._headers("/collective_rpc") == {"Authorization": "Bearer ctl"}
+        assert client._headers("/weight_checker") == {"Authorization": "Bearer ctl"}  # any route not inference
         assert client._headers("/v1/models") == {"Authorization": "Bearer sk-api"}
     finally:
         client.close()

@@ -17,7 +17,7 @@ import httpx
 
 from verifiers_rl.config.net import LOOPBACK
 from verifiers_rl.errors import ServerError
-from verifiers_rl.serving.auth import ADAPTER_ROUTES, CONTROL_ROUTES, TOKEN_HEADER
+from verifiers_rl.serving.auth import TOKEN_HEADER, needs_control, under_api_key
 from verifiers_rl.sync.backends import create_sender
 from verifiers_rl.sync.sender import NamedTensors, SyncStats, WeightSender
 
@@ -56,12 +56,13 @@ class InferenceClient:
     # ------------------------------------------------------------------ HTTP
 
     def _headers(self, path: str) -> dict[str, str]:
-        # the control token guards the weight routes; the API key (vLLM's --api-key) guards /v1
-        token = self.control_token if path in CONTROL_ROUTES else self.api_key
-        headers = {"Authorization": f"Bearer {token}"} if token and token != "EMPTY" else {}
-        if path in ADAPTER_ROUTES and self.control_token:  # /v1 and control at once: the token in its own header
-            headers[TOKEN_HEADER] = self.control_token
-        return headers
+        # the API key (vLLM's --api-key) guards /v1; the control token every other route (serving/auth.py)
+        key = {"Authorization": f"Bearer {self.api_key}"} if self.api_key and self.api_key != "EMPTY" else {}
+        if not (needs_control(path) and self.control_token):
+            return key
+        if under_api_key(path):  # /v1 and control at once (the runtime LoRA routes): the token in its own header
+            return {**key, TOKEN_HEADER: self.control_token}
+        return {"Authorization": f"Bearer {self.control_token}"}
 
     def _check(self, method: str, path: str, r: httpx.Response) -> dict:
         if r.status_code >= 400:
