@@ -93,7 +93,7 @@ class ControlGuard:
             if not self.allow_remote and not is_loopback(client[0] if client else None):
                 return await _deny(scope, send, 403, "control routes answer loopback clients only")
             if self.token and not self._presented(scope, path):
-                where = f"the {TOKEN_HEADER} header" if under_api_key(path) else f"Authorization: Bearer or {TOKEN_HEADER}"
+                where = TOKEN_HEADER if under_api_key(path) else f"Authorization: Bearer, or {TOKEN_HEADER}"
                 return await _deny(scope, send, 401, f"missing or wrong control token ({where})")
         return await self.app(scope, receive, send)
 
