@@ -104,6 +104,7 @@ def test_metrics_split_reward_by_environment():
     m = rollout_metrics(rollouts, "eval")
     assert m["eval/reward/a"] == 0.5 and m["eval/reward/b"] == 0.5  # b's errored rollout has no reward
     assert m["eval/rollouts/a"] == 2 and m["eval/rollouts/b"] == 2
+    assert m["eval/perfect_frac"] == pytest.approx(1 / 3)  # one 1.0 of three finished rollouts
     assert math.isnan(rollout_metrics([_rollout("c", 1.0, error="x")])["reward/c"])
     assert not any(k.startswith("reward/") for k in rollout_metrics([_rollout(None, 1.0)]))  # one environment
 

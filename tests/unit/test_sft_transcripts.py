@@ -61,3 +61,14 @@ def test_summary_reports_both_shares_and_greedy():
     assert s["eval_greedy_reward_sft_delta"] == pytest.approx(0.39)
     plain = summarize({"before": m("eval_before", 0.3), "after": m("eval_after", 0.5)})
     assert plain == {"eval_reward_before": 0.3, "eval_reward_after": 0.5, "eval_reward_delta": pytest.approx(0.2)}
+
+
+def test_summary_reports_the_perfect_score_rate():
+    evals = {
+        when: {f"eval_{when}/reward": r, f"eval_{when}/perfect_frac": p}
+        for when, r, p in (("base", 0.1, 0.0), ("before", 0.5, 0.25), ("after", 0.9, 0.75))
+    }
+    evals["after_greedy"] = {"eval_after_greedy/reward": 1.0, "eval_after_greedy/perfect_frac": 1.0}
+    s = summarize(evals)
+    assert (s["eval_perfect_base"], s["eval_perfect_before"], s["eval_perfect_after"]) == (0.0, 0.25, 0.75)
+    assert s["eval_greedy_perfect_after"] == 1.0 and "eval_greedy_perfect_before" not in s

@@ -8,7 +8,8 @@ from verifiers_rl.rollouts.rollouts import Rollout
 
 
 def rollout_metrics(rollouts: list[Rollout], prefix: str = "") -> dict[str, float]:
-    """Reward mean/std over rollouts that finished with a finite reward, error and truncation counts, lengths,
+    """Reward mean/std and the share scoring >= 1.0 over rollouts that finished with a finite reward, error and
+    truncation counts, lengths,
     turns, the mean of every per-function reward (`rewards/<name>`) and, with several environments, the reward and
     rollouts of each (`reward/<env>`, `rollouts/<env>`). Keys get `prefix/` when given."""
     ok = [r for r in rollouts if r.error is None and math.isfinite(r.reward)]
@@ -19,6 +20,8 @@ def rollout_metrics(rollouts: list[Rollout], prefix: str = "") -> dict[str, floa
     out = {
         "reward": mean,
         "reward_std": std,
+        # a perfect score for rewards in [0, 1]: what a sampled mean hides (many half-right answers vs a few right)
+        "perfect_frac": sum(x >= 1.0 for x in rewards) / len(rewards) if rewards else float("nan"),
         "rollouts": float(len(rollouts)),
         "rollouts_rejected": float(sum(r.error_kind == "rejected" for r in rollouts)),
         "rollouts_errored": float(sum(r.error_kind == "errored" for r in rollouts)),
