@@ -82,9 +82,28 @@ def sft_args(cfg: dict[str, Any], config_path: str):
     if not torch.cuda.is_available():
         kwargs.update(use_cpu=True, bf16=False, fp16=False)
     try:
-        return SFTConfig(**kwargs), lora
+        args = SFTConfig(**kwargs)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"[trainer.args] {e}") from None
+    if torch.cuda.is_available():
+        one_device(args)
+    return args, lora
+
+
+def one_device(args) -> None:
+    """Train on one GPU when this process is not one rank of a distributed launch. transformers sets `n_gpu` to
+    every visible GPU then, and Trainer wraps the model in nn.DataParallel over all of them: a replica per GPU
+    each step, a server's GPU too when they are visible (issue 54). Data parallel SFT is a launcher's job
+    (`accelerate launch`), where each rank sees n_gpu == 1 and this does nothing."""
+    from transformers.training_args import ParallelMode
+
+    if args.parallel_mode == ParallelMode.NOT_DISTRIBUTED and args.n_gpu > 1:
+        print(
+            f"vf-sft: {args.n_gpu} GPUs visible; training on {args.device} only (one process; "
+            "CUDA_VISIBLE_DEVICES chooses the GPU)",
+            flush=True,
+        )
+        args._n_gpu = 1  # what Trainer reads to decide on DataParallel (it does the same for model parallel)
 
 
 def sft_dataset(cfg: dict[str, Any], config_path: str):
@@ -145,22 +164,31 @@ def sft_command(config_path: str) -> list[str]:
     return [sys.executable, "-m", "verifiers_rl.scripts.sft", "@", str(Path(config_path).resolve())]
 
 
+def sft_devices(visible_devices: str) -> str:
+    """The trainer's first GPU: the warm-start is one process on one GPU. Given all of the trainer's GPUs, one
+    process would wrap the model in nn.DataParallel over them (issue 54); under the trainer's launcher each rank
+    would write final/. "" (a CPU) stays "". A model that needs several GPUs to train is out of its reach."""
+    return visible_devices.split(",")[0]
+
+
 def sft_line(config_path: str, visible_devices: str) -> str:
-    """The warm-start's command line as `vf-rl --dry-run` prints it and `run_sft_process` runs it."""
-    return f"CUDA_VISIBLE_DEVICES={visible_devices} {shlex.join(sft_command(config_path))}"
+    """The warm-start's command line as `vf-rl --dry-run` prints it and `run_sft_process` runs it, on the first
+    of `visible_devices` (`sft_devices`)."""
+    return f"CUDA_VISIBLE_DEVICES={sft_devices(visible_devices)} {shlex.join(sft_command(config_path))}"
 
 
 def run_sft_process(config_path: str, visible_devices: str) -> None:
-    """`vf-rl`'s SFT warm-start, in a process of its own that sees only `visible_devices` (the trainer's GPUs; ""
-    on a CPU). In vf-rl's own process, Trainer would wrap the model in DataParallel over every visible GPU, the
-    server's too, and the CUDA context and cached memory would stay for the whole run; a child's end frees them.
+    """`vf-rl`'s SFT warm-start, in a process of its own that sees only the first of `visible_devices` (the
+    trainer's GPUs; "" on a CPU; `sft_devices`). In vf-rl's own process, Trainer would wrap the model in
+    DataParallel over every visible GPU, the server's too, and the CUDA context and cached memory would stay for
+    the whole run; a child's end frees them.
     Its output goes to the terminal as it comes; a failure is one line naming its exit code and command."""
     from verifiers_rl.errors import TrainingError
     from verifiers_rl.serving.launcher import _die_with_parent
 
     cmd, line = sft_command(config_path), sft_line(config_path, visible_devices)
     print(f"vf-rl: SFT warm-start: {line}", flush=True)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": sft_devices(visible_devices)}
     # an exception here (Ctrl-C) kills it (subprocess.run); vf-rl killed outright takes it along (the kernel's
     # parent-death signal, as for the server)
     code = subprocess.run(cmd, env=env, preexec_fn=_die_with_parent).returncode
