@@ -14,6 +14,7 @@ from verifiers_rl.config.choices import ENGINES, LORA_SYNC, SERVER_MODES, SYNC_B
 LOSS_TYPES = ("is", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
 FINAL_MODELS = ("merged+adapter", "merged", "adapter", "none")  # what train() writes to <output_dir>/final
+SETTINGS_CHANGES = ("stop", "continue", "restart")  # a rerun whose checkpoint was trained otherwise (run_settings.py)
 # the wandb.init arguments a config may set ([trainer.args.wandb]): plain data, the ones wandb users write
 WANDB_KEYS = ("project", "name", "entity", "tags", "group", "notes", "job_type", "mode", "dir")
 
@@ -92,6 +93,7 @@ def check_config(cfg) -> list[str]:
         ("sync_backend", SYNC_BACKENDS),
         ("overlong_policy", ("truncate", "drop")),
         ("final_model", FINAL_MODELS),
+        ("on_settings_change", SETTINGS_CHANGES),
     ):
         check(getattr(cfg, name) in choices, name, f"allowed: {', '.join(choices)}")
     unknown = sorted(set(cfg.wandb or {}) - set(WANDB_KEYS))

@@ -379,6 +379,16 @@ class RLConfig(TrainingArguments):
         ),
     )
 
+    on_settings_change: str = field(
+        default="stop",
+        metadata=_help(
+            "A rerun into an output_dir whose newest checkpoint was trained with other settings (model, environment, "
+            "optimizer, schedule, LoRA, batch, loss, sampling): 'stop' names each change and starts nothing; "
+            "'continue' resumes it with the new values (not when the model, the LoRA shape or the optimizer "
+            "changed); 'restart' removes its checkpoints and metrics and starts over."
+        ),
+    )
+
     # ---------------------------------------------------------------- TrainingArguments defaults that fit RL
     learning_rate: float = field(default=1e-5, metadata=_help("AdamW learning rate."))
     lr_scheduler_type: str = field(default="constant", metadata=_help("Learning-rate schedule."))

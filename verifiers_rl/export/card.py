@@ -55,6 +55,7 @@ class ModelCard:
     config: dict = field(default_factory=dict)
     log_history: list[dict] = field(default_factory=list)
     title: str = "RL-trained model"
+    settings_changes: list[dict] = field(default_factory=list)  # from vf_rl_run.json
 
     @classmethod
     def from_run(cls, info: dict, *, run_dir: str | os.PathLike | None = None, **kwargs) -> ModelCard:
@@ -62,7 +63,7 @@ class ModelCard:
         up to `step` (`run_history`: its metrics.jsonl, else the `log_history` given)."""
         if run_dir is not None:
             kwargs["log_history"] = run_history(run_dir, kwargs["step"], kwargs.get("log_history") or [])
-        keys = ("base_model", "env_id", "env_args", "config")
+        keys = ("base_model", "env_id", "env_args", "config", "settings_changes")
         return cls(**{k: info[k] for k in keys if info.get(k) is not None}, **kwargs)
 
     def write(self, folder: str | os.PathLike) -> None:
@@ -107,6 +108,9 @@ class ModelCard:
         parts += ["## Use it\n", *self._usage()]
         if self.config:
             parts += ["## Training configuration\n", "```json", json.dumps(self.config, indent=2, default=str), "```\n"]
+        for change in self.settings_changes:  # a run continued with new values (on_settings_change = "continue")
+            values = ", ".join(f"`{k}` {json.dumps(a)} -> {json.dumps(b)}" for k, (a, b) in change["changes"].items())
+            parts.append(f"From step {change['step']} on, this run trained with new values: {values}.\n")
         return "\n".join(parts)
 
     def _files(self) -> list[str]:

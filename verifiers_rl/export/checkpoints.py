@@ -197,11 +197,12 @@ def resume_point(
     raise ValueError(f"cannot resume from {requested}: {why}; {instead}")
 
 
-def resuming(output_dir: str | os.PathLike, resume: str, max_steps: int) -> None:
-    """The main process, once the checkpoint to resume from is chosen: say so (a requeued job resumes silently
-    otherwise), drop the metrics rows logged after it and what a killed save left in the staging folder."""
+def resuming(output_dir: str | os.PathLike, resume: str, max_steps: int, how: str = "") -> None:
+    """The main process, once the checkpoint to resume from is chosen: say so, and with which settings (`how`; a
+    requeued job resumes silently otherwise), drop the metrics rows logged after it and what a killed save left in
+    the staging folder."""
     step = int(str(resume).rsplit("-", 1)[1])
-    print(f"verifiers-rl: resuming from {resume} (step {step} of {max_steps})", file=sys.stderr)
+    print(f"verifiers-rl: resuming from {resume} (step {step} of {max_steps}) {how}".rstrip(), file=sys.stderr)
     drop_metrics_after(output_dir, step)
     shutil.rmtree(Path(output_dir) / STAGING, ignore_errors=True)
 

@@ -173,10 +173,7 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
 
     ev = cfg.get("eval", {})
     apply_eval_settings(args, ev)
-    resume = None
-    if cfg.get("trainer", {}).get("args", {}).get("resume_from_checkpoint") is not False:
-        if has_checkpoint(args.output_dir):
-            resume = True
+    resume = True if wants_resume(cfg) and has_checkpoint(args.output_dir) else None
     trainer = RLTrainer(model=model, env=env, args=args)
     trainer.run_config = cfg
     trainer.runtime.session.watched = server  # the server vf-rl started: a dead or stuck one is named at once
@@ -184,7 +181,13 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
         trainer.runtime.session.plan = serving  # vf-rl planned that server: the trainer syncs by the same plan
     evals: dict[str, dict | None] = dict(base or {})
     try:
-        if ev.get("before", False):
+        resume, finished = trainer.settled_resume(resume)
+        if finished:
+            return 0
+        # a resumed run evaluated "before" when it started: those rows are in metrics.jsonl already
+        earlier = earlier_evals(args.output_dir, "before") if resume else {}
+        evals.update(earlier)
+        if ev.get("before", False) and not earlier:
             evals.update(evaluations(trainer, ev, "before"))
         trainer.train(resume_from_checkpoint=resume, save_final=False)
         if ev.get("after", False):
@@ -197,6 +200,25 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
     if final and trainer.is_world_process_zero():
         print(f"final model: {final} (serve it: vf-vllm --model {final})", flush=True)
     return 0
+
+
+def wants_resume(cfg: dict[str, Any]) -> bool:
+    """vf-rl and vf-train resume from output_dir's checkpoints unless trainer.args.resume_from_checkpoint = false."""
+    return cfg.get("trainer", {}).get("args", {}).get("resume_from_checkpoint") is not False
+
+
+def earlier_evals(output_dir: str, when: str) -> dict[str, dict]:
+    """The `when` evaluations (and `<when>_greedy`) a run logged into metrics.jsonl before it was stopped, by name,
+    as evaluations() returns them."""
+    from verifiers_rl.export.reward_curve import read_metrics
+
+    out: dict[str, dict] = {}
+    for row in read_metrics(output_dir):
+        for name in (when, f"{when}_greedy"):
+            prefix = f"eval_{name}/"
+            if any(k.startswith(prefix) for k in row):
+                out[name] = {k: v for k, v in row.items() if k.startswith(prefix)}
+    return out
 
 
 def _actionable(e: Exception) -> bool:

@@ -39,6 +39,11 @@ from verifiers_rl.scripts.rl_plan import SERVER_PORT, Plan, build_plan, render, 
 
 def run(plan: Plan) -> int:
     cfg = plan.cfg
+    if plan.resume is not None and plan.resume.kind == "restart":
+        from verifiers_rl.export.run_settings import start_over
+
+        removed = start_over(plan.output_dir)
+        print(f"vf-rl: {plan.resume.line()} ({', '.join(removed)})", flush=True)
     env = load_env(cfg)
     base = None
     if plan.sft and cfg.get("eval", {}).get("base") and plan.trainer_cmd:
@@ -130,6 +135,9 @@ def run_command(argv: list[str] | None = None) -> int:
         plan = build_plan(cfg, path, overrides, lambda: probe_machine(gpus, memory), dry_run=dry)
         if dry:
             print(render(plan))
+            return 0
+        if plan.resume is not None and plan.resume.kind == "finished":
+            print(f"vf-rl: {plan.resume.line()}", flush=True)
             return 0
         code = run(plan)
         out = Path(plan.output_dir)

@@ -6,6 +6,7 @@ config file's model, and the trainer's own command on GPUs. `--dry-run` prints `
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 from verifiers_rl.config.checks import describe_sampling
 from verifiers_rl.config.toml import resolve_path, rl_config
 from verifiers_rl.errors import ConfigError
+from verifiers_rl.export.run_settings import Resume, decide, env_identity, run_settings
 from verifiers_rl.plan.devices import child_visible_devices
 from verifiers_rl.plan.run import PLAN_ENV, Layout, Machine, RunPlan, plan_run
 from verifiers_rl.scripts.common import resolve_model
@@ -32,6 +34,7 @@ class Plan:
     run: RunPlan
     sft: dict[str, Any] | None = None
     trainer_cmd: list[str] = field(default_factory=list)  # empty: the trainer runs in vf-rl's process (CPU)
+    resume: Resume | None = None  # new run, resume, finished or restart (changed settings stop in build_plan)
 
     # the run plan's parts, by the names the launcher and the tests use
     model = property(lambda self: self.run.model)
@@ -102,11 +105,23 @@ def build_plan(
             f"trainer.args.batch_size={args.batch_size} must be divisible by micro_batch_size * trainer processes "
             f"= {args.micro_batch_size} * {procs} (trainer.gpus)"
         )
-    plan = Plan(cfg, config_path, overrides, run, sft)
+    plan = Plan(cfg, config_path, overrides, run, sft, resume=plan_resume(cfg, args, model))
     if run.gpus.trainer:  # every GPU layout: the trainer in processes of its own, on its own GPUs
         launch = launcher_args(len(run.gpus.trainer), layout.accelerate_config)
         plan.trainer_cmd = trainer_command(config_path, overrides, launch, args.vllm_server_host)
     return plan
+
+
+def plan_resume(cfg: dict[str, Any], args, model: str) -> Resume:
+    """What this run does with output_dir's checkpoints, decided as the trainer decides it (run_settings.decide):
+    changed settings stop here, before anything starts, with the line the trainer would raise."""
+    from verifiers_rl.scripts.common import wants_resume
+
+    settings = run_settings(args, model, env_identity(cfg["env"]))
+    resume = decide(args.output_dir, settings, args.max_steps, args.on_settings_change, wants_resume(cfg))
+    if resume.stops:
+        raise ConfigError(resume.line())
+    return resume
 
 
 def _tiny_shape(cfg: dict[str, Any]):
@@ -200,6 +215,10 @@ def render(plan: Plan) -> str:
     out += [
         "",
         "# outputs",
-        f"{plan.output_dir} (final/ = the trained model, metrics.jsonl, reward_curve.png, checkpoints)",
+        f"{os.path.abspath(plan.output_dir)} (final/ = the trained model, metrics.jsonl, reward_curve.png, "
+        "checkpoints)",
+        "",
+        "# this run",
+        plan.resume.line() if plan.resume else "a new run",
     ]
     return "\n".join(out)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from verifiers_rl.export.card import RUN_INFO, ModelCard
 from verifiers_rl.export.hub import push_folder, repo_name
+from verifiers_rl.export.run_settings import settings_history
 from verifiers_rl.export.writer import FINAL_DIR, export_model, is_export, is_lora
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ def run_info(trainer) -> dict:
         "env_args": without_secrets(dict(getattr(env, "env_args", None) or {})),
         "config": without_secrets(trainer.run_config) if trainer.run_config else config_summary(trainer.args),
         "step": trainer.state.global_step,
+        # what a rerun compares before it resumes (run_settings.py), and the values a continued run changed midway
+        "settings": without_secrets(trainer.run_settings()),
+        "settings_changes": settings_history(trainer.resume_plan),
     }
 
 

@@ -53,6 +53,7 @@ from verifiers_rl.trainer.policy_step import run_microbatches
 from verifiers_rl.trainer.preemption import PreemptionGuard, StepAbandoned, StopOnSignal
 from verifiers_rl.trainer.rank_zero import RankZeroLeads
 from verifiers_rl.trainer.runtime import InferenceRuntime
+from verifiers_rl.trainer.settings_resume import SettingsResume
 from verifiers_rl.trainer.sharded_checkpoints import FSDP2Checkpoints
 from verifiers_rl.trainer.step_timing import StepClock, TimeOptimizer, decompose
 
@@ -76,7 +77,7 @@ def _collate(items):
     return {"vf_rl_step": torch.tensor([it["step"] for it in items])}
 
 
-class RLTrainer(FSDP2Checkpoints, Trainer):
+class RLTrainer(SettingsResume, FSDP2Checkpoints, Trainer):
     def __init__(
         self,
         model,
@@ -200,7 +201,12 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         """`Trainer.train`, plus: a checkpoint is checked before it is resumed from (the newest usable one with
         `True`); SIGTERM / Ctrl-C checkpoint the last completed step before the run ends (preemption.py), and so
         does a server that is lost for good (server_recovery.py); a run that trained nothing raises; a run that
-        finishes writes <output_dir>/final (`final_model`; `save_final=False` leaves that to the caller)."""
+        finishes writes <output_dir>/final (`final_model`; `save_final=False` leaves that to the caller). A resume
+        is checked against the settings the checkpoint was trained with first (settings_resume.py): changed ones
+        raise one line, and a finished run trains nothing."""
+        resume_from_checkpoint, finished = self.settled_resume(resume_from_checkpoint)
+        if finished:
+            return None
         resume = self._resume_point(resume_from_checkpoint)
         self.resume_from = resume
         self._start_wandb()
@@ -253,7 +259,9 @@ class RLTrainer(FSDP2Checkpoints, Trainer):
         for note in notes:
             logger.warning(note)
         if self.is_world_process_zero():
-            resuming(self.args.output_dir, resume, self.args.max_steps)
+            plan = self.resume_plan
+            how = plan.how() if plan and plan.checkpoint == resume else ""
+            resuming(self.args.output_dir, resume, self.args.max_steps, how)
         return resume
 
     def _save_after_signal(self) -> None:
