@@ -12,14 +12,11 @@ at least one full sequence must fit.
 
 from __future__ import annotations
 
-import json
-import os
-import re
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Literal
 
 from verifiers_rl.errors import ConfigError
+from verifiers_rl.plan.shape import _KNOWN_KEYS, KNOWN, ModelShape, shape_of  # noqa: F401  (their old home)
 
 GIB = 1 << 30
 CUDA_CONTEXT = int(0.6 * GIB)  # per process: CUDA context + allocator slack
@@ -33,67 +30,6 @@ FLOAT32 = 4
 # autocast and SDPA as the trainer runs them; tests/unit/test_memory_measured.py): within 8 %.
 ACT_FIXED = 10.0
 Layout = Literal["ddp", "zero3", "fsdp2"]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    params: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-
-    @classmethod
-    def from_config(cls, cfg) -> ModelShape:
-        get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
-        hidden, layers = int(get("hidden_size")), int(get("num_hidden_layers"))
-        heads = int(get("num_attention_heads"))
-        kv = int(get("num_key_value_heads") or heads)
-        head_dim = int(get("head_dim") or hidden // heads)
-        inter, vocab = int(get("intermediate_size")), int(get("vocab_size"))
-        per_layer = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2 + 3 * hidden * inter + 2 * hidden
-        if str(get("model_type", "")).startswith("qwen3"):
-            per_layer += 2 * head_dim  # q_norm and k_norm
-        params = layers * per_layer + vocab * hidden * (1 if get("tie_word_embeddings", False) else 2) + hidden
-        return cls(params, hidden, inter, layers, heads, kv, head_dim, vocab)
-
-
-# Shapes of common checkpoints, for planning without their config at hand (a dry run on another machine).
-KNOWN = {
-    # name: (model_type, hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied embeddings)
-    "qwen3-0.6b": ("qwen3", 1024, 3072, 28, 16, 8, 128, 151936, True),
-    "qwen3-1.7b": ("qwen3", 2048, 6144, 28, 16, 8, 128, 151936, True),
-    "qwen3-4b": ("qwen3", 2560, 9728, 36, 32, 8, 128, 151936, True),
-    "qwen3-8b": ("qwen3", 4096, 12288, 36, 32, 8, 128, 151936, False),
-    "qwen2.5-0.5b": ("qwen2", 896, 4864, 24, 14, 2, 64, 151936, True),
-    "qwen2.5-1.5b": ("qwen2", 1536, 8960, 28, 12, 2, 128, 151936, True),
-    "qwen2.5-7b": ("qwen2", 3584, 18944, 28, 28, 4, 128, 152064, False),
-}
-_KNOWN_KEYS = tuple(
-    "model_type hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
-    "vocab_size tie_word_embeddings".split()
-)
-
-
-def shape_of(model: str) -> ModelShape | None:
-    """From a local folder's config.json, the Hugging Face cache, or the table of known shapes; None if unknown."""
-    candidates = [Path(model) / "config.json"]
-    cache = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
-    candidates += sorted(cache.glob(f"models--{model.replace('/', '--')}/snapshots/*/config.json"))
-    for path in candidates:
-        if path.is_file():
-            try:
-                return ModelShape.from_config(json.loads(path.read_text()))
-            except (ValueError, KeyError, TypeError):
-                continue
-    name = model.rstrip("/").split("/")[-1].lower()
-    for known, values in KNOWN.items():
-        if re.fullmatch(rf"{re.escape(known)}(-[\w.-]*)?", name):
-            return ModelShape.from_config(dict(zip(_KNOWN_KEYS, values)))
-    return None
 
 
 def lora_params(shape: ModelShape, rank: int) -> int:

@@ -140,6 +140,7 @@ def plan_run(
         trainer_uuids=machine.names(gpus.trainer),
         server_gpus=gpus.inference or None,
         data_parallel=gpus.data_parallel,
+        post_processed=shape.post_processed if shape is not None else None,
     )
     memory = _fit(args, machine, layout, gpus, serving, shape, _user_set(args, user_set))
     measures = dict(memory.measures) if memory is not None else {}

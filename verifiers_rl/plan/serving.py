@@ -36,6 +36,7 @@ from verifiers_rl.config.choices import (
     SyncBackend,
     Transport,
 )
+from verifiers_rl.errors import ConfigError
 from verifiers_rl.plan.devices import visible_devices
 
 
@@ -240,11 +241,13 @@ def plan_serving(
     trainer_uuids: Sequence[str] = (),
     server_gpus: Sequence[int] | None = None,
     data_parallel: int = 1,
+    post_processed: str | None = None,
 ) -> ServingPlan:
     """The plan for `args` (an RLConfig) once the mode and the engine are known (`resolve_mode`, and
     `resolve_engine` or, for a server the trainer connects to, what it says it runs). GPUs by UUID: the server's
     (None: not known) and this trainer's; `server_gpus` are the server's as indices of our visible GPUs, for its
-    CUDA_VISIBLE_DEVICES. The memory split of a shared GPU is the run plan's (`run.plan_run`)."""
+    CUDA_VISIBLE_DEVICES. `post_processed`: the model's config entry for which vLLM post-processes the weights it
+    loads (`shape.ModelShape.post_processed`). The memory split of a shared GPU is the run plan's (`run.plan_run`)."""
     from verifiers_rl.config.net import is_local
 
     local = is_local(args.vllm_server_host)
@@ -256,7 +259,9 @@ def plan_serving(
     threads = cpu_thread_split(engine, local=local, max_async_level=args.max_async_level, cuda=cuda_count > 0)
     changed_only = bool(getattr(args, "sync_changed_only", False))
     if changed_only:
-        check_changed_only(engine, backend, use_lora=args.use_lora, cuda=cuda_count > 0 or not local)
+        check_changed_only(
+            engine, backend, use_lora=args.use_lora, cuda=cuda_count > 0 or not local, post_processed=post_processed
+        )
     return ServingPlan(
         engine=engine,
         mode=mode,
@@ -272,11 +277,19 @@ def plan_serving(
     )
 
 
-def check_changed_only(engine: str, backend: str, *, use_lora: bool, cuda: bool = True) -> None:
+def check_changed_only(
+    engine: str, backend: str, *, use_lora: bool, cuda: bool = True, post_processed: str | None = None
+) -> None:
     """sync_changed_only (sync/delta.py) is for full fine-tuning over gloo or NCCL: into our CPU engine, or into
     vLLM on a GPU, which writes the changes into its live parameters (inference/vllm/changes.py). vLLM's CPU build
     keeps its linear layers only repacked, and a LoRA sync is small already. `cuda`: vLLM may run on a GPU (a local
-    one is seen here; a remote server's is not, and its workers refuse in one line if they cannot)."""
+    one is seen here; a remote server's is not, and its workers refuse in one line if they cannot).
+
+    `post_processed` (a MoE or quantized model, `shape.post_processed`): vLLM may reorder or repack those weights
+    for its kernels after loading (FlashInfer's CUTLASS MoE path, its default off Hopper); changes written through
+    the loader's mapping then land in the loader's layout over the kernel's, and `changes.not_landed` compares
+    through the same mapping, so it passes while the weights are wrong. No check against the runtime layout
+    exists, so such a model is refused into vLLM (our CPU engine holds transformers' layout, the trainer's)."""
     if use_lora:
         raise ValueError("sync_changed_only is for full fine-tuning; a LoRA policy's sync is small already")
     if backend not in (Transport.GLOO, Transport.NCCL):
@@ -285,6 +298,12 @@ def check_changed_only(engine: str, backend: str, *, use_lora: bool, cuda: bool 
         raise ValueError(
             "sync_changed_only into vLLM needs vLLM on a GPU: its CPU build keeps linear layers only repacked for "
             'its kernels, so changes cannot be written in place; use server_engine = "cpu" on CPU'
+        )
+    if engine == Engine.VLLM and post_processed:
+        raise ConfigError(
+            f"sync_changed_only cannot sync this model into vLLM (its config has {post_processed}): vLLM may "
+            "reorder or repack those weights for its kernels after loading, and changes written in the loader's "
+            "layout would land in the wrong places unseen; set sync_changed_only = false (a full sync)"
         )
 
 
