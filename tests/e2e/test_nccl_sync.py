@@ -149,3 +149,37 @@ class TestWithVLLM:
         # ended by its stage's bound, not by the control requests' timeout; the time also holds the stages before
         # it and the sender's first requests, which took 12 s once on a loaded CI machine (2 s when quiet)
         assert report["init_bound_s"] <= result["seconds"] < report["control_timeout_s"]
+
+    # A sync whose receivers stop mid-way (sync/watchdog.py): the trainer's broadcast blocks until the communicator
+    # is aborted, as NCCL's does when its peers are gone; sync timeout 30 s (2 s where only the deadline ends it).
+    @pytest.mark.parametrize(
+        ("fault", "why"),
+        [
+            ("worker_raises", "the server failed: ServerError: POST /update_weights failed with 500"),
+            ("server_dies", "the server stopped answering /health"),
+            ("silent_hang", "the server failed: ReadTimeout"),  # the request's deadline is the sync's: 2 s
+        ],
+    )
+    def test_a_sync_whose_receivers_are_gone_is_aborted_and_named(self, report, fault, why):
+        result = report["sync_faults"][fault]
+        assert result["error"].startswith("SyncAborted: NCCL weight sync to version 9 aborted during /update_weights ")
+        assert "tensors handed to the broadcast" in result["error"] and why in result["error"], result
+        assert result["aborted"] and result["sender_closed"]  # ncclCommAbort, and the sender is not reused
+        bound = report["short_timeout_s"] if fault == "silent_hang" else 5.0  # health: 2 misses 1 s apart
+        assert result["seconds"] < bound + 2.0, result
+        assert result["seconds"] < report["sync_timeout_s"]
+
+    def test_a_signal_during_a_hung_sync_ends_it_at_once(self, report):
+        result = report["sync_faults"]["sigterm"]  # SIGTERM 1 s into a sync that would hang for 30 s
+        assert result["error"] == "StepAbandoned: 15" and result["aborted"], result
+        assert result["seconds"] < 5.0
+
+    def test_after_an_aborted_sync_a_new_server_is_synced(self, report):
+        assert report["sync_faults"]["recovered"] == {"version": "10", "max_abs_diff": 0.0, "tensors": 24}
+
+    def test_the_communicator_is_bound_to_the_trainers_device_not_the_init_threads(self, report):
+        # the main thread chose device 1; the init's stage threads (and the sync's) start on device 0
+        assert set(report["trainer_comm_devices"]) == {"1"}, report["trainer_comm_devices"]
+
+    def test_sparse_patches_move_to_the_communicators_device(self, report):
+        assert report["sparse_patch_devices"] == {"whole": ["meta", "meta"], "sparse": ["meta", "meta"]}

@@ -6,11 +6,14 @@ RL HTTP routes (its FastAPI routers), vLLM's worker (`Worker`'s weight-transfer 
 our client, sender and stream. Everything our code hands to vLLM is checked by vLLM's own dataclasses and methods.
 
 Replaced, because there is no GPU here (say so in every report):
-- `torch.cuda` / `torch.accelerator`: availability, current device, streams, synchronize (they record calls);
+- `torch.cuda` / `torch.accelerator`: availability, current device (per thread, as CUDA's: the main thread is on
+  device 1, a new thread on 0), streams, synchronize (they record calls);
 - `PyNcclCommunicator` (the one class that creates the NCCL group; on a host without libnccl vLLM's own turns
   itself into a silent no-op): `StoreCommunicator` moves the broadcast bytes through the real
   `StatelessProcessGroup` store instead, and waits at creation until every rank created its own, as
-  `ncclCommInitRank` does; a worker's creation can be made to fail or hang (the init faults);
+  `ncclCommInitRank` does; a worker's creation can be made to fail or hang (the init faults); the trainer's
+  broadcast can be made to block until the communicator is aborted (`destroy`, vLLM's ncclCommAbort), as an NCCL
+  broadcast whose receivers are gone does (the sync faults);
 - the engine client behind the routes (`AsyncLLM` -> engine core -> `collective_rpc`): `Workers` calls each
   worker's real methods in threads, as the worker processes would run them concurrently;
 - the worker engine's `start_weight_update` / `finish_weight_update`: vLLM's layerwise reload needs a model built
@@ -38,6 +41,8 @@ EVENTS: list[str] = []  # device calls and stream reads, in order
 RELEASE = threading.Event()  # set at the end: whatever a fault scenario left waiting ends (threads joined at exit)
 INIT_BOUND_S = 2.0  # each init stage's bound in the fault scenarios
 CONTROL_TIMEOUT_S = 30.0  # the control requests' own timeout: what would end a stage the bounds did not
+SYNC_TIMEOUT_S = 30.0  # a sync's deadline in the sync faults the watchdog must end sooner by what it watches
+SHORT_TIMEOUT_S = 2.0  # the deadline of the sync fault only the deadline can end
 
 
 class FakeStream:
@@ -48,15 +53,20 @@ class FakeStream:
         EVENTS.append(f"sync:{self.name}")
 
 
+def _current_device() -> int:
+    """CUDA's current device is per thread: the trainer's main thread chose device 1, a new thread starts on 0."""
+    return 1 if threading.current_thread() is threading.main_thread() else 0
+
+
 def fake_device() -> None:
     torch.cuda.is_available = lambda: True
-    torch.cuda.current_device = lambda: 0
+    torch.cuda.current_device = _current_device
     torch.cuda.device_count = lambda: 1
     torch.cuda.Stream = FakeStream
     torch.cuda.current_stream = lambda device=None: FakeStream(name="current")
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.cuda.synchronize = lambda device=None: EVENTS.append("sync:device")
-    torch.accelerator.current_device_index = lambda: 0
+    torch.accelerator.current_device_index = _current_device
     torch.accelerator.synchronize = lambda device=None: EVENTS.append("sync:accelerator")
 
 
@@ -67,9 +77,14 @@ class StoreCommunicator:
     instances: list[StoreCommunicator] = []
     trainer_disabled = False  # as vLLM's own is where libnccl cannot be loaded: no `device`, broadcasts do nothing
     worker_fault: str | None = None  # "fail" | "hang": what each worker's creation does after it reached the store
+    hang_sender_after: int | None = None  # the trainer's broadcast number N (0-based) blocks until destroy()
+    trainer_devices: list = []  # the `device` the trainer's rank was created with
 
     def __init__(self, group, device, library_path=None):
         self.group, self.rank, self.world_size = group, group.rank, group.world_size
+        self.aborted = threading.Event()
+        if self.rank == 0:
+            StoreCommunicator.trainer_devices.append(device)
         self.disabled = self.rank == 0 and StoreCommunicator.trainer_disabled
         self.available = not self.disabled
         if not self.disabled:
@@ -101,22 +116,39 @@ class StoreCommunicator:
         assert tensor.device == self.device, f"tensor on {tensor.device}, communicator on {self.device}"
         assert tensor.is_contiguous()
         if self.rank == src:
+            hang = StoreCommunicator.hang_sender_after
+            if hang is not None and len(self.broadcasts) >= hang:  # its receivers are gone: NCCL never returns
+                self.aborted.wait(60)
+                raise RuntimeError("NCCL error: remote process exited or communicator aborted (injected)")
             self.group.broadcast_obj(tensor.clone(), src)
         else:
+            key = f"broadcast_from/{src}/{self.group.broadcast_recv_src_counter[src]}"
+            while True:  # in slices, so that a receiver the trainer abandoned ends with the script (RELEASE)
+                try:
+                    self.group.store.wait([key], datetime.timedelta(seconds=0.5))
+                    break
+                except torch.distributed.DistStoreError:
+                    if RELEASE.is_set() or self.aborted.is_set():
+                        raise RuntimeError("released at the end of the script") from None
             tensor.copy_(self.group.broadcast_obj(None, src))
         self.broadcasts.append(tensor.numel() * tensor.element_size())
 
     def destroy(self) -> None:
         self.destroyed = True
+        self.aborted.set()
 
 
 class RecordingModel:
     """What the worker engine loads into: every tensor it is given, copied (the packed buffer is reused)."""
 
+    fails = False  # load_weights raises, as a worker out of memory does
+
     def __init__(self):
         self.loaded: list[tuple[str, torch.Tensor]] = []
 
     def load_weights(self, weights):
+        if RecordingModel.fails:
+            raise torch.OutOfMemoryError("CUDA out of memory while loading weights (injected)")
         self.loaded += [(n, t.clone()) for n, t in weights]
         return {n for n, _ in weights}
 
@@ -179,6 +211,9 @@ class Workers:
         await self._all("start_weight_update")
 
     async def update_weights(self, request):
+        if self.dead:  # the engine died: the request never returns, the workers never receive
+            await asyncio.to_thread(RELEASE.wait)
+            raise RuntimeError("released at the end of the script")
         await self._all("update_weights", request.update_info)
         await asyncio.sleep(self.update_delay_s)  # a big model: workers answer once everything is loaded
 
@@ -210,6 +245,7 @@ class Workers:
 
     blocks_held = False
     hold_init = hold_answer = False
+    dead = False  # /health answers 503 and /update_weights never returns
 
 
 def serve(engine_client) -> int:
@@ -220,6 +256,13 @@ def serve(engine_client) -> int:
     from vllm.entrypoints.serve.dev.cache.api_router import router as cache_router
 
     app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        from fastapi.responses import Response
+
+        return Response(status_code=503 if engine_client.dead else 200)
+
     app.include_router(rl_router)
     app.include_router(cache_router)
     app.state.engine_client = engine_client
@@ -363,6 +406,85 @@ def init_faults(report: dict) -> None:
     report["init_faults"], report["init_bound_s"], report["control_timeout_s"] = faults, INIT_BOUND_S, CONTROL_TIMEOUT_S
 
 
+def _fresh_client(timeout_s: float):
+    """A server with two workers, a client and an NCCL sender joined to it."""
+    from verifiers_rl.serving.client import InferenceClient
+
+    workers = make_workers(tp=2)
+    engine_client = Workers(workers, update_delay_s=0.0)
+    client = InferenceClient(port=serve(engine_client), request_timeout=CONTROL_TIMEOUT_S, sync_timeout=timeout_s)
+    client.init_weight_transfer("nccl", bucket_bytes=40 * 1024)
+    return client, workers, engine_client
+
+
+def sync_faults(report: dict) -> None:
+    """A sync whose receivers stop mid-way: the trainer's broadcast blocks until the communicator is aborted (as NCCL's
+    does), so only the watchdog (sync/watchdog.py) can end it. The sync timeout is SYNC_TIMEOUT_S except where the
+    deadline itself is what ends it."""
+    from verifiers_rl.trainer.preemption import PreemptionGuard, StepAbandoned
+
+    faults = {}
+    scenarios = {
+        "worker_raises": SYNC_TIMEOUT_S,  # a worker's load_weights raised: /update_weights fails with 500
+        "server_dies": SYNC_TIMEOUT_S,  # /health 503, /update_weights never answers
+        "silent_hang": SHORT_TIMEOUT_S,  # the server looks fine, nothing moves: the deadline
+        "sigterm": SYNC_TIMEOUT_S,  # a signal during the hung sync, inside an abandonable wait as the trainer's
+    }
+    for fault, timeout_s in scenarios.items():
+        client, _, engine_client = _fresh_client(timeout_s)
+        comm = next(c for c in reversed(StoreCommunicator.instances) if c.rank == 0)
+        StoreCommunicator.hang_sender_after = 2
+        RecordingModel.fails = fault == "worker_raises"
+        engine_client.dead = fault == "server_dies"
+        if fault in ("silent_hang", "sigterm"):  # healthy, and the request never answers
+            engine_client.update_weights = _never_answers
+        t0 = time.monotonic()
+        try:
+            if fault == "sigterm":
+                import os
+                import signal
+
+                threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+                with PreemptionGuard() as guard, guard.abandonable():
+                    client.update_weights(merged_stream(seed=9)[0], version=9)
+            else:
+                client.update_weights(merged_stream(seed=9)[0], version=9)
+            faults[fault] = {"error": "no error"}
+        except (Exception, StepAbandoned) as e:  # noqa: BLE001 - the report carries it to the test
+            faults[fault] = {"error": f"{type(e).__name__}: {e}"}
+        seconds, closed = time.monotonic() - t0, client.sender.engine is None
+        faults[fault].update(seconds=seconds, aborted=comm.destroyed, sender_closed=closed)
+        StoreCommunicator.hang_sender_after, RecordingModel.fails = None, False
+    # the run goes on with a new server (what recovery does after a dead one): a new sender, a sync that lands
+    client, workers, _ = _fresh_client(SYNC_TIMEOUT_S)
+    stream, expected, _ = merged_stream(seed=10)
+    client.update_weights(stream, version=10)
+    loaded = workers[1].weight_transfer_engine.model.loaded
+    faults["recovered"] = {
+        "version": client.weight_version(),
+        "max_abs_diff": max((t - expected[n]).abs().max().item() for n, t in loaded),
+        "tensors": len(loaded),
+    }
+    report["sync_faults"], report["sync_timeout_s"], report["short_timeout_s"] = faults, SYNC_TIMEOUT_S, SHORT_TIMEOUT_S
+    report["trainer_comm_devices"] = [str(d) for d in StoreCommunicator.trainer_devices]
+
+
+async def _never_answers(request):
+    await asyncio.to_thread(RELEASE.wait)
+    raise RuntimeError("released at the end of the script")
+
+
+def sparse_patch_devices() -> dict:
+    """Where the sparse path's patches go: to the communicator's device, wherever the tensor lay."""
+    from verifiers_rl.sync.delta import Sparse
+    from verifiers_rl.sync.sparse_nccl import _patch
+
+    meta = torch.device("meta")  # stands in for the communicator's GPU: any device but the tensor's own
+    whole = _patch("w", torch.randn(4, 8), (4, 8), meta)
+    sparse = _patch("w", Sparse(torch.tensor([1, 5]), torch.randn(2)), (4, 8), meta)
+    return {kind: [str(p.indices.device), str(p.values.device)] for kind, p in (("whole", whole), ("sparse", sparse))}
+
+
 def main() -> None:
     report: dict = {"update_delay_s": 1.5, "request_timeout_s": 0.5, "without_cuda": cpu_refusal()}
     fake_device()
@@ -372,6 +494,8 @@ def main() -> None:
     try:
         sync_scenarios(report)
         init_faults(report)
+        sync_faults(report)
+        report["sparse_patch_devices"] = sparse_patch_devices()
     except Exception as e:  # noqa: BLE001 - the report carries it to the test
         report["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -380,7 +504,7 @@ def main() -> None:
         # would free its TCP store there, and torch aborts the process ("terminate called without an active
         # exception"). A real thread stuck in ncclCommInitRank never ends, so never frees anything.
         for t in threading.enumerate():
-            if t.name.startswith("nccl-init-"):
+            if t.name.startswith(("nccl-init-", "vf-NCCL")):
                 t.join(10)
     print(json.dumps(report), flush=True)
 

@@ -165,4 +165,4 @@ def test_sparse_nccl_refuses_a_tensor_its_int32_indices_cannot_address():
 
     big = delta.Sparse(torch.tensor([2**31 + 5], dtype=torch.int64), torch.ones(1, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="2147483648 elements; vLLM's sparse_nccl indexes with int32"):
-        _patch("model.embed_tokens.weight", big, (2**20, 2**11))
+        _patch("model.embed_tokens.weight", big, (2**20, 2**11), None)

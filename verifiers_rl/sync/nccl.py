@@ -2,7 +2,9 @@
 
 Everything vLLM-specific is imported lazily: this module loads without vLLM, and only `NCCLSender.init`
 needs it. NCCL needs the trainer and the server on different GPUs (it cannot put two ranks on one device).
-The init follows vLLM's `trainer_init` with each stage bounded and named (nccl_init.py). On CPU machines
+The init follows vLLM's `trainer_init` with each stage bounded and named (nccl_init.py); each sync runs under a
+watchdog that aborts the communicator when the server fails, stops answering, or the deadline passes, or a signal
+comes (watchdog.py): an NCCL call has no timeout of its own. On CPU machines
 tests/e2e/test_nccl_sync.py drives this sender with vLLM's real trainer and worker engines, only CUDA and the NCCL
 communicator replaced.
 """
@@ -19,6 +21,7 @@ from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES
 from verifiers_rl.sync.nccl_init import BoundedInit
 from verifiers_rl.sync.sender import NamedTensors, SyncStats
 from verifiers_rl.sync.stream import WeightStream, as_stream
+from verifiers_rl.sync.watchdog import SyncAborted, Watchdog
 
 
 class SyncControl:
@@ -30,9 +33,20 @@ class SyncControl:
         self.client = client
         self.timeout_s = timeout_s
         self.next_version: int | None = None
+        self.route: str | None = None  # the request of the sync in progress (the watchdog names it)
+        self.failure: BaseException | None = None  # the first request of the sync in progress that failed
+
+    def begin(self) -> None:
+        self.route, self.failure = None, None
 
     def _post(self, path: str, body: dict | None = None) -> None:
-        self.client.post(path, body, timeout=self.timeout_s)
+        self.route = path
+        try:
+            self.client.post(path, body, timeout=self.timeout_s)
+        except Exception as e:
+            if self.failure is None:  # read by the watchdog: vLLM's engine would not look before the broadcast ends
+                self.failure = e
+            raise
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self._post("/init_weight_transfer_engine", {"init_info": init_info})
@@ -62,6 +76,7 @@ def _stream_source(sender: NCCLSender):
             device = sender.device
             for name, t in sender.current():
                 yield name, t.to(device)  # `t` itself when it is there already
+                sender.sent += 1
 
     return StreamSource()
 
@@ -84,6 +99,7 @@ class NCCLSender:
         self.device: torch.device | None = None  # the NCCL communicator's GPU: tensors are broadcast from there
         self._stream: WeightStream | None = None
         self.engine = None
+        self.sent = 0  # tensors of the sync in progress handed to the broadcast (the watchdog names the stage)
 
     def current(self) -> WeightStream:
         if self._stream is None:
@@ -135,16 +151,54 @@ class NCCLSender:
             raise RuntimeError("call init() before send()")
         t0 = time.perf_counter()
         stream = as_stream(named_tensors)
-        self._stream, self.control.next_version = stream, version
         # The optimizer step wrote the parameters on the current stream; vLLM's packer reads them on its own
         # streams, which do not wait for it.
         torch.cuda.current_stream().synchronize()
+        nbytes, chunks = self._watched(stream, version)
+        self.client.reset_prefix_cache(timeout=self.timeout_s)
+        return SyncStats(time.perf_counter() - t0, nbytes, len(stream.metas), chunks, version)
+
+    def _transfer(self, stream: WeightStream, version: int) -> tuple[int, int]:
+        """The sync's NCCL part (on the watchdog's thread): (bytes sent, chunks)."""
+        self._stream, self.control.next_version = stream, version
         try:
             self.engine.send_weights()  # start -> update_weights ‖ packed broadcast -> finish
-            self.client.reset_prefix_cache(timeout=self.timeout_s)
         finally:
             self._stream = None
-        return SyncStats(time.perf_counter() - t0, stream.nbytes, len(stream.metas), 0, version)
+        return stream.nbytes, 0
+
+    def _watched(self, stream: WeightStream, version: int) -> tuple[int, int]:
+        self.sent = 0
+        self.control.begin()
+        device, total = self.device, len(stream.metas)
+
+        def transfer():
+            if device is not None and device.type == "cuda":  # CUDA's current device is per thread: 0 on a new one
+                torch.accelerator.set_device_index(device.index)
+            return self._transfer(stream, version)
+
+        def stage() -> str:
+            route = self.control.route
+            return f"during {route or 'its start'} ({self.sent} of {total} tensors handed to the broadcast)"
+
+        watchdog = Watchdog(
+            timeout_s=self.timeout_s,
+            abort=self._abort,
+            stage=stage,
+            failure=lambda: self.control.failure,
+            healthy=lambda: self.client.health(timeout=2.0),
+        )
+        try:
+            return watchdog.run(transfer, f"NCCL weight sync to version {version}")
+        except SyncAborted:
+            self.engine = None  # an aborted communicator carries nothing more: a new sender inits a new one
+            raise
+
+    def _abort(self) -> None:
+        """ncclCommAbort (vLLM's `destroy`): the blocked broadcast returns with an error."""
+        group = getattr(self.engine, "model_update_group", None)
+        if group is not None:
+            group.destroy()
 
     def close(self, polite: bool = True) -> None:
         engine, self.engine = self.engine, None

@@ -72,7 +72,8 @@ class BoundedInit:
         store = _Background(lambda: self._rendezvous(info), "nccl-init-store")
         where = f"no worker of the server connected to the trainer's store at {info.master_address}:{info.master_port}"
         group = self._wait(STORE, store, request, where)
-        comm = _Background(lambda: _communicator(group), "nccl-init-communicator")
+        device = torch.accelerator.current_device_index()  # here: a new thread's current CUDA device is 0
+        comm = _Background(lambda: _communicator(group, device), "nccl-init-communicator")
         hint = "the server's workers reached the store but did not join the NCCL communicator: see the server's log"
         communicator = self._wait(COMMUNICATOR, comm, request, hint)
         if getattr(communicator, "disabled", False):
@@ -116,10 +117,10 @@ class BoundedInit:
         return work.value
 
 
-def _communicator(group):
-    """vLLM's stateless_init_process_group after its store: the communicator on the current CUDA device."""
+def _communicator(group, device: int):
+    """vLLM's stateless_init_process_group after its store: the communicator on the trainer's CUDA device."""
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.utils.nccl import unpinned_nccl_env
 
     with unpinned_nccl_env():
-        return PyNcclCommunicator(group, device=torch.accelerator.current_device_index())
+        return PyNcclCommunicator(group, device=device)

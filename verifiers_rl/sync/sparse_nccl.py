@@ -15,26 +15,27 @@ the check. vLLM is imported lazily.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 
 import torch
 
 from verifiers_rl.sync.delta import Snapshot, Sparse, index_dtype
 from verifiers_rl.sync.nccl import NCCLSender
-from verifiers_rl.sync.sender import NamedTensors, SyncStats
-from verifiers_rl.sync.stream import as_stream
 
 
-def _patch(name: str, update: Sparse | torch.Tensor, shape: tuple[int, ...]):
+def _patch(name: str, update: Sparse | torch.Tensor, shape: tuple[int, ...], device: torch.device | None):
+    """The patch on the communicator's `device`: NCCL sends from there, and a tensor may lie elsewhere (ZeRO-3's
+    parameter offload keeps it on the CPU)."""
     if index_dtype(math.prod(shape)) != torch.int32:  # a Sparse index there is int64, which int32 would wrap
         raise ValueError(f"{name} has {math.prod(shape)} elements; vLLM's sparse_nccl indexes with int32")
     from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseWeightPatch
 
     if isinstance(update, Sparse):
-        return SparseWeightPatch(name, update.index.to(torch.int32), update.values.reshape(-1), shape)
-    values = update.reshape(-1)
-    return SparseWeightPatch(name, torch.arange(values.numel(), dtype=torch.int32, device=values.device), values, shape)
+        index, values = update.index.to(device=device, dtype=torch.int32), update.values.reshape(-1).to(device)
+    else:
+        values = update.reshape(-1).to(device)
+        index = torch.arange(values.numel(), dtype=torch.int32, device=values.device)
+    return SparseWeightPatch(name, index, values, shape)
 
 
 def patch_nbytes(patch) -> int:
@@ -78,7 +79,7 @@ class SparseNCCLSender(NCCLSender):
         shapes = {m.name: tuple(m.shape) for m in stream.metas}
         chunk, size = [], 0
         for name, update in updates:
-            patch = _patch(name, update, shapes[name])
+            patch = _patch(name, update, shapes[name], self.device)
             chunk.append(patch)
             size += patch_nbytes(patch)
             if size >= self.bucket_bytes:
@@ -87,18 +88,13 @@ class SparseNCCLSender(NCCLSender):
         if chunk:
             yield chunk
 
-    def send(self, named_tensors: NamedTensors, version: int) -> SyncStats:
-        if self.engine is None:
-            raise RuntimeError("call init() before send()")
-        t0 = time.perf_counter()
-        stream = as_stream(named_tensors)
-        torch.cuda.current_stream().synchronize()  # the optimizer's writes, before the diff reads them
+    def _transfer(self, stream, version: int) -> tuple[int, int]:
         sent, chunks = 0, 0
         with self.snapshot.sending(version):  # a failed sync: the next one sends every element
             self.control.start_weight_update()
             for chunk in self._chunks(stream):
                 self.engine.send_weight_chunk(chunk)
                 sent, chunks = sent + sum(map(patch_nbytes, chunk)), chunks + 1
+                self.sent += len(chunk)
             self.control.finish_weight_update(str(version))
-            self.client.reset_prefix_cache(timeout=self.timeout_s)
-        return SyncStats(time.perf_counter() - t0, sent, len(stream.metas), chunks, version)
+        return sent, chunks

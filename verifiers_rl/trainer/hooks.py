@@ -6,6 +6,7 @@ Each hook checks the rank itself: only the main process owns the server, the orc
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -13,6 +14,7 @@ from transformers import TrainerCallback
 
 from verifiers_rl.errors import ServerLost
 from verifiers_rl.export.checkpoints import ORCHESTRATOR_STATE
+from verifiers_rl.trainer.preemption import StepAbandoned
 
 
 class StartInference(TrainerCallback):
@@ -48,8 +50,16 @@ class SyncWeights(TrainerCallback):
             self.trainer.sync_weights()
 
     def on_step_end(self, args, state, control, **kwargs):
+        # One process: a signal may end the sync (an NCCL sync's watchdog aborts it at once, sync/watchdog.py); the
+        # step trained, and is logged and checkpointed as any step a signal follows. Several: rank 0 must finish the
+        # commands the others follow (rank_zero.py), and the sync's own deadline bounds it.
+        alone = not self.trainer.rank_zero.several
         try:
-            sync_s = self.trainer.sync_weights(changed=self.trainer.trained_last_step)
+            with self.trainer.abandonable() if alone else contextlib.nullcontext():
+                sync_s = self.trainer.sync_weights(changed=self.trainer.trained_last_step)
+        except StepAbandoned:  # only the server, stopped with the run, misses this step's weights
+            control.should_save = control.should_training_stop = True
+            return
         except ServerLost as e:  # on every rank: rank 0's sync failed, the others were told (rank_zero.py)
             # the step trained: it is logged and checkpointed as every step is, then the run stops with `e`;
             # batches waiting for this step's weights would never start: a resume generates them again

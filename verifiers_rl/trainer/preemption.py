@@ -1,9 +1,10 @@
 """SIGTERM (what schedulers send before they kill a job) and Ctrl-C end a run without losing the last step.
 
 First signal: a step that is computing finishes (its cost is bounded); a step still waiting for rollouts is
-abandoned (nothing of it has touched the weights). Then the last completed step is checkpointed — in-flight
-rollout batches are kept if they finish within `save_on_signal_timeout`, else regenerated on resume — the
-server is stopped, and the run ends with 143 (SIGTERM) or KeyboardInterrupt (130 from the CLIs).
+abandoned (nothing of it has touched the weights), and so is the weight sync after a step in a one-process run (the
+step is trained; only the server, which is stopped anyway, would have received it). Then the last completed step is
+checkpointed — in-flight rollout batches are kept if they finish within `save_on_signal_timeout`, else regenerated
+on resume — the server is stopped, and the run ends with 143 (SIGTERM) or KeyboardInterrupt (130 from the CLIs).
 A second signal exits at once.
 """
 

@@ -1,0 +1,106 @@
+"""A weight transfer that cannot hang: its blocking part runs on a daemon thread that the caller's thread watches.
+
+NCCL calls have no timeout, and the stream synchronize inside PyNccl is C code: no Python signal handler runs in
+the thread that waits there, so a sync whose peer is gone (a worker that raised in `load_weights`, or died: OOM is
+the common case) would hold the trainer for good. vLLM's trainer engine checks the server's update request once,
+before it broadcasts. So the caller's thread stays in Python and watches, until the transfer ends:
+
+- the server's requests of this sync (a failed one means the workers stopped receiving),
+- the server's `/health` (a dead engine answers 503 or nothing, while the request may never return),
+- the sync's deadline,
+- a signal (SIGTERM, Ctrl-C): its handler runs on the caller's thread, here, and whatever it raises aborts too.
+
+On any of them the communicator is aborted (`ncclCommAbort` through vLLM's `destroy`), which fails the stuck
+call, and the sync ends with one line naming the stage it was in. The caller's recovery then treats it like any
+failed sync: a dead server is replaced and synced again (serving/recovery.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from verifiers_rl.errors import ServerError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+HEALTH_EVERY_S = 1.0  # how often the server's /health is asked while a transfer runs
+HEALTH_MISSES = 2  # answers in a row that it is down before the transfer is aborted (one can be a hiccup)
+JOIN_S = 5.0  # how long an aborted transfer's thread is given to return after the abort
+
+
+class SyncAborted(ServerError):
+    """A transfer the watchdog ended: its communicator is aborted and unusable."""
+
+
+class Watchdog:
+    def __init__(
+        self,
+        *,
+        timeout_s: float,
+        abort: Callable[[], None],
+        stage: Callable[[], str],
+        failure: Callable[[], BaseException | None] = lambda: None,
+        healthy: Callable[[], bool] = lambda: True,
+        poll_s: float = 0.05,
+    ):
+        self.timeout_s = timeout_s
+        self.abort = abort  # makes the transfer's blocked call return (with an error)
+        self.stage = stage  # where the transfer is, in words, for the error
+        self.failure = failure  # the first request of the transfer that failed, if any
+        self.healthy = healthy  # the server's /health; False: it cannot receive
+        self.poll_s = poll_s
+
+    def run(self, work: Callable[[], T], what: str) -> T:
+        box: dict = {}
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                box["value"] = work()
+            except BaseException as e:  # noqa: BLE001 - handed to the watching thread
+                box["error"] = e
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=target, name=f"vf-{what}", daemon=True)
+        start = time.monotonic()
+        thread.start()
+        next_health, misses = start + HEALTH_EVERY_S, 0
+        try:
+            while not done.wait(self.poll_s):
+                if (failed := self.failure()) is not None:
+                    self._abort(what, thread, done, f"the server failed: {type(failed).__name__}: {failed}")
+                now = time.monotonic()
+                if now >= next_health:
+                    misses = 0 if self.healthy() else misses + 1
+                    next_health = time.monotonic() + HEALTH_EVERY_S
+                    if misses >= HEALTH_MISSES:
+                        self._abort(what, thread, done, "the server stopped answering /health")
+                if now - start > self.timeout_s:
+                    self._abort(what, thread, done, f"it did not finish within {self.timeout_s:g}s")
+        except SyncAborted:
+            raise
+        except BaseException:  # a signal's exception, raised in this thread by its handler: end the transfer too
+            self._stop(thread, done)
+            raise
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _abort(self, what: str, thread: threading.Thread, done: threading.Event, why: str):
+        stage = self.stage()  # read before the abort moves the transfer on
+        self._stop(thread, done)
+        raise SyncAborted(f"{what} aborted {stage}: {why}; its communicator was aborted")
+
+    def _stop(self, thread: threading.Thread, done: threading.Event) -> None:
+        try:
+            self.abort()
+        except Exception as e:  # noqa: BLE001 - the cause the caller raises says more
+            logger.warning("aborting the weight transfer's communicator failed: %s", e)
+        if not done.wait(JOIN_S):  # NCCL did not give the call back: leave the daemon thread, the run ends anyway
+            logger.warning("the aborted weight transfer's thread %s did not return; it is left behind", thread.name)
