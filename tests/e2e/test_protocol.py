@@ -338,3 +338,17 @@ def test_rollout_client_errors_are_the_sdks(server, tiny_model_dir):
         assert isinstance(lean, (BadRequestError, OverlongPromptError))
         assert (type(lean), str(lean), str(lean.__cause__)) == (type(sdk), str(sdk), str(sdk.__cause__))
     assert isinstance(error(f"http://127.0.0.1:{free_port()}/v1", MSG, {"max_tokens": 4}, True), APIConnectionError)
+
+
+def test_the_server_says_what_it_serves_and_how_it_receives(server, tiny_model_dir):
+    """What a trainer checks before it connects (serving/identity.py), asked of the real engines' workers."""
+    from transformers import AutoConfig
+
+    from verifiers_rl.serving.identity import describe, differences, served_model
+
+    served = served_model(server.client)
+    assert served == {"config": describe(AutoConfig.from_pretrained(tiny_model_dir)), "backend": "gloo"}
+    assert served["config"]["hidden_size"] == 64 and served["config"]["num_hidden_layers"] == 2
+    fatal, _ = differences(served, AutoConfig.from_pretrained(tiny_model_dir), transport="nccl", changed_only=True,
+                           served_name=tiny_model_dir, model_path=tiny_model_dir)  # fmt: skip
+    assert fatal == ["it receives weights over 'gloo', the trainer sends over 'sparse_nccl'"]

@@ -87,6 +87,62 @@ def test_server_the_user_started_is_the_one_trained(user_server, tiny_model_dir,
     assert not (tmp_path / "run" / "logs" / "inference.log").exists()  # no second server was spawned
 
 
+def test_a_server_of_another_model_is_refused_before_any_weight_reaches_it(tiny_model_dir, tmp_path):
+    """vf-vllm serving checkpoint A on the port a trainer of model B looks at: the trainer refuses it in one line,
+    before its first sync (A's policy version stays 0), whether B has A's shape (another name) or another shape; a
+    user who names that server explicitly (server_mode='connect') may train into a same-shape model of another name."""
+    from rl_envs import reverse_env
+
+    from verifiers_rl.config.net import free_port
+    from verifiers_rl.serving.client import ServerError
+    from verifiers_rl.tiny import save_tiny_model
+    from verifiers_rl.trainer import RLConfig, RLTrainer
+
+    port = free_port()
+    log = open(tmp_path / "server-a.log", "wb")
+    proc = subprocess.Popen(
+        [str(BIN / "vf-vllm"), "--engine", "cpu", "--model", tiny_model_dir, "--port", str(port), "--max-model-len",
+         "512"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc=proc, log=tmp_path / "server-a.log")
+        auth = {"Authorization": f"Bearer {read_token_file(port)}"}
+        same_shape = str(save_tiny_model(tmp_path / "model-b", seed=1))
+        other_shape = str(save_tiny_model(tmp_path / "model-c", hidden=128))
+
+        def train(model, **kw):
+            args = RLConfig(output_dir=str(tmp_path / f"run-{len(os.listdir(tmp_path))}"), use_cpu=True,
+                            vllm_server_port=port, batch_size=8, rollouts_per_example=4, micro_batch_size=4,
+                            max_steps=1, max_tokens=4, max_seq_len=96, **kw)  # fmt: skip
+            trainer = RLTrainer(model=model, env=reverse_env(), args=args)
+            try:
+                trainer.train()
+            finally:
+                trainer.close()
+
+        with pytest.raises(
+            ServerError,
+            match=rf"the server at {base} is not one this trainer can sync into: it "
+            rf"serves '{tiny_model_dir}', the trainer's model is '{same_shape}'.*server_mode='spawn'",
+        ):
+            train(same_shape)  # fmt: skip
+        with pytest.raises(
+            ServerError,
+            match=r"its weights have another shape \(server vs trainer: hidden_size 64 vs "
+            r"128, intermediate_size 128 vs 256",
+        ):
+            train(other_shape, server_mode="connect")  # fmt: skip
+        assert httpx.get(f"{base}/weight_info", headers=auth).json()["weight_version"] == "0"  # nothing was sent
+        train(same_shape, server_mode="connect")  # named explicitly: trained into, with a warning
+        assert httpx.get(f"{base}/weight_info", headers=auth).json()["weight_version"] == "1"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+        log.close()
+
+
 class _NotAnInferenceServer(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 - http.server's naming
         self.send_response(404)

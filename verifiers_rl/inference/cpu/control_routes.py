@@ -1,6 +1,6 @@
 """vLLM's RL control routes on the CPU server, same payloads: generation (pause, resume), the weight sync
 (`/init_weight_transfer_engine` ... `/finish_weight_update`, adapter updates through `/collective_rpc`), and
-the policy version. The control guard (`control_auth.py`) sits in front of all of them."""
+the policy version. The control guard (serving/auth.py) sits in front of all of them."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from typing import Any
 
 from fastapi import APIRouter, Body, Query
 
+from verifiers_rl.config.choices import Transport
 from verifiers_rl.inference.cpu.engine_api import Engine
 from verifiers_rl.inference.cpu.openai_routes import bad_request
 from verifiers_rl.inference.cpu.weight_receiver import WeightReceiver
+from verifiers_rl.serving import identity
 from verifiers_rl.sync import adapter
 
 
@@ -133,15 +135,17 @@ def weight_router(engine: Engine, receiver: WeightReceiver) -> APIRouter:
 
     @router.post("/collective_rpc")
     async def collective_rpc(body: dict[str, Any] = Body(...)):
-        # vLLM's dev route calls a method on every worker; the CPU engine has one "worker" and knows two methods
+        # vLLM's dev route calls a method on every worker; the CPU engine has one "worker" and knows three methods
         method, args = body.get("method"), body.get("args") or []
         try:
-            if method == adapter.INFO_RPC:
+            if method == identity.IDENTITY_RPC:  # it receives over gloo only
+                result = {"config": identity.describe(engine.model.config), "backend": Transport.GLOO}
+            elif method == adapter.INFO_RPC:
                 result = {"engine": "cpu", "max_lora_rank": None, "max_loras": 1, "adapters": []}
             elif method == adapter.UPDATE_RPC and len(args) == 1:
                 result = await asyncio.to_thread(receiver.lora_update, args[0])
             else:
-                supported = f"{adapter.INFO_RPC}() and {adapter.UPDATE_RPC}(update_json)"
+                supported = f"{identity.IDENTITY_RPC}(), {adapter.INFO_RPC}() and {adapter.UPDATE_RPC}(update_json)"
                 raise ValueError(f"collective_rpc: the CPU engine supports {supported}, not {method!r}")
         except (ValueError, KeyError) as e:
             return bad_request(e)

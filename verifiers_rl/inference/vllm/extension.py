@@ -20,3 +20,14 @@ class WorkerExtension(LoraSyncExtension):
         if device is None or getattr(device, "type", "cpu") != "cuda" or not torch.cuda.is_available():
             return ""
         return str(torch.cuda.get_device_properties(device).uuid)
+
+    def vf_served_model(self) -> dict:
+        """What this worker runs, for a trainer about to sync into it (serving/identity.py): the shape-deciding
+        config entries of its model and its weight-transfer backend (None: started without one)."""
+        from verifiers_rl.serving.identity import describe
+
+        transfer = getattr(self.vllm_config, "weight_transfer_config", None)
+        return {
+            "config": describe(self.vllm_config.model_config.hf_config),
+            "backend": getattr(transfer, "backend", None),
+        }
