@@ -93,17 +93,51 @@ def shares_gpu(engine: str, server_uuids: Sequence[str] | None, trainer_uuids: S
     return bool(set(server_uuids) & set(trainer_uuids))
 
 
+@dataclass(frozen=True)
+class ReportedGpus:
+    """What a vLLM server's workers say about their GPUs (vf-vllm's `vf_device_uuids`, `session.reported_gpus`)."""
+
+    uuids: tuple[str, ...]  # GPUs of the workers that answered (a worker without one answers "", left out)
+    # workers that did not answer: vLLM passes a collective RPC to its first data-parallel engine only and drops
+    # the others' results (v1/engine/core_client.py), so a later engine's GPUs are not seen; /get_world_size counts
+    # every worker (TP x PP x DP)
+    unseen: int = 0
+
+
 def connected_server_uuids(
-    reported: Sequence[str] | None, *, local: bool, cuda_count: int, trainer_uuids: Sequence[str]
+    reported: ReportedGpus | Sequence[str] | None, *, local: bool, cuda_count: int, trainer_uuids: Sequence[str]
 ) -> tuple[str, ...] | None:
-    """The GPUs of a server the trainer connects to: what it reports (vf-vllm's workers answer `vf_device_uuids`);
-    for a server that does not say, a local one on a machine whose only GPU the trainer sees without narrowing
-    (CUDA_VISIBLE_DEVICES unset) can only be on that GPU; otherwise they are not known."""
+    """The GPUs of a server the trainer connects to: what it reports (vf-vllm's workers answer `vf_device_uuids`;
+    those of its first data-parallel engine only: `plan_serving`'s `server_unseen`); for a server that does not
+    say, a local one on a machine whose only GPU the trainer sees without narrowing (CUDA_VISIBLE_DEVICES unset)
+    can only be on that GPU; otherwise they are not known."""
+    if isinstance(reported, ReportedGpus):
+        return reported.uuids
     if reported is not None:
         return tuple(reported)
     if local and cuda_count == 1 and visible_devices() is None:
         return tuple(trainer_uuids)
     return None
+
+
+def unseen_problem(
+    args, unseen: int, seen: Sequence[str] | None, trainer_uuids: Sequence[str], *, local: bool
+) -> str | None:
+    """Why NCCL cannot be planned against a local server that reported the GPUs of only some of its workers, or
+    None. The trainer's GPU may be one of the unseen ones, and NCCL cannot put two ranks on one GPU (the first sync
+    would fail deep inside NCCL, or hang): with sync_backend "auto" that is refused; "nccl", set, is the user's
+    word that the GPUs differ. A remote server cannot be on the trainer's GPU."""
+    if not unseen or not local or not trainer_uuids or args.sync_backend != SyncBackend.AUTO:
+        return None
+    if set(trainer_uuids) & set(seen or ()):
+        return None  # on a reported GPU: shares_gpu plans that
+    told = len(seen or ())
+    return (
+        f"the inference server runs {told + unseen} workers but reported the GPUs of {told} (vLLM answers from its "
+        f"first data-parallel engine only), so the trainer's GPU {', '.join(trainer_uuids)} may be one of the "
+        "others', and NCCL cannot put two ranks on one GPU: give the trainer a GPU none of the server's engines "
+        'uses and set sync_backend = "nccl" to say so, or let vf-rl start and place both'
+    )
 
 
 def resolve_lora_sync(requested: str, *, use_lora: bool, modules_to_save, shared_gpu: bool) -> LoraSync:
@@ -242,12 +276,14 @@ def plan_serving(
     server_gpus: Sequence[int] | None = None,
     data_parallel: int = 1,
     post_processed: str | None = None,
+    server_unseen: int = 0,
 ) -> ServingPlan:
     """The plan for `args` (an RLConfig) once the mode and the engine are known (`resolve_mode`, and
     `resolve_engine` or, for a server the trainer connects to, what it says it runs). GPUs by UUID: the server's
     (None: not known) and this trainer's; `server_gpus` are the server's as indices of our visible GPUs, for its
     CUDA_VISIBLE_DEVICES. `post_processed`: the model's config entry for which vLLM post-processes the weights it
-    loads (`shape.ModelShape.post_processed`). The memory split of a shared GPU is the run plan's (`run.plan_run`)."""
+    loads (`shape.ModelShape.post_processed`). `server_unseen`: workers of a connected server whose GPUs it did not
+    report (`ReportedGpus.unseen`). The memory split of a shared GPU is the run plan's (`run.plan_run`)."""
     from verifiers_rl.config.net import is_local
 
     local = is_local(args.vllm_server_host)
@@ -256,6 +292,10 @@ def plan_serving(
         args.lora_sync, use_lora=args.use_lora, modules_to_save=args.lora_modules_to_save, shared_gpu=shared
     )
     backend = resolve_sync_backend(args.sync_backend, engine, shared_gpu=shared, lora_sync=lora_sync)
+    if backend == Transport.NCCL and engine == Engine.VLLM:
+        problem = unseen_problem(args, server_unseen, server_uuids, trainer_uuids, local=local)
+        if problem:
+            raise ConfigError(problem)
     threads = cpu_thread_split(engine, local=local, max_async_level=args.max_async_level, cuda=cuda_count > 0)
     changed_only = bool(getattr(args, "sync_changed_only", False))
     if changed_only:

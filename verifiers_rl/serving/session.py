@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 
 import torch
 
@@ -22,12 +21,14 @@ from verifiers_rl.plan.layout import ADAPTER_NAME, DEVICE_RPC, LORA_EXTENSION, e
 from verifiers_rl.plan.memory import ModelShape
 from verifiers_rl.plan.run import PLAN_ENV, from_ranks_env, plan_run, probe_machine
 from verifiers_rl.plan.serving import (
+    ReportedGpus,
     ServingPlan,
     connected_server_uuids,
     placement_problem,
     plan_serving,
     resolve_mode,
 )
+from verifiers_rl.serving import identity
 from verifiers_rl.serving.auth import TOKEN_ENV, read_token_file
 from verifiers_rl.serving.client import InferenceClient
 from verifiers_rl.serving.discovery import probe_server
@@ -50,6 +51,7 @@ class ServerSession:
         self.model_name: str | None = None
         self.max_model_len: int | None = None  # the server's context limit, as it reports it
         self.started_from: int | None = None  # the version of the trainer's weights the server was started from
+        self.trainer_config = None  # the trainer's model config, checked against a server it connects to
 
     @property
     def engine(self) -> str | None:
@@ -81,7 +83,34 @@ class ServerSession:
             self.plan = self._connected_plan(engine_of_models(models), client)
         self._check_placement()
         self._read_models(models)
+        if mode != ServerMode.SPAWN:
+            self.trainer_config = getattr(model, "config", None)
+            self._check_served(client, models[0]["id"])
         return self._set_up_sync(client)
+
+    def _check_served(self, client: InferenceClient, served_name: str) -> None:
+        """A server the trainer did not start serves the trainer's model, with the backend it sends over
+        (serving/identity.py): otherwise one line, before a byte of the trainer's weights reaches it."""
+        args = self.args
+        fatal, names = identity.differences(
+            identity.served_model(client),
+            self.trainer_config,
+            transport=self.plan.sync_backend,
+            changed_only=self.plan.changed_only,
+            served_name=served_name,
+            model_path=self.model_path,
+        )
+        explicit = args.server_mode == ServerMode.CONNECT  # the user named this server: its name may differ
+        problems = fatal + ([] if explicit else names)
+        where = client.base_url
+        if problems:
+            raise ServerError(
+                f"the server at {where} is not one this trainer can sync into: {'; '.join(problems)}. Point the "
+                "trainer at its own server (vllm_server_port / [inference] port), or let it start one "
+                "(server_mode='spawn')" + ("" if fatal else "; server_mode='connect' trains into this one anyway")
+            )
+        for note in names:
+            logger.warning("the server at %s: %s (server_mode='connect': training into it as asked)", where, note)
 
     def _check_placement(self) -> None:
         if not torch.cuda.is_available():
@@ -100,8 +129,15 @@ class ServerSession:
         servers = connected_server_uuids(
             reported, local=is_local(args.vllm_server_host), cuda_count=count, trainer_uuids=mine or ()
         )
+        unseen = reported.unseen if isinstance(reported, ReportedGpus) else 0  # another engine's GPUs, maybe ours
         return plan_serving(
-            args, mode="connect", engine=engine, cuda_count=count, server_uuids=servers, trainer_uuids=mine or ()
+            args,
+            mode="connect",
+            engine=engine,
+            cuda_count=count,
+            server_uuids=servers,
+            trainer_uuids=mine or (),
+            server_unseen=unseen,
         )
 
     def _spawn(self, model, tokenizer, version: int, from_files: bool) -> InferenceClient:
@@ -174,13 +210,10 @@ class ServerSession:
         probe = probe_server(
             args.vllm_server_host, where, api_key=args.server_api_key, control_token=token or read_token_file(where)
         )
-        if probe.state == "server":
-            note = ""
-            if self.model_path and Path(str(probe.model)).name != Path(self.model_path).name:
-                note = f"; it serves {probe.model!r}, the trainer's model is {self.model_path!r}"
+        if probe.state == "server":  # what it serves is checked once it is connected (_check_served)
             print(
                 f"verifiers-rl: using the {probe.engine} inference server already running at {probe.detail} "
-                f"(server_mode='auto'; set server_mode='spawn' to start a dedicated one){note}",
+                f"(server_mode='auto'; set server_mode='spawn' to start a dedicated one)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -261,7 +294,10 @@ class ServerSession:
             client = InferenceClient(
                 args.vllm_server_host, port, control_token=token, api_key=args.server_api_key, **self.client_timeouts()
             )
-        self._read_models(client.models())
+        models = client.models()
+        self._read_models(models)
+        if process is None:  # restarted by someone else: it may serve something else now
+            self._check_served(client, models[0]["id"])
         return self._set_up_sync(client)
 
     def _set_up_sync(self, client: InferenceClient) -> InferenceClient:
@@ -301,13 +337,17 @@ class ServerSession:
             self.plan = None  # a next server (spawned or found) is planned again
 
 
-def reported_gpus(client) -> list[str] | None:
-    """The GPU UUIDs of a vLLM server's workers, from `vf_device_uuids`; None when the server does not say (vLLM
-    started without our extension, or an error), so the trainer plans without knowing them."""
+def reported_gpus(client) -> ReportedGpus | None:
+    """The GPU UUIDs of a vLLM server's workers, from `vf_device_uuids`, and how many workers did not answer; None
+    when the server does not say (vLLM started without our extension, or an error), so the trainer plans without
+    knowing them. vLLM answers a collective RPC from its first data-parallel engine only (its core client keeps the
+    first engine's result), so with data parallel > 1 the other engines' GPUs are unseen: /get_world_size, which
+    counts every worker of every engine, says how many."""
     try:
         results = client.post("/collective_rpc", {"method": DEVICE_RPC}).get("results")
+        world = client.get_world_size()
     except Exception:  # noqa: BLE001 - any failure means "not known"
         return None
     if not isinstance(results, list) or not all(isinstance(r, str) for r in results):
         return None
-    return [r for r in results if r]
+    return ReportedGpus(tuple(r for r in results if r), unseen=max(0, world - len(results)))
