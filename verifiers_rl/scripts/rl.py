@@ -34,17 +34,18 @@ from verifiers_rl.scripts.common import (
     split_argv,
     train_and_evaluate,
 )
+from verifiers_rl.scripts.preflight import preflight
 from verifiers_rl.scripts.rl_plan import SERVER_PORT, Plan, build_plan, render, trainer_env
 
 
 def run(plan: Plan) -> int:
     cfg = plan.cfg
+    env = plan.env if plan.env is not None else load_env(cfg)
     if plan.resume is not None and plan.resume.kind == "restart":
         from verifiers_rl.export.run_settings import start_over
 
         removed = start_over(plan.output_dir)
         print(f"vf-rl: {plan.resume.line()} ({', '.join(removed)})", flush=True)
-    env = load_env(cfg)
     base = None
     if plan.sft and cfg.get("eval", {}).get("base") and plan.trainer_cmd:
         print("vf-rl: [eval] base is evaluated only when the trainer runs in this process (CPU runs)", flush=True)
@@ -133,10 +134,15 @@ def run_command(argv: list[str] | None = None) -> int:
             print_nodes(cfg, path, overrides, nodes, gpus)
             return 0
         plan = build_plan(cfg, path, overrides, lambda: probe_machine(gpus, memory), dry_run=dry)
+        finished = plan.resume is not None and plan.resume.kind == "finished"
+        if gpus is not None:  # a plan for another machine: this one's environments, logins and files say nothing
+            plan.checks = ["not checked: --gpus plans for another machine (its --dry-run without --gpus checks there)"]
+        elif not finished:  # a finished run starts nothing, so it needs nothing checked
+            plan.checks = preflight(plan)
         if dry:
             print(render(plan))
             return 0
-        if plan.resume is not None and plan.resume.kind == "finished":
+        if finished:
             print(f"vf-rl: {plan.resume.line()}", flush=True)
             return 0
         code = run(plan)

@@ -35,6 +35,8 @@ class Plan:
     sft: dict[str, Any] | None = None
     trainer_cmd: list[str] = field(default_factory=list)  # empty: the trainer runs in vf-rl's process (CPU)
     resume: Resume | None = None  # new run, resume, finished or restart (changed settings stop in build_plan)
+    checks: list[str] = field(default_factory=list)  # what preflight.py checked before anything started
+    env: Any = None  # the environment, loaded by the checks
 
     # the run plan's parts, by the names the launcher and the tests use
     model = property(lambda self: self.run.model)
@@ -198,6 +200,7 @@ def render(plan: Plan) -> str:
 
     out += ["", "# devices", plan.gpus.describe(plan.engine), "", "# model", plan.model]
     out += ["", "# environment", *environments_status(plan.cfg["env"])]
+    out += ["", "# checked before anything starts", *plan.checks]
     if plan.sft:
         state = "done, reused" if plan.sft["done"] else "runs first"
         from verifiers_rl.scripts.sft import sft_line

@@ -20,6 +20,7 @@ from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from verifiers_rl.batch.samples import PreparedBatch, prepare_batch
+from verifiers_rl.config.reporting import wandb_login_problem
 from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.config.sharding import (
     fsdp2_requested,
@@ -93,6 +94,8 @@ class RLTrainer(SettingsResume, FSDP2Checkpoints, Trainer):
         args = args if args is not None else RLConfig()
         if not isinstance(args, RLConfig):
             raise TypeError(f"args must be an RLConfig, got {type(args).__name__}")
+        if problem := wandb_login_problem(args):  # wandb.init would fail (or prompt) after the server started
+            raise TrainingError(problem)
         if peft_config is not None:  # verifiers <= 0.1.6's GRPOTrainer(peft_config=...): wins over the lora_* fields
             args.lora_config, args.use_lora = peft_config, True
         model_arg = model

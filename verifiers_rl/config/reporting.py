@@ -1,0 +1,44 @@
+"""wandb's login, checked before anything starts: without one, `wandb.init` fails (a long traceback) after the
+server is up, or, in a terminal, waits at a login prompt. No network: the places wandb reads credentials from."""
+
+from __future__ import annotations
+
+import netrc
+import os
+from urllib.parse import urlparse
+
+WANDB_LOGIN_FIX = (
+    'run `wandb login`, or set [trainer.args.wandb] mode = "offline" (and `wandb sync` later), or report_to = "none"'
+)
+
+
+def reports_to_wandb(args) -> bool:
+    report = args.report_to if isinstance(args.report_to, list) else [args.report_to]
+    return "wandb" in report or "all" in report
+
+
+def _netrc_has(host: str) -> bool:
+    path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_login_problem(args) -> str | None:
+    """One line when the run reports to wandb online and wandb has no credentials here (its own sources:
+    $WANDB_API_KEY, $WANDB_IDENTITY_TOKEN_FILE, the host's ~/.netrc entry that `wandb login` writes); else None."""
+    if not reports_to_wandb(args) or os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
+        return None
+    mode = (args.wandb or {}).get("mode") or os.environ.get("WANDB_MODE") or "online"
+    if mode in ("offline", "disabled", "dryrun"):
+        return None
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    if _netrc_has(host):
+        return None
+    return (
+        f"report_to includes wandb, but wandb has no login on this machine (no WANDB_API_KEY, no {host} entry in "
+        f"~/.netrc): {WANDB_LOGIN_FIX}"
+    )
