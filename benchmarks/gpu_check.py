@@ -7,7 +7,9 @@ sync did not land, and the memory planner against the GPU's own count. Needs one
     python benchmarks/gpu_check.py --cpu --break-sync --only lora-bf16                     # the sync checks fail
 
 Stages, each in a worker process of its own session (process group), killed with every process it started at
-min(--stage-timeout, what is left of --budget):
+min(--stage-timeout, what is left of --budget less the cleanup after a kill). The budget counts from --started,
+which gpu_check_device.sh sets to its own start: the install and every wait are inside it, so the whole command
+ends by then (540 s of the lent machine's 600 s a command):
 
     lora-bf16    RLTrainer.train() (server_mode="spawn", server_engine="cpu", gloo sync, max_async_level=0) on the
                  tiny offline model and the repo's reverse-text environment: LoRA, merged sync, bf16 = true
@@ -26,9 +28,10 @@ Memory stages: the estimate is within +-15 % of the measured peak (on CUDA only)
 after the first a no-op (no bytes, no version), so (a) and (b) must fail. Writes gpu_check.json (device, versions,
 per stage: record and checks) to --out after every stage; exits 1 when a check failed.
 
-On a lent machine (no network) this project and what its image lacks travel as wheels: gpu_wheels.py builds them
-here, gpu_check_device.sh installs them there and runs this script. `[warn] preflight:` lines name requirements
-the installed packages do not meet.
+On a lent machine (no network) what its image lacks travel as wheels: gpu_wheels.py builds them here,
+gpu_check_device.sh installs them there and runs this script from the checkout (no wheel of this project: what
+runs is the working tree that travelled, edits made after the wheels were built included). `[warn] preflight:`
+lines name requirements the installed packages do not meet.
 """
 
 from __future__ import annotations
@@ -45,15 +48,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV_DIR = ROOT / "environments" / "reverse_text"  # the reverse-text environment, importable without installing it
-# appended, not prepended: nothing in the repo may shadow an installed package (tests/ is here for procs.py)
-for _p in (str(ROOT), str(ENV_DIR), str(ROOT / "tests"), str(ROOT / "benchmarks")):
-    if _p not in sys.path:
-        sys.path.append(_p)
+
+
+def checkout_first(entries: list[str]) -> list[str]:
+    """`entries` (sys.path, or PYTHONPATH's) with the checkout first: its verifiers_rl, the one package at the
+    repository's root (tests/unit/test_gpu_check_budget.py), wins over any installed copy, so what runs is what
+    is checked out, not a wheel built earlier (issue 54). The rest of the repository is appended, never before an
+    installed package (tests/ is here for procs.py)."""
+    rest = [p for p in entries if p != str(ROOT)]
+    extra = [p for p in (str(ENV_DIR), str(ROOT / "tests"), str(ROOT / "benchmarks")) if p not in rest]
+    return [str(ROOT), *rest, *extra]
+
+
+sys.path[:] = checkout_first(sys.path)
 for _k, _v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
                ("WANDB_MODE", "disabled"), ("TOKENIZERS_PARALLELISM", "false")):  # fmt: skip
     os.environ.setdefault(_k, _v)
-_pp = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-os.environ["PYTHONPATH"] = os.pathsep.join(_pp + [p for p in (str(ROOT), str(ENV_DIR)) if p not in _pp])
+# the stage workers and the servers they start: the same order
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    checkout_first([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+)
 
 import _gpu_check_stages as stages  # noqa: E402
 import gpu_wheels  # noqa: E402
@@ -63,6 +77,8 @@ MEMORY_TOLERANCE = 0.15
 MOVED = 0.05  # a served logprob that moved less than this after the large step did not move
 AGREE = {"cpu": 1e-2, "cuda": 3e-2}  # bf16 compute on both sides: max |server - trainer| per token
 ALL_PASSED = "gpu_check: every check passed"
+# after a stage's deadline: killing what it started, up to 15 s for a stopped server to exit (run_stage), the results
+CLEANUP_S = 20.0
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -189,12 +205,19 @@ def run_stage(cmd: list[str], log: Path, timeout: float) -> tuple[int | None, li
 # ---------------------------------------------------------------------------------------------- main
 
 
+def stage_timeout(longest: float, left: float) -> float:
+    """A stage's deadline: `longest` at most, and what is left of the budget less the cleanup after a kill."""
+    return min(longest, left - CLEANUP_S)
+
+
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cpu", action="store_true", help="run every stage on the CPU with small shapes")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--budget", type=float, default=540.0, help="seconds for everything")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for everything, from --started")
+    ap.add_argument("--started", type=float, help="when the command started (time.time(); default: now): "
+                    "gpu_check_device.sh passes its own start, so the install counts")  # fmt: skip
     ap.add_argument("--stage-timeout", type=float, default=180.0, help="seconds one stage may take at most")
     ap.add_argument("--only", choices=[*stages.TRAIN_STAGES, *stages.MEMORY_STAGES], action="append")
     ap.add_argument("--break-sync", action="store_true", help="debug: skip every sync after the first")
@@ -211,15 +234,20 @@ def main(argv=None) -> int:
         stages.run(a.stage, a.result, a.model_dir, a.work, a.steps, a.cpu, a.break_sync)
         return 0
     start = time.monotonic()
+    # the deadline, as this process's monotonic clock reads it: --budget seconds after the command started
+    deadline = start + a.budget - (time.time() - a.started if a.started is not None else 0.0)
     import torch
 
     cuda = torch.cuda.is_available() and not a.cpu
     if not cuda and not a.cpu:
         print("gpu_check: no CUDA device visible; --cpu runs the same stages on the CPU", flush=True)
         return 2
+    import verifiers_rl
+
     info = {"device": "cuda" if cuda else "cpu", "gpu": torch.cuda.get_device_name(0) if cuda else None,
             "torch": torch.__version__, "python": sys.version.split()[0], "steps": a.steps,
-            "break_sync": a.break_sync, "budget_s": a.budget}  # fmt: skip
+            "break_sync": a.break_sync, "budget_s": a.budget, "budget_left_s": round(deadline - time.monotonic(), 1),
+            "verifiers_rl": str(Path(verifiers_rl.__file__).parent)}  # fmt: skip
     print(json.dumps(info), flush=True)
     info["preflight"] = gpu_wheels.unmet()  # information: the H200 ran with such lines about the image's packages
     for line in info["preflight"]:
@@ -232,9 +260,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
         from verifiers_rl.tiny import save_tiny_model
 
-        model_dir = str(save_tiny_model(Path(work) / "tiny"))
+        model_dir = str(save_tiny_model(Path(work) / "tiny")) if deadline - time.monotonic() > CLEANUP_S else ""
         for name in names:
-            timeout = min(a.stage_timeout, a.budget - (time.monotonic() - start) - 5)
+            timeout = stage_timeout(a.stage_timeout, deadline - time.monotonic())
             result, log = Path(work) / f"{name}.json", Path(work) / f"{name}.log"
             checks: list[tuple[str, bool | None]] = []
             if timeout < 10:

@@ -1,6 +1,8 @@
-"""Build .whl/, what a lent GPU machine (no network) needs to run benchmarks/gpu_check.py: this project's wheel and
-every package of its dependency closure that the machine's image does not hold (benchmarks/gpu_machine.txt), at
-the versions installed here (the ones CI tested), as wheels for the machine's Python and platform.
+"""Build .whl/, what a lent GPU machine (no network) needs to run benchmarks/gpu_check.py: every package of this
+project's dependency closure that the machine's image does not hold (benchmarks/gpu_machine.txt), at the versions
+installed here (the ones CI tested), as wheels for the machine's Python and platform. Not this project's own wheel:
+the machine runs the checkout that travels with it (gpu_check_device.sh), so an edit made after the build is the
+code that runs; the project's own requirements are read from the checkout's pyproject.toml too.
 
     .venv/bin/python benchmarks/gpu_wheels.py [--out .whl] [--python-version 3.12]   # here, with network
     bash benchmarks/gpu_check_device.sh                                             # there: install and run
@@ -41,7 +43,17 @@ def machine_packages(path: Path = MACHINE) -> dict[str, str | None]:
     return out
 
 
-def requirements(root: str, python_version: str, requires=md.requires) -> list[tuple[str, object]]:
+def checkout_requires(name: str) -> list[str] | None:
+    """A distribution's requirements: this project's from the checkout's pyproject.toml (what runs on the machine
+    is the checkout, not an install of it), any other's from its metadata installed here."""
+    if norm(name) != PROJECT:
+        return md.requires(name)
+    import tomllib
+
+    return list(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
+
+
+def requirements(root: str, python_version: str, requires=checkout_requires) -> list[tuple[str, object]]:
     """(who, Requirement) for every requirement of `root`'s closure, read from the metadata installed here
     (`requires`), markers evaluated for the target Python. A requirement's extras count (mcp needs `pyjwt[crypto]`,
     hence cryptography); root's own extras do not. A distribution not installed here is not expanded."""
@@ -67,7 +79,7 @@ def requirements(root: str, python_version: str, requires=md.requires) -> list[t
     return out
 
 
-def closure(root: str, python_version: str, requires=md.requires) -> set[str]:
+def closure(root: str, python_version: str, requires=checkout_requires) -> set[str]:
     """Every distribution `root` needs, itself included."""
     return {norm(root)} | {norm(r.name) for _, r in requirements(root, python_version, requires)}
 
@@ -132,7 +144,6 @@ def build(out: Path, python_version: str, max_mib: float) -> list[Path]:
         impure = [w.name for w in set(out.glob("*.whl")) - before if not w.name.endswith("-none-any.whl")]
         if impure:
             raise SystemExit(f"gpu_wheels: these have no wheel for the target and built here as compiled: {impure}")
-    subprocess.run([*pip_wheel, str(ROOT)], check=True)
     wheels = sorted(out.glob("*.whl"))
     mib = sum(w.stat().st_size for w in wheels) / 2**20
     if mib > max_mib:

@@ -1,1 +1,0 @@
-../verifiers_rl/scaffold/configs/endpoints.py
