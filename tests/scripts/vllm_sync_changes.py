@@ -3,7 +3,7 @@ vLLM's real model classes, through vLLM's real loaders, over gloo and over vLLM'
 
 Real: vLLM's Qwen3 model class built by vLLM's `initialize_model` on CPU, its `load_weights` (q/k/v into qkv_proj,
 gate/up into gate_up_proj, vocabulary padding), vLLM's checkpoint-patch loader (NCCL), vLLM's `Worker` weight-transfer
-methods, vLLM's RL HTTP routes, our gloo engine (inference/vllm/plugin.py), vLLM's `SparseNCCLWeightTransferEngine`
+methods, vLLM's RL HTTP routes, our gloo engine (inference/vllm/gloo_engine.py), vLLM's `SparseNCCLWeightTransferEngine`
 and `SparseNCCLTrainerWeightTransferEngine`, our client and senders, real gloo.
 
 Replaced, because there is no GPU here:
@@ -119,7 +119,8 @@ def run_syncs(client, served, reference, config, weights, report: dict, key: str
 
 
 def gloo_scenarios(model_dir: str, report: dict) -> None:
-    from verifiers_rl.inference.vllm import changes, plugin
+    from verifiers_rl.inference.vllm import changes
+    from verifiers_rl.inference.vllm.gloo_engine import GlooWeightTransferEngine
     from verifiers_rl.serving.client import InferenceClient
 
     config, served = build_model(model_dir)
@@ -128,7 +129,7 @@ def gloo_scenarios(model_dir: str, report: dict) -> None:
     served.load_weights(list(weights.items()))
     from vllm.config.weight_transfer import WeightTransferConfig
 
-    engine = plugin.engine_class()(WeightTransferConfig(backend="gloo"), config, torch.device("cpu"), served)
+    engine = GlooWeightTransferEngine(WeightTransferConfig(backend="gloo"), config, torch.device("cpu"), served)
     engine_client = nccl_script.Workers([make_worker(config, engine)], update_delay_s=0.0)
     client = InferenceClient(port=nccl_script.serve(engine_client), sync_timeout=60.0)
     client.init_weight_transfer("gloo", bucket_bytes=16 * 1024, changed_only=True)

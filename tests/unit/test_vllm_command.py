@@ -123,32 +123,46 @@ def test_check_vllm_compares_numerically(monkeypatch, version):
 
 
 def test_plugin_module_imports_without_vllm():
-    from verifiers_rl.inference.vllm import plugin as vllm_plugin
+    """vLLM calls `register` in every process; only its workers import the engine module, which needs vLLM."""
+    import subprocess
+    import sys
 
-    info = vllm_plugin.UpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[2, 3]])
+    from verifiers_rl.inference.vllm import plugin as vllm_plugin
+    from verifiers_rl.sync.buckets import UpdateInfo
+    from verifiers_rl.sync.gloo import GlooInitInfo
+
+    code = (
+        "import sys, verifiers_rl.inference.vllm.plugin; assert not {'vllm', vllm_plugin.ENGINE[0]} & set(sys.modules)"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code.replace("vllm_plugin.ENGINE[0]", repr(vllm_plugin.ENGINE[0]))], check=True
+    )
+    module, name = vllm_plugin.ENGINE
+    assert module.endswith(".gloo_engine") and name == "GlooWeightTransferEngine"
+    info = UpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[2, 3]])
     assert info.shapes == [[2, 3]]
     with pytest.raises(ValueError, match="differ in length"):
-        vllm_plugin.UpdateInfo(names=["a", "b"], dtype_names=["float32"], shapes=[[1]])
-    init = vllm_plugin.GlooInitInfo(master_address="127.0.0.1", master_port=1234)
+        UpdateInfo(names=["a", "b"], dtype_names=["float32"], shapes=[[1]])
+    init = GlooInitInfo(master_address="127.0.0.1", master_port=1234)
     assert (init.rank_offset, init.world_size) == (1, 2)
     with pytest.raises(ValueError):
-        vllm_plugin.GlooInitInfo(master_address="127.0.0.1", master_port=1234, bucket_bytes=0)
+        GlooInitInfo(master_address="127.0.0.1", master_port=1234, bucket_bytes=0)
 
 
 def test_worker_rank_numbers_tp_and_dp_workers_apart():
     from types import SimpleNamespace
 
-    from verifiers_rl.inference.vllm.plugin import _worker_rank
+    from verifiers_rl.inference.vllm.plugin import worker_rank
 
     # what the workers of a TP2 x DP2 server report: DP engines differ only in data_parallel_index
     ranks = [
-        _worker_rank(SimpleNamespace(data_parallel_index=dp, data_parallel_rank=0, world_size=2, rank=tp))
+        worker_rank(SimpleNamespace(data_parallel_index=dp, data_parallel_rank=0, world_size=2, rank=tp))
         for dp in range(2)
         for tp in range(2)
     ]
     assert ranks == [0, 1, 2, 3]
     with pytest.raises(RuntimeError, match="data_parallel_index"):
-        _worker_rank(SimpleNamespace(data_parallel_rank=1, world_size=1, rank=0))
+        worker_rank(SimpleNamespace(data_parallel_rank=1, world_size=1, rank=0))
 
 
 def test_adapter_serving_flags():
