@@ -226,3 +226,16 @@ def test_fsdp2_merged_stream_is_the_unsharded_one_by_either_gather(tmp_path, lor
     import torch.multiprocessing as mp
 
     mp.spawn(_export_worker, args=(f"file://{tmp_path}/store", lora), nprocs=2, join=True)
+
+
+def test_the_hand_gather_is_the_default_on_cpu_only():
+    """The hand path where bench_gather measured it faster (CPU over gloo); the libraries' gathers elsewhere (an
+    accelerator's parameters: here the meta device stands in for one). An explicit choice wins either way."""
+    from verifiers_rl.sync.export import FSDP2Export
+    from verifiers_rl.tiny import build_tiny_model
+
+    model, _ = build_tiny_model(hidden=64, layers=1)
+    on_cpu, elsewhere = FSDP2Export(model), FSDP2Export(model.to("meta"))
+    assert on_cpu.hand_gather and not elsewhere.hand_gather
+    on_cpu.hand_gather, elsewhere.hand_gather = False, True
+    assert not on_cpu.hand_gather and elsewhere.hand_gather

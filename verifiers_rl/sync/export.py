@@ -17,10 +17,11 @@ Two consumers read the model's weights, and both go through here:
 - `FSDP2Export`: FSDP2's DTensor parameters (dim-0 shards; `full_tensor()` otherwise).
 
 Under a sharded layout producing a tensor is a collective: every rank iterates the stream in the same order
-(`collective = True`). Only rank 0 sends, so a sync brings the pieces to rank 0 alone (shard_gather.py:
+(`collective = True`). Only rank 0 sends, so on the CPU a sync brings the pieces to rank 0 alone (shard_gather.py:
 point-to-point, or through shared memory on one host), a group of about `bucket_bytes` at a time, the next group
 in flight while rank 0 sends this one: no rank holds more than about two groups beyond its shard, and rank 0
-receives into buffers it reuses.
+receives into buffers it reuses. On an accelerator a sync takes the libraries' gathers, group by group
+(`hand_gather` says why).
 (`gathered(names)`, every parameter whole on every rank, serves `lora_state` and layouts the sync does not
 know.)
 """
@@ -100,6 +101,7 @@ class ShardedExport(ABC):
         self.model, self.dtype = model, dtype
         self.inner, _ = unwrap_peft(model)
         self.params = dict(self.inner.named_parameters())
+        self._hand: bool | None = None  # `hand_gather` as set; None: by where the parameters live
 
     @abstractmethod
     def gathered(self, names: list[str]) -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
@@ -114,12 +116,23 @@ class ShardedExport(ABC):
         """How parameter `p` is spread over the ranks, in a layout the sync gathers point-to-point to rank 0
         (shard_gather.py); None for any other (whole on every rank, or a layout only `gathered` knows)."""
 
-    # The hand path (point-to-point or shared memory to rank 0, shard_gather.py) is kept because it is >= 1.3x
-    # faster: bench_gather.py, both paths interleaved on 2 CPU processes over gloo, ~100M parameters, merged
-    # stream, medians of 3: FSDP2 0.35 s hand vs 3.19 s `full_tensor()` per parameter (9.1x), ZeRO-3 0.28 s vs
-    # 0.99 s `GatheredParameters` per bucket (3.5x); ~10M: 4.7x and 4.3x (benchmarks/results/bench_gather*.json).
-    # `hand_gather = False` takes the libraries' path, which bench_gather and test_shard_gather.py keep checked.
-    hand_gather = True
+    # Which gather a sync uses: the hand path (point-to-point or shared memory to rank 0, shard_gather.py) only
+    # where a benchmark shows it faster, the CPU over gloo: bench_gather.py, both paths interleaved on 2 CPU
+    # processes, ~100M parameters, merged stream, medians of 3: FSDP2 0.35 s hand vs 3.19 s `full_tensor()` per
+    # parameter (9.1x), ZeRO-3 0.28 s vs 0.99 s `GatheredParameters` per bucket (3.5x); ~10M: 4.7x and 4.3x
+    # (benchmarks/results/bench_gather*.json). On an accelerator (NCCL) it was never measured, and the libraries'
+    # collectives are the ones their authors tune there: `gathered`, bucket by bucket. bench_gather.py and
+    # test_shard_gather.py set `hand_gather` to run either path; bench_gather run on NCCL would move this line.
+    def _hand_gather_by_default(self) -> bool:
+        return all(p.device.type == "cpu" for p in self.params.values())
+
+    @property
+    def hand_gather(self) -> bool:
+        return self._hand if self._hand is not None else self._hand_gather_by_default()
+
+    @hand_gather.setter
+    def hand_gather(self, value: bool | None) -> None:
+        self._hand = value
 
     def _produce(self, items: list[ExportItem], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         if self.hand_gather:
