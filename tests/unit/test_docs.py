@@ -115,3 +115,76 @@ def test_readme_use_your_model_step_serves_and_evaluates_the_main_jobs_model():
     assert int(flag["-n"]) == cfg["eval"]["num_examples"]
     table = readme.split("## Commands", 1)[1]
     assert f"| `{USAGE.removeprefix('usage: ').replace('|', chr(92) + '|')}` |" in table
+
+
+# Files named in prose that are not this repository's: another project's modules, files a test or a user writes.
+NOT_OURS = {
+    "model_loader/checkpoint_weight_patch.py": "vLLM's",
+    "v1/engine/core_client.py": "vLLM's",
+    "script.py": "a user's training script",
+    "train_reverse_text.py": "a user's training script, written by the test",
+    "broken_env.py": "written by the test",
+    "stuck_env.py": "written by the test",
+    "sitecustomize.py": "Python's startup hook, written by the test",
+    "vf_carried_dep.py": "written by the test",
+    "endpoints.py": "the file vf-eval refuses (setup.py writes endpoints.toml)",
+    "gpu_trainer_cpu_engine.py": "the script of a recorded GPU run, since replaced by gpu_check.py",
+    "benchmarks/gpu_trainer_cpu_engine.py": "the script of a recorded GPU run, since replaced by gpu_check.py",
+    "gpu_smoke.py": "a script of a recorded GPU run, since removed",
+}
+# Records of the past name the modules of their day; everything else names the code as it is.
+RECORDS = {"CHANGELOG.md", "benchmarks/results/history.md"}
+MODULE = re.compile(r"(?<![\w./-])((?:[A-Za-z_]\w*/)*[A-Za-z_]\w*\.py)\b")
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of a file's prose: a Markdown file whole, a Python file's comments and docstrings."""
+    import ast
+    import io
+    import tokenize
+
+    text = path.read_text()
+    if path.suffix == ".md":
+        return list(enumerate(text.splitlines(), 1))
+    out = [
+        (t.start[0], t.string)
+        for t in tokenize.generate_tokens(io.StringIO(text).readline)
+        if t.type == tokenize.COMMENT
+    ]
+    out = [(line, s) for line, s in out if s.startswith("#")]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                out.append((first.lineno, first.value.value))
+    return out
+
+
+def test_prose_names_only_modules_that_exist():
+    """Comments, docstrings and docs that name a module (a file name ending in .py, bare or under its folders)
+    name one this repository has: a reorganisation that moves or merges a module updates what points at it."""
+    import subprocess
+
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True)
+    files = [f for f in listed.stdout.split() if (ROOT / f).is_file()]
+    ours = [f for f in files if f.endswith(".py")]
+    names = {Path(f).name for f in ours}
+
+    def exists(name: str) -> bool:
+        return name in names if "/" not in name else any(f == name or f.endswith("/" + name) for f in ours)
+
+    stale = []
+    for f in files:
+        if (
+            f in RECORDS
+            or not f.endswith((".py", ".md"))
+            or not f.startswith(("verifiers_rl/", "docs/", "benchmarks/", "tests/", "README"))
+        ):
+            continue
+        for line, text in _prose(ROOT / f):
+            stale += [f"{f}:{line}: {m}" for m in MODULE.findall(text) if m not in NOT_OURS and not exists(m)]
+    assert not stale, "prose names modules that do not exist:\n" + "\n".join(stale)

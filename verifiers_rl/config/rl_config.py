@@ -1,6 +1,6 @@
 """RLConfig: `TrainingArguments` plus everything an RL run needs. Every field does what its name says;
 `tests/unit/test_config.py` walks them and docs/configuration.md is generated from this file. The rules that
-fields must satisfy live in `config_checks.py`; names from older trainers are translated in `legacy.py`."""
+fields must satisfy live in `checks.py`; names from older trainers are translated in `legacy.py`."""
 
 from __future__ import annotations
 

@@ -201,7 +201,7 @@ def validate(cfg: dict[str, Any], command: str = "vf-rl") -> dict[str, Any]:
         raise ConfigError(other)
     from verifiers_rl.config.hosted import from_hosted, is_hosted
 
-    if command != "vf-sft" and is_hosted(cfg):  # verifiers' configs/rl/*.toml: run as written (hosted_config.py)
+    if command != "vf-sft" and is_hosted(cfg):  # verifiers' configs/rl/*.toml: run as written (hosted.py)
         from_hosted(cfg, {*SCHEMA, *SCHEMA[""]})
     if isinstance(cfg.get("env"), list):
         _check_envs(cfg["env"], command)

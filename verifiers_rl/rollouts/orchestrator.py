@@ -131,7 +131,7 @@ class Orchestrator:
         self.filter = difficulty_filter  # None: every group drawn is trained
         self.prompts_drawn = difficulty_filter.drawn if difficulty_filter else prompts_per_batch
         self.mix = MixedRows.of(env, dataset)  # several environments: each batch mixed by their ratios
-        self.process = process  # rollouts in a child process (rollout_process.py); None: on this loop
+        self.process = process  # rollouts in a child process (process.py); None: on this loop
         self.stages = process.stages if process is not None else stages_of(env)
         quiet_lost_requests(env)
         self._required: dict[int, int] = {}  # batch index -> the policy version it must be generated with

@@ -14,7 +14,7 @@ and the globals it reads (the script's imports, helpers, constants, compiled pat
 the child's own `__main__` (main_copies.py). An environment that cannot be copied, or that fails to load in the
 child, is generated in the trainer's process as before, with a log line saying why; so is one whose reward
 functions fail in the child on the first training example but not in the trainer's process (reward_probe.py: run
-there first, here only when it found a failure). The child's side is rollout_child.py. Protocol, over a socket
+there first, here only when it found a failure). The child's side is child.py. Protocol, over a socket
 pair with `multiprocessing.connection` framing (pickled tuples):
 
     trainer -> child: ("init", sys_path, env_bytes) ("connect", base_url, model, api_key, timeout, seed,

@@ -4,7 +4,7 @@ about one bucket at a time: a merged LoRA model is never materialised whole, and
 bucket by bucket (every rank iterates; rank 0 sends, and only rank 0's stream yields tensors).
 
 A yielded tensor may be a view of memory its producer reuses a few buckets later (a sharded export's receive
-buffers, weight_export.py): a consumer that keeps tensors beyond that copies them."""
+buffers, export.py): a consumer that keeps tensors beyond that copies them."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Under several processes only rank 0 holds the server, the orchestrator and the sync. What it does in a step —
 wait for a batch, sync the weights, evaluate — can need every rank at moments only rank 0 knows: a sharded export
 (ZeRO-3, FSDP2) gathers on all ranks whenever a sync moves weights, and a server that died is replaced and synced
-again in the middle of a batch's generation or of a failed sync (server_recovery.py). So while rank 0 works the others
+again in the middle of a batch's generation or of a failed sync (serving/recovery.py). So while rank 0 works the others
 wait on this channel for its commands: "gather" (iterate the same weight stream, as often as rank 0 says), then
 "done" with rank 0's result, or "failed" with its error, raised on every rank: a server lost for good stops and
 checkpoints all ranks together instead of leaving them in a collective that rank 0 never joins.

@@ -203,7 +203,7 @@ class RLTrainer(SettingsResume, FSDP2Checkpoints, Trainer):
     def train(self, resume_from_checkpoint=None, *args, save_final: bool = True, **kwargs):
         """`Trainer.train`, plus: a checkpoint is checked before it is resumed from (the newest usable one with
         `True`); SIGTERM / Ctrl-C checkpoint the last completed step before the run ends (preemption.py), and so
-        does a server that is lost for good (server_recovery.py); a run that trained nothing raises; a run that
+        does a server that is lost for good (serving/recovery.py); a run that trained nothing raises; a run that
         finishes writes <output_dir>/final (`final_model`; `save_final=False` leaves that to the caller). A resume
         is checked against the settings the checkpoint was trained with first (settings_resume.py): changed ones
         raise one line, and a finished run trains nothing."""
@@ -304,13 +304,13 @@ class RLTrainer(SettingsResume, FSDP2Checkpoints, Trainer):
 
     def sync_weights(self, changed: bool = True) -> float:
         """Make the server serve policy version = global step (`PolicySync` decides whether weights move). Called
-        on every rank: rank 0 syncs (replacing a server that died, server_recovery.py); under a sharded layout the
+        on every rank: rank 0 syncs (replacing a server that died, serving/recovery.py); under a sharded layout the
         others iterate the same stream, which gathers what rank 0 sends, whenever rank 0 says (rank_zero.py)."""
         version = self.state.global_step
         return self.rank_zero.run(lambda: self.runtime.sync(self.weight_export(), version, changed))
 
     def weight_export(self) -> WeightExport:
-        """The training model as the server and the loss read it, for its parallel layout (weight_export.py)."""
+        """The training model as the server and the loss read it, for its parallel layout (sync/export.py)."""
         return weight_export(self.model, self.accelerator)
 
     def abandonable(self):
@@ -333,7 +333,7 @@ class RLTrainer(SettingsResume, FSDP2Checkpoints, Trainer):
         metrics.update(prepared.metrics)
         # a batch trained again (num_iterations) was sampled before the steps since: its sampler legitimately differs
         if not metrics["batch_iteration"] and (problem := self.sync_guard.check_batch(self.state.global_step, metrics)):
-            raise TrainingError(problem)  # a sync that did not land (sync_guard.py)
+            raise TrainingError(problem)  # a sync that did not land (sync/guard.py)
         metrics["timing/train_s"] = time.perf_counter() - t_train
         metrics["timing/step_s"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(metrics["timing/step_s"], 1e-9)

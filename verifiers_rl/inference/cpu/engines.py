@@ -1,5 +1,5 @@
 """Which CPU engine serves a model: the slot engine (slot_engine.py) where its lean forward supports the
-architecture, transformers' continuous batching (engine.py) otherwise, with a log line saying which and why."""
+architecture, transformers' continuous batching (cb_engine.py) otherwise, with a log line saying which and why."""
 
 from __future__ import annotations
 
