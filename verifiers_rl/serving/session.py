@@ -80,7 +80,7 @@ class ServerSession:
             client.wait_for_health(args.vllm_server_timeout)
         models = client.models()
         if self.plan is None:  # connected: the server says what it runs
-            self.plan = self._connected_plan(engine_of_models(models), client)
+            self.plan = self._connected_plan(engine_of_models(models), client, getattr(model, "config", None))
         self._check_placement()
         self._read_models(models)
         if mode != ServerMode.SPAWN:
@@ -120,8 +120,9 @@ class ServerSession:
         if problem:
             raise ServerError(problem)
 
-    def _connected_plan(self, engine: str, client: InferenceClient) -> ServingPlan:
-        """How to sync with a server that runs already: by what it says it runs, on the GPUs it reports."""
+    def _connected_plan(self, engine: str, client: InferenceClient, config) -> ServingPlan:
+        """How to sync with a server that runs already: by what it says it runs, on the GPUs it reports, for the
+        trainer's model (`config`: whether vLLM post-processes its weights)."""
         args, cuda = self.args, torch.cuda.is_available()
         count = torch.cuda.device_count() if cuda else 0
         mine = gpu_uuids([torch.cuda.current_device()]) if cuda else ()
@@ -138,6 +139,7 @@ class ServerSession:
             server_uuids=servers,
             trainer_uuids=mine or (),
             server_unseen=unseen,
+            post_processed=ModelShape.from_config(config).post_processed if config is not None else None,
         )
 
     def _spawn(self, model, tokenizer, version: int, from_files: bool) -> InferenceClient:
