@@ -22,6 +22,12 @@ with one wrong letter still earns most of its line, which is what lets a small m
 ``power_per_turn`` the reward is ``mean(sim_t ** similarity_power)``, otherwise ``mean(sim_t) ** similarity_power``.
 A weight-0 metric ``mean_similarity`` is ``mean(sim_t)``.
 
+Teachers (transcripts for ``vf-sft``'s ``[dataset] replies``). ``reference_replies`` answers every turn correctly;
+``untagging_teacher_replies`` is a systematically wrong teacher for the tiny demo: on a fixed share of the episodes
+(``UNTAGGING_SHARE``, drawn per episode from a hash of its names) it sorts and lists the names right but ignores the
+instruction to mark the new ones. A warm-start on its transcripts learns to leave the tag out most of the time;
+only the environment's reward says that the tag belongs there, and that is what RL has to learn.
+
 Data. Generated offline and deterministically from ``seed`` out of the built-in name lists (no hub).
 Within an episode first names are distinct and last names are distinct, so either order is unambiguous;
 train and eval episodes are disjoint.
@@ -30,6 +36,7 @@ train and eval episodes are disjoint.
 from __future__ import annotations
 
 import random
+import zlib
 from collections.abc import Sequence
 
 import verifiers as vf
@@ -75,6 +82,20 @@ def reference_replies(info: dict) -> list[str]:
     """Every turn's expected reply of an episode, from its ``info`` (what ``vf-sft``'s ``[dataset] replies`` calls
     to build warm-start transcripts)."""
     return expected_answers(info["turns"], info["sort_by"])
+
+
+UNTAGGING_SHARE = 0.75
+
+
+def untagging_teacher_replies(info: dict) -> list[str]:
+    """The reference replies, except on ``UNTAGGING_SHARE`` of the episodes, where every turn's new names go
+    untagged (the same names in the same order). Drawn from a hash of the episode, not a random stream, so an
+    episode's transcript does not depend on which episodes were drawn before it."""
+    key = f"{info['sort_by']}:{info['turns']}".encode()
+    replies = reference_replies(info)
+    if zlib.crc32(key) % 10_000 < UNTAGGING_SHARE * 10_000:
+        return [reply.replace(f" {NEW_TAG}", "") for reply in replies]
+    return replies
 
 
 def reply_lines(text: str) -> list[str]:

@@ -19,7 +19,13 @@ A weight-0 metric, ``has_tag``, reports whether the tags were used.
 Data. Generated offline and deterministically from ``seed`` (no hub): ``unit="char"`` (default) draws
 texts of ``min_len``..``max_len`` characters from ``alphabet``, sized for a tiny model; ``unit="word"``
 draws sentences of ``min_len``..``max_len`` words from ``words`` (a built-in list of common English
-words by default) for a more realistic task. Texts are unique, and train/eval are disjoint.
+words by default) for a more realistic task. Texts are unique, and train/eval are disjoint. Each row's ``info``
+holds its text (``{"text": ...}``), which is what a transcript function for ``vf-sft`` reads.
+
+Teachers. ``reference_replies`` answers every text correctly; ``lazy_teacher_replies`` is a systematically wrong
+teacher for the tiny learning demo: on a fixed share of the texts (``LAZY_SHARE``, drawn per text from its hash, so
+a text always gets the same answer) it copies the text instead of reversing it. A warm-start on its transcripts
+learns both answers, and only the environment's reward says which one is right: what RL has to find.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
+import zlib
 from collections.abc import Sequence
 
 import verifiers as vf
@@ -152,7 +159,31 @@ def generate_texts(n: int, min_len: int, max_len: int, symbols: Sequence[str], s
 
 
 def build_rows(texts: Sequence[str]) -> list[dict]:
-    return [{"question": t, "answer": t[::-1]} for t in texts]
+    return [{"question": t, "answer": t[::-1], "info": {"text": t}} for t in texts]
+
+
+# --- teachers: transcripts for vf-sft's [dataset] replies ----------------------------------------------
+
+LAZY_SHARE = 0.6
+
+
+def reference_replies(info: dict) -> list[str]:
+    """The correct reply to a text (one turn), from its row's ``info``."""
+    return [f"<{ANSWER_TAG}>{info['text'][::-1]}</{ANSWER_TAG}>"]
+
+
+def drawn(key: str, share: float) -> bool:
+    """True for a fixed ``share`` of keys: a hash, not a random stream, so a transcript does not depend on which
+    rows were drawn before it (SFT's row count or order)."""
+    return zlib.crc32(key.encode()) % 10_000 < share * 10_000
+
+
+def lazy_teacher_replies(info: dict) -> list[str]:
+    """The reference reply, except on ``LAZY_SHARE`` of the texts, where the teacher copies the text unreversed: the
+    format right, the content what a lazy annotator writes. Copying scores the LCS of a text with its reverse
+    (~0.4 for 3-8 random letters), so the reward tells the two answers apart and no transcript says which is right."""
+    text = info["text"]
+    return [f"<{ANSWER_TAG}>{text}</{ANSWER_TAG}>"] if drawn(text, LAZY_SHARE) else reference_replies(info)
 
 
 def make_splits(

@@ -192,6 +192,27 @@ def test_alphabet_sort_env_response_and_stop():
     assert asyncio.run(env.all_turns_answered(state))
 
 
+def test_demo_teachers_are_wrong_on_a_fixed_share_and_right_elsewhere():
+    """The learning demos warm-start on these teachers' transcripts: each is wrong in one systematic way on a fixed
+    share of the items, right on the rest, and gives an item the same transcript whatever else was drawn."""
+    texts = rt.generate_texts(3000, 3, 8, rt.DEFAULT_ALPHABET, "", 0)
+    lazy = [rt.lazy_teacher_replies({"text": t}) for t in texts]
+    wrong = [rt.drawn(t, rt.LAZY_SHARE) for t in texts]
+    for t, reply, w in zip(texts, lazy, wrong):
+        assert reply == ([f"<reversed_text>{t}</reversed_text>"] if w else rt.reference_replies({"text": t}))
+    assert sum(wrong) / len(texts) == pytest.approx(rt.LAZY_SHARE, abs=0.03)
+    assert rt.build_rows(["abc"])[0]["info"] == {"text": "abc"}  # what the teacher reads
+    infos = [row["info"] for row in asort.make_rows(3000, 2, 3, 1, 2, 0)]
+    untagged = 0
+    for info in infos:
+        reference, teacher = asort.reference_replies(info), asort.untagging_teacher_replies(info)
+        assert [r.replace(NEW, "") for r in reference] == [r.replace(NEW, "") for r in teacher]  # same names, order
+        assert teacher == reference or not any(NEW in r for r in teacher)  # untagged: the whole episode
+        untagged += teacher != reference
+        assert asort.untagging_teacher_replies(json.loads(json.dumps(info))) == teacher
+    assert untagged / len(infos) == pytest.approx(asort.UNTAGGING_SHARE, abs=0.03)
+
+
 @pytest.mark.parametrize("power_per_turn", [True, False])
 def test_alphabet_sort_rubric_scores_conversations(power_per_turn):
     env = asort.load_environment(
