@@ -79,8 +79,8 @@ def _server(engine: str, model_dir: str, out: str, serving):
 
 
 def _measure(client, peft, repeats: int, measure_interleaved) -> tuple[dict, dict]:
-    from verifiers_rl.sync.adapter import AdapterSender
     from verifiers_rl.sync.policy_weights import adapter_weights, merged_weights
+    from verifiers_rl.sync.transport.adapter import AdapterSender
 
     merged_sender = client.init_weight_transfer("gloo")
     adapter_sender = AdapterSender(client, bucket_bytes=merged_sender.bucket_bytes)
@@ -114,7 +114,7 @@ def compare(label: str, engines: list[str], repeats: int, measure_interleaved, l
 
 
 def _compare(label: str, engines: list[str], repeats: int, measure_interleaved, log) -> dict:
-    from verifiers_rl.sync.adapter import adapter_serving
+    from verifiers_rl.sync.transport.adapter import adapter_serving
 
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix=f"bench_adapter_{label}_") as tmp:

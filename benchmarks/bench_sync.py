@@ -4,7 +4,7 @@ raw gloo bandwidth between two local processes, and adapter vs merged sync of a 
     [VF_VLLM_PYTHON=<vLLM venv python>] .venv/bin/python benchmarks/bench_sync.py [--quick]
 
 Every sync goes trainer -> a running CPU-engine server (`InferenceServer(engine="cpu")`) on this machine as the
-trainer syncs into it: one request per sync, the buckets through shared memory (sync/shm.py; an info row
+trainer syncs into it: one request per sync, the buckets through shared memory (sync/transport/shm.py; an info row
 times the same sync with every byte on loopback gloo, which the per-tensor baseline uses too), and verified
 (every rank's checksums of what it loaded; an info row times the same sync without);
 adapter vs merged (`_adapter_sync.py`) also runs against real vLLM when VF_VLLM_PYTHON is set, for the tiny
@@ -46,7 +46,7 @@ BANDWIDTH_GOAL = 0.8  # bucketed GB/s vs raw gloo GB/s at ~100M (issue 24; it wa
 
 def on(client, model, shm: bool, bucket_bytes: int | None = None) -> bool:
     """Sync as the trainer does into our CPU engine (one request per sync; with `shm`, buckets through shared
-    memory, sync/shm.py), re-joining the group only when the transport or bucket size changes, then syncing
+    memory, sync/transport/shm.py), re-joining the group only when the transport or bucket size changes, then syncing
     once untimed: a trainer keeps its group for the whole run, so the first touch of a new group's buffers (the
     shared file's pages on both sides, 2 x 64 MB) is not what a sync costs."""
     sender = client.sender
@@ -73,9 +73,9 @@ def unverified_sync(client, model) -> tuple[float, int]:
     back and reports nothing, and no checksums on the trainer's side; the same one request and buckets otherwise
     (`GlooSender.send` for a server that pauses itself), timed as the sender times itself. What the checksums cost
     is the difference."""
-    from verifiers_rl.sync import gloo
     from verifiers_rl.sync.buckets import UpdateInfo, plan_buckets
     from verifiers_rl.sync.stream import as_stream
+    from verifiers_rl.sync.transport import gloo
 
     sender, version = client.sender, _next_version(client)
     t0 = time.perf_counter()
@@ -93,8 +93,8 @@ def per_tensor_sync(client, model, pool: ThreadPoolExecutor) -> tuple[float, int
     request describing that tensor alone while the trainer broadcasts that tensor alone; then finish, reset the
     prefix cache and resume. Tensors are broadcast in place (no packing copy), and the control requests reuse a
     thread pool and keep-alive connection, so this baseline is, if anything, flattered."""
-    from verifiers_rl.sync import gloo
     from verifiers_rl.sync.buckets import TensorMeta, UpdateInfo
+    from verifiers_rl.sync.transport import gloo
 
     if client.sender is None:
         raise RuntimeError("init_weight_transfer() first")
@@ -141,7 +141,7 @@ def measure_interleaved(fns, repeats: int) -> list[dict]:
 def _gloo_peer(host: str, port: int, nbytes: int, reps: int, fresh: bool = False) -> None:
     """Rank 1 of the raw-bandwidth test (runs in a child process). `fresh`: a new receive buffer per broadcast,
     as the current receiver allocates one per sync (its pages are faulted in while the data arrives)."""
-    from verifiers_rl.sync import gloo
+    from verifiers_rl.sync.transport import gloo
 
     g = gloo.create_group(host, port, 1, 2, timeout_s=120)
     buf = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
@@ -159,7 +159,7 @@ def raw_gloo_bandwidth(nbytes: int, repeats: int, fresh: bool = False) -> dict:
     """One flat `nbytes` broadcast between two local processes; the clock covers the broadcast and a 1-byte
     ack from the receiver (so it measures delivery, not only the sender's buffer hand-off)."""
     from verifiers_rl.config.net import free_port
-    from verifiers_rl.sync import gloo
+    from verifiers_rl.sync.transport import gloo
 
     host, port = "127.0.0.1", free_port()
     reps = repeats + 1

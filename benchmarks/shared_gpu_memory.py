@@ -127,7 +127,7 @@ def measure(use_lora: bool, tokens: int, checkpointing: bool, seq_len: int = 102
 
 def _receiver(port: int, key: str, names_shapes: list, conn) -> None:
     from verifiers_rl.sync.buckets import TensorMeta, plan_buckets
-    from verifiers_rl.sync.gloo import GlooInitInfo, connect_group, receive_buckets
+    from verifiers_rl.sync.transport.gloo import GlooInitInfo, connect_group, receive_buckets
 
     torch.cuda.set_device(0)
     params = {n: torch.zeros(s, dtype=torch.bfloat16, device="cuda") for n, s in names_shapes}
@@ -147,7 +147,7 @@ def _receiver(port: int, key: str, names_shapes: list, conn) -> None:
 def shared_gpu_sync() -> dict:
     """Trainer and receiver on one GPU; merged weights through host memory over gloo."""
     from verifiers_rl.sync.buckets import TensorMeta, plan_buckets
-    from verifiers_rl.sync.gloo import join_group, open_store, send_buckets
+    from verifiers_rl.sync.transport.gloo import join_group, open_store, send_buckets
 
     model, _ = qwen3_06b()
     tensors = {n: p.detach() for n, p in model.named_parameters()}

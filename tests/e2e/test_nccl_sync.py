@@ -20,7 +20,7 @@ import pytest
 from servers import NEEDS_VLLM, VLLM_PYTHON
 
 from verifiers_rl.serving.launcher import InferenceServer
-from verifiers_rl.sync.nccl import SyncControl
+from verifiers_rl.sync.transport.nccl import SyncControl
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_vllm = NEEDS_VLLM
@@ -150,8 +150,9 @@ class TestWithVLLM:
         # it and the sender's first requests, which took 12 s once on a loaded CI machine (2 s when quiet)
         assert report["init_bound_s"] <= result["seconds"] < report["control_timeout_s"]
 
-    # A sync whose receivers stop mid-way (sync/watchdog.py): the trainer's broadcast blocks until the communicator
-    # is aborted, as NCCL's does when its peers are gone; sync timeout 30 s (2 s where only the deadline ends it).
+    # A sync whose receivers stop mid-way (sync/transport/watchdog.py): the trainer's broadcast blocks until the
+    # communicator is aborted, as NCCL's does when its peers are gone; sync timeout 30 s (2 s where only the deadline
+    # ends it).
     @pytest.mark.parametrize(
         ("fault", "why"),
         [

@@ -1,4 +1,4 @@
-"""Weight sync through shared memory (sync/shm.py) into a real CPU-engine server on this machine.
+"""Weight sync through shared memory (sync/transport/shm.py) into a real CPU-engine server on this machine.
 
 The trainer offers /dev/shm slots to our CPU engine on loopback; the same bucket plan, checksums and reports
 apply, so a sync that went through shared memory is verified like any other: these tests check that the path is
@@ -15,7 +15,7 @@ import pytest
 
 from verifiers_rl.serving.launcher import InferenceServer
 from verifiers_rl.sync.buckets import TensorMeta, plan_buckets
-from verifiers_rl.sync.shm import SHM_DIR, SharedSlots
+from verifiers_rl.sync.transport.shm import SHM_DIR, SharedSlots
 from verifiers_rl.sync.verify import FAULT_ENV, SyncMismatch
 from verifiers_rl.tiny import build_tiny_model
 

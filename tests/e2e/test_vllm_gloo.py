@@ -391,7 +391,7 @@ def _check_serves(server, model, other, dp_ranks=(None,)):
 @contextlib.contextmanager
 def _trainer_group(client, bucket_bytes: int):
     """Rank 0 of the gloo group, formed concurrently with the server's /init_weight_transfer_engine."""
-    from verifiers_rl.sync.gloo import create_group
+    from verifiers_rl.sync.transport.gloo import create_group
 
     store_port = _free_port()
     world = 1 + _ok(client.get("/get_world_size"))["world_size"]  # every worker of every engine joins
@@ -414,7 +414,7 @@ def _trainer_group(client, bucket_bytes: int):
 def _sync(client, pg, pool, model, version: int, bucket_bytes: int) -> int:
     """One weight sync in the wire protocol our CPU engine shares; returns the number of buckets used."""
     from verifiers_rl.sync.buckets import TensorMeta, UpdateInfo, plan_buckets
-    from verifiers_rl.sync.gloo import send_buckets
+    from verifiers_rl.sync.transport.gloo import send_buckets
 
     tensors = {name: p.detach() for name, p in model.named_parameters()}
     metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
@@ -535,7 +535,7 @@ def lora(tiny_model_dir, tmp_path_factory):
     from verifiers_rl.config.lora import lora_ranks
     from verifiers_rl.plan.layout import ADAPTER_NAME, AdapterServing
     from verifiers_rl.serving.client import VLLMClient
-    from verifiers_rl.sync.adapter import write_zero_adapter
+    from verifiers_rl.sync.transport.adapter import write_zero_adapter
     from verifiers_rl.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("vllm_lora")

@@ -1,6 +1,6 @@
 """Trainer -> engine weight sync over real gloo into the CPU engine, checked against the trainer's peft model.
 
-Adapter sync speaks the same protocol as with vLLM (`/collective_rpc vf_lora_update`, sync/adapter.py);
+Adapter sync speaks the same protocol as with vLLM (`/collective_rpc vf_lora_update`, sync/transport/adapter.py);
 tests/e2e/test_vllm_gloo.py runs the same checks against the vLLM CPU build.
 """
 
@@ -16,8 +16,8 @@ from peft_models import lora_model
 
 from verifiers_rl.serving.client import ServerError
 from verifiers_rl.serving.launcher import InferenceServer
-from verifiers_rl.sync.adapter import lora_module
 from verifiers_rl.sync.policy_weights import adapter_weights, merged_weights
+from verifiers_rl.sync.transport.adapter import lora_module
 from verifiers_rl.tiny import build_tiny_model
 
 BUCKET_BYTES = 4 * 1024  # several buckets even for the adapter: A and B of one module land in different ones
@@ -200,7 +200,7 @@ def test_every_receiving_rank_reports_through_the_store():
 
     import torch.distributed as dist
 
-    from verifiers_rl.sync import gloo
+    from verifiers_rl.sync.transport import gloo
 
     store = gloo.open_store("127.0.0.1", 0, world_size=3, timeout_s=10)  # closes its own listening descriptor
     peer = dist.TCPStore("127.0.0.1", store.port, 3, is_master=False, timeout=datetime.timedelta(seconds=10))

@@ -333,7 +333,7 @@ def sync_report(client, workers, engine_client, bucket_bytes: int) -> dict:
 
 def cpu_refusal() -> str:
     """Before the device is faked: what a trainer without CUDA is told (vLLM itself imports fine here)."""
-    from verifiers_rl.sync.nccl import NCCLSender
+    from verifiers_rl.sync.transport.nccl import NCCLSender
 
     try:
         NCCLSender(client=None).init()
@@ -382,7 +382,7 @@ def sync_scenarios(report: dict) -> None:
 def init_faults(report: dict) -> None:
     """The init's stages, each made to fail or never end; a sender with INIT_BOUND_S per stage."""
     from verifiers_rl.serving.client import InferenceClient
-    from verifiers_rl.sync.nccl import NCCLSender
+    from verifiers_rl.sync.transport.nccl import NCCLSender
 
     StoreCommunicator.trainer_disabled = False
     faults = {}
@@ -419,8 +419,8 @@ def _fresh_client(timeout_s: float):
 
 def sync_faults(report: dict) -> None:
     """A sync whose receivers stop mid-way: the trainer's broadcast blocks until the communicator is aborted (as NCCL's
-    does), so only the watchdog (sync/watchdog.py) can end it. The sync timeout is SYNC_TIMEOUT_S except where the
-    deadline itself is what ends it."""
+    does), so only the watchdog (sync/transport/watchdog.py) can end it. The sync timeout is SYNC_TIMEOUT_S except
+    where the deadline itself is what ends it."""
     from verifiers_rl.trainer.preemption import PreemptionGuard, StepAbandoned
 
     faults = {}
@@ -477,7 +477,7 @@ async def _never_answers(request):
 def sparse_patch_devices() -> dict:
     """Where the sparse path's patches go: to the communicator's device, wherever the tensor lay."""
     from verifiers_rl.sync.delta import Sparse
-    from verifiers_rl.sync.sparse_nccl import _patch
+    from verifiers_rl.sync.transport.sparse_nccl import _patch
 
     meta = torch.device("meta")  # stands in for the communicator's GPU: any device but the tensor's own
     whole = _patch("w", torch.randn(4, 8), (4, 8), meta)

@@ -197,8 +197,8 @@ def test_vf_rl_starts_vllm_with_a_zero_adapter_of_the_trainers_layout(tmp_path, 
     from safetensors.torch import load_file
 
     from verifiers_rl.config.lora import lora_ranks
-    from verifiers_rl.sync.adapter import write_zero_adapter
     from verifiers_rl.sync.policy_weights import adapter_weights
+    from verifiers_rl.sync.transport.adapter import write_zero_adapter
     from verifiers_rl.tiny import build_tiny_model
 
     config = LoraConfig(r=8, lora_alpha=16, rank_pattern={"v_proj": 4}, target_modules=["q_proj", "v_proj", "up_proj"])

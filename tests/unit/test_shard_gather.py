@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from verifiers_rl.sync.buckets import TensorMeta, plan_buckets
-from verifiers_rl.sync.gloo import in_place
 from verifiers_rl.sync.shard_gather import Ring, carve, carved_bytes, chunk_rows, flat_lengths, place_pieces
+from verifiers_rl.sync.transport.gloo import in_place
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 7, 8, 261])

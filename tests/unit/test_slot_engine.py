@@ -293,8 +293,8 @@ def test_adapter_sync_writes_through_the_packed_views():
     gate/up buffers the forward reads; the pristine copies are the base, not views of the live weights."""
     from peft_models import lora_model
 
-    from verifiers_rl.sync.adapter import lora_module
     from verifiers_rl.sync.policy_weights import adapter_weights, merged_weights
+    from verifiers_rl.sync.transport.adapter import lora_module
 
     model, tok = build_tiny_model()  # the base of lora_model(seed=0)
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -336,7 +336,7 @@ def test_buckets_of_a_sync_arrive_in_the_served_parameters():
     the forward reads that memory, q/k/v and gate/up included. A bucket in another order still lands tensor by
     tensor; one over a parameter whose storage was replaced since is staged and copied instead."""
     from verifiers_rl.sync.buckets import TensorMeta, pack, plan_buckets
-    from verifiers_rl.sync.wire import end_to_end, scatter
+    from verifiers_rl.sync.transport.wire import end_to_end, scatter
 
     model, tok = build_tiny_model(hidden=64, layers=2)
     new, _ = build_tiny_model(hidden=64, layers=2, seed=1)

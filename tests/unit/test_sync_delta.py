@@ -161,7 +161,7 @@ def test_a_tensor_of_another_shape_or_dtype_is_an_error():
 def test_sparse_nccl_refuses_a_tensor_its_int32_indices_cannot_address():
     """vLLM's sparse engine indexes with int32: past 2**31 elements our int64 index would wrap, so it is refused
     (checked before vLLM is imported: this runs without it)."""
-    from verifiers_rl.sync.sparse_nccl import _patch
+    from verifiers_rl.sync.transport.sparse_nccl import _patch
 
     big = delta.Sparse(torch.tensor([2**31 + 5], dtype=torch.int64), torch.ones(1, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="2147483648 elements; vLLM's sparse_nccl indexes with int32"):

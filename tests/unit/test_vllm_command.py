@@ -129,7 +129,7 @@ def test_plugin_module_imports_without_vllm():
 
     from verifiers_rl.inference.vllm import plugin as vllm_plugin
     from verifiers_rl.sync.buckets import UpdateInfo
-    from verifiers_rl.sync.gloo import GlooInitInfo
+    from verifiers_rl.sync.transport.gloo import GlooInitInfo
 
     code = (
         "import sys, verifiers_rl.inference.vllm.plugin; assert not {'vllm', vllm_plugin.ENGINE[0]} & set(sys.modules)"

@@ -132,7 +132,7 @@ def test_adapter_weights_are_peft_names_with_prescaled_b_and_small():
 
 def test_adapter_weights_applied_as_w0_plus_ba_give_the_peft_model():
     """What every receiver does with the tensors (W0 + B @ A, no scaling rule) reproduces peft's forward."""
-    from verifiers_rl.sync.adapter import lora_module
+    from verifiers_rl.sync.transport.adapter import lora_module
 
     peft = lora_model(rank_pattern={"v_proj": 2}, alpha_pattern={"down_proj": 3})
     weights = adapter_weights(peft)
@@ -176,7 +176,7 @@ def test_adapter_weights_refuse_embedding_lora_and_full_models():
 
 
 def test_adapter_update_round_trip_and_errors():
-    from verifiers_rl.sync.adapter import AdapterUpdate, lora_module
+    from verifiers_rl.sync.transport.adapter import AdapterUpdate, lora_module
 
     update = AdapterUpdate(UpdateInfo.from_metas(_metas()), {"r": 8, "lora_alpha": 8})
     back = AdapterUpdate.parse(update.to_json())
@@ -207,7 +207,7 @@ def test_write_adapter_is_a_peft_adapter_directory(tmp_path):
 
     from safetensors.torch import load_file
 
-    from verifiers_rl.sync.adapter import adapter_serving
+    from verifiers_rl.sync.transport.adapter import adapter_serving
 
     peft = lora_model()
     serving = adapter_serving(peft, tmp_path / "step0")

@@ -38,7 +38,7 @@ class Transport(StrEnum):
 
 
 # vLLM's NCCL backend for sparse patches (its `sparse_nccl` weight-transfer engine): what a vLLM server runs when the
-# plan syncs changes only over NCCL (sync/nccl.py).
+# plan syncs changes only over NCCL (sync/transport/nccl.py).
 SPARSE_NCCL = "sparse_nccl"
 
 

@@ -59,7 +59,7 @@ def run(plan: Plan) -> int:
         run_sft_process(plan.sft["config_path"], plan.visible(plan.gpus.trainer))
     server = plan.server
     if server.spec.adapter is not None:
-        from verifiers_rl.sync.adapter import write_zero_adapter
+        from verifiers_rl.sync.transport.adapter import write_zero_adapter
 
         write_zero_adapter(plan.model, plan.args, server.spec.adapter.path)
     print(f"vf-rl: starting the {plan.engine} inference server (log: {server.log_path})", flush=True)

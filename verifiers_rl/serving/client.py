@@ -189,7 +189,7 @@ class InferenceClient:
         """Join the server's workers in a weight-transfer group (`sync.backends.create_sender` backends).
         `server_pauses`: the server pauses and resumes itself around a sync (our CPU engine, gloo).
         `shared_memory`: with `server_pauses` and a loopback `host`, offer the server buckets through shared
-        memory (sync/shm.py); False keeps every byte on gloo. `changed_only`: after the first sync, send only
+        memory (sync/transport/shm.py); False keeps every byte on gloo. `changed_only`: after the first sync, send only
         the elements that changed (sync/delta.py), over gloo or NCCL (vLLM's `sparse_nccl` backend)."""
         timeout_s = self.sync_timeout if timeout_s is None else timeout_s
         sender = create_sender(  # a backend it refuses leaves the group this client has, as it was

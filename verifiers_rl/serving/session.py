@@ -33,8 +33,8 @@ from verifiers_rl.serving.auth import TOKEN_ENV, read_token_file
 from verifiers_rl.serving.client import InferenceClient
 from verifiers_rl.serving.discovery import probe_server
 from verifiers_rl.serving.launcher import InferenceServer, server_of
-from verifiers_rl.sync.adapter import adapter_serving
 from verifiers_rl.sync.policy_weights import merged_weights
+from verifiers_rl.sync.transport.adapter import adapter_serving
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,7 @@
-"""Stage 8, weight sync: the trainer's weights into the server after each step. Export the policy's weights in the
-server's names (`export`, gathering shards under FSDP2/ZeRO-3), pack them in buckets (`buckets`, `wire`), send them
-over gloo or NCCL (`gloo`, `nccl`, `sender`, `stream`), verify that what landed is what the trainer holds
-(`verify`), and track which policy version the server serves (`policy_sync`, `policy_version`, `guard`)."""
+"""Stage 8, weight sync: the trainer's weights into the server after each step. The core here decides what to
+send and when: `policy_sync` (the one owner of the served version, `policy_version`), `export` and
+`policy_weights` (the policy's tensors in the server's names, any parallel layout; `shard_gather` brings shards
+to rank 0 on the CPU), `stream` and `buckets` (one sync's tensors, described up front, packed in buckets),
+`delta` (changed elements only), `verify` and `guard` (what landed is what the trainer holds). The bytes move
+in `transport/` (gloo, shared memory, NCCL); the receivers live in the servers (inference/vllm/gloo_engine.py,
+inference/cpu/weight_receiver.py)."""

@@ -18,7 +18,7 @@ def create_sender(
     changed_only: bool = False,
 ) -> WeightSender:
     """`backend`: 'gloo' (merged weights over a gloo group), 'adapter' (LoRA A/B only, into the server's LoRA
-    slot for the policy adapter; see sync/adapter.py) or 'nccl' (vLLM's own packed NCCL engine; GPU only).
+    slot for the policy adapter; see sync/transport/adapter.py) or 'nccl' (vLLM's own packed NCCL engine; GPU only).
     `changed_only`: after the first sync, send only the elements that changed (delta.py; vLLM's sparse_nccl
     engine over NCCL)."""
     from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES
@@ -29,7 +29,7 @@ def create_sender(
             f"sending only what changed (sync_changed_only) needs whole-weight sync over gloo or nccl, not {backend!r}"
         )
     if backend == Transport.GLOO:
-        from verifiers_rl.sync.gloo import GlooSender
+        from verifiers_rl.sync.transport.gloo import GlooSender
 
         sender = GlooSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
         if changed_only:
@@ -38,15 +38,15 @@ def create_sender(
             sender.snapshot = Snapshot()
         return sender
     if backend == Transport.ADAPTER:
-        from verifiers_rl.sync.adapter import AdapterSender
+        from verifiers_rl.sync.transport.adapter import AdapterSender
 
         return AdapterSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
     if backend == Transport.NCCL and changed_only:
-        from verifiers_rl.sync.sparse_nccl import SparseNCCLSender
+        from verifiers_rl.sync.transport.sparse_nccl import SparseNCCLSender
 
         return SparseNCCLSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
     if backend == Transport.NCCL:
-        from verifiers_rl.sync.nccl import NCCLSender
+        from verifiers_rl.sync.transport.nccl import NCCLSender
 
         return NCCLSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
     raise ValueError(f"weight-sync backend={backend!r}; allowed: {', '.join(values(Transport))}")

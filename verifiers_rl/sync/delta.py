@@ -7,7 +7,7 @@ indices and the new values (`Sparse`), or the whole tensor where that is smaller
 The trainer keeps the last-sent wire-dtype copy of every tensor (`Snapshot`, on the tensors' own device: one extra
 copy of the synced weights) and updates it with the same `apply` the receiver runs, so the two stay equal. A delta
 is only valid against the version the server holds: the sender checks the server's version first, and our CPU
-engine checks the delta's base version again (sync/gloo.py, cpu/weight_receiver.py); any doubt is a full sync.
+engine checks the delta's base version again (sync/transport/gloo.py, cpu/weight_receiver.py); any doubt is a full sync.
 
 Over gloo the sparse parts travel as ordinary tensors (`<name>#delta_index`, `<name>#delta_values`) through the
 same bucket path as full tensors; `UpdateInfo.delta` names the whole tensors they update. Our CPU engine reports

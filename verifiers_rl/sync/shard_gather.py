@@ -17,7 +17,7 @@ contiguous piece in rank order (FSDP2: torch.chunk's rows on dim 0; ZeRO-3: equa
 the part before the end of the parameter is sent). A parameter whole on every rank is one piece, rank 0's. Rank 0
 lays a group's parameters end to end in its buffer, as the sender's bucket lays them (`plan_buckets`), so a
 bucket is broadcast from there with no packing (`wire.send_buckets`; into a CPU engine on this host it is copied
-once, into the shared-memory slot, sync/shm.py).
+once, into the shared-memory slot, sync/transport/shm.py).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def place_pieces(dest: torch.Tensor, lengths: list[int], rank: int) -> torch.Ten
 
 class Ring:
     """Reused receive buffers, one per group in flight; a sync yields views of them. The stream posts group k+1
-    when the sender pulls group k, and the sender (sync/wire.py `send_buckets`, whose buckets are these
+    when the sender pulls group k, and the sender (sync/transport/wire.py `send_buckets`, whose buckets are these
     groups) may still be broadcasting buckets k-1 and k-2 straight from this memory (`wire.in_place`: it sends a
     group laid out as its bucket without packing, and waits for bucket k-2 only after pulling bucket k): four
     buffers, none reused while the sender can still read it. A group larger than

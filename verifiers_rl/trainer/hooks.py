@@ -50,9 +50,10 @@ class SyncWeights(TrainerCallback):
             self.trainer.sync_weights()
 
     def on_step_end(self, args, state, control, **kwargs):
-        # One process: a signal may end the sync (an NCCL sync's watchdog aborts it at once, sync/watchdog.py); the
-        # step trained, and is logged and checkpointed as any step a signal follows. Several: rank 0 must finish the
-        # commands the others follow (rank_zero.py), and the sync's own deadline bounds it.
+        # One process: a signal may end the sync (an NCCL sync's watchdog aborts it at once:
+        # sync/transport/watchdog.py); the step trained, and is logged and checkpointed as any step a signal follows.
+        # Several: rank 0 must finish the commands the others follow (rank_zero.py), and the sync's own deadline
+        # bounds it.
         alone = not self.trainer.rank_zero.several
         try:
             with self.trainer.abandonable() if alone else contextlib.nullcontext():

@@ -14,7 +14,7 @@ from verifiers_rl.inference.cpu.engine_api import Engine
 from verifiers_rl.inference.cpu.openai_routes import bad_request
 from verifiers_rl.inference.cpu.weight_receiver import WeightReceiver
 from verifiers_rl.serving import identity
-from verifiers_rl.sync import adapter
+from verifiers_rl.sync.transport import adapter
 
 
 def version_number(name: str, value) -> int:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from verifiers_rl.sync import adapter, delta, gloo
+from verifiers_rl.sync import delta
 from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES, UpdateInfo, plan_buckets
 from verifiers_rl.sync.policy_weights import unsupported_adapter_features
-from verifiers_rl.sync.shm import SharedSlots
+from verifiers_rl.sync.transport import adapter, gloo
+from verifiers_rl.sync.transport.shm import SharedSlots
 from verifiers_rl.sync.verify import tensor_checksum
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class WeightReceiver:
         return None
 
     def lora_update(self, update_json: str) -> dict[str, Any]:
-        """`vf_lora_update` (sync/adapter.py): W = W0 + B @ A on the pristine base weights, B pre-scaled.
+        """`vf_lora_update` (sync/transport/adapter.py): W = W0 + B @ A on the pristine base weights, B pre-scaled.
         The result is the RPC's answer and, like every receiver's, left in the trainer's store."""
         if self.pg is None:
             raise ValueError(f"call /init_weight_transfer_engine before {adapter.UPDATE_RPC}")

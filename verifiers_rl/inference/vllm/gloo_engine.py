@@ -1,5 +1,5 @@
 """The `gloo` weight-transfer engine vLLM's workers run (registered by `plugin.register`): it receives the
-trainer's bucketed gloo broadcasts (sync/gloo.py) and loads them through the model's own `load_weights`, under
+trainer's bucketed gloo broadcasts (sync/transport/gloo.py) and loads them through the model's own `load_weights`, under
 vLLM's layerwise reload for whole tensors, in place for a sync of changes only (changes.py).
 
 Per sync the trainer sends the requests our CPU engine also accepts:
@@ -22,7 +22,7 @@ from verifiers_rl.inference.vllm import changes
 from verifiers_rl.inference.vllm.plugin import worker_rank
 from verifiers_rl.sync import delta
 from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES, UpdateInfo, plan_buckets
-from verifiers_rl.sync.gloo import GlooInitInfo, connect_group, publish_report, receive_buckets
+from verifiers_rl.sync.transport.gloo import GlooInitInfo, connect_group, publish_report, receive_buckets
 from verifiers_rl.sync.verify import tensor_checksum
 
 

@@ -3,7 +3,7 @@
 Start vLLM with `--enable-lora --max-loras 1 --lora-modules policy=<step-0 adapter dir> --worker-extension-cls
 verifiers_rl.inference.vllm.lora.LoraSyncExtension` (`layout.AdapterServing.vllm_args`) and our gloo
 weight-transfer backend. vLLM mixes this class into every worker; `/collective_rpc` calls its methods on all
-workers of all data-parallel engines. The protocol is in `sync/adapter.py`.
+workers of all data-parallel engines. The protocol is in `sync/transport/adapter.py`.
 
 Each sync builds a LoRA model from the received tensors and swaps it in under the adapter's lora_int_id: the
 same id before and after, so requests already running on the adapter continue on the new weights, and the
@@ -49,7 +49,7 @@ class LoraSyncExtension:
         }
 
     def vf_lora_update(self, update_json: str) -> dict:
-        from verifiers_rl.sync.adapter import AdapterUpdate
+        from verifiers_rl.sync.transport.adapter import AdapterUpdate
         from verifiers_rl.sync.verify import tensor_checksum
 
         t0 = time.perf_counter()

@@ -33,13 +33,13 @@ from pathlib import Path
 
 from verifiers_rl.plan.layout import WORKER_EXTENSION
 from verifiers_rl.sync.buckets import UpdateInfo, plan_buckets
-from verifiers_rl.sync.gloo import (
+from verifiers_rl.sync.sender import NamedTensors, SyncStats
+from verifiers_rl.sync.stream import as_stream
+from verifiers_rl.sync.transport.gloo import (
     GlooSender,
     run_in_thread,
     send_buckets,
 )
-from verifiers_rl.sync.sender import NamedTensors, SyncStats
-from verifiers_rl.sync.stream import as_stream
 
 UPDATE_RPC = "vf_lora_update"
 INFO_RPC = "vf_lora_info"

@@ -33,10 +33,9 @@ from verifiers_rl.sync.buckets import (
 )
 from verifiers_rl.sync.delta import Delta, Snapshot
 from verifiers_rl.sync.sender import NamedTensors, SyncStats
-from verifiers_rl.sync.shm import SharedSlots
 from verifiers_rl.sync.stream import WeightStream, as_stream
-from verifiers_rl.sync.verify import verify
-from verifiers_rl.sync.wire import (  # noqa: F401
+from verifiers_rl.sync.transport.shm import SharedSlots
+from verifiers_rl.sync.transport.wire import (  # noqa: F401
     WeightGroup,
     broadcast,
     broadcast_async,
@@ -44,6 +43,7 @@ from verifiers_rl.sync.wire import (  # noqa: F401
     receive_buckets,
     send_buckets,
 )
+from verifiers_rl.sync.verify import verify
 
 _PREFIX = "verifiers_rl_weights"
 # The receivers' reports are in the store by the time the sync's request answers (vLLM answers once every engine

@@ -18,10 +18,10 @@ import torch
 
 from verifiers_rl.config.net import LOOPBACK, free_port
 from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES
-from verifiers_rl.sync.nccl_init import BoundedInit
 from verifiers_rl.sync.sender import NamedTensors, SyncStats
 from verifiers_rl.sync.stream import WeightStream, as_stream
-from verifiers_rl.sync.watchdog import SyncAborted, Watchdog
+from verifiers_rl.sync.transport.nccl_init import BoundedInit
+from verifiers_rl.sync.transport.watchdog import SyncAborted, Watchdog
 
 
 class SyncControl:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from verifiers_rl.sync.delta import Snapshot, Sparse, index_dtype
-from verifiers_rl.sync.nccl import NCCLSender
+from verifiers_rl.sync.transport.nccl import NCCLSender
 
 
 def _patch(name: str, update: Sparse | torch.Tensor, shape: tuple[int, ...], device: torch.device | None):

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from verifiers_rl.sync.buckets import Bucket, pack, unpack
-from verifiers_rl.sync.shm import FREE, READY, SharedSlots
 from verifiers_rl.sync.stream import bucket_tensors
+from verifiers_rl.sync.transport.shm import FREE, READY, SharedSlots
 from verifiers_rl.sync.verify import dropped_buckets, tensor_checksum
 
 
