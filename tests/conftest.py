@@ -81,7 +81,7 @@ def kit_model_dir(request):
 @pytest.fixture(autouse=True)
 def _default_port_shared(request):
     """Every test but the user's-own-server ones shares port 8000's lock (tests/ports.py)."""
-    if "user_server" in request.fixturenames:  # it takes the exclusive lock itself
+    if {"user_server", "port_8000"} & set(request.fixturenames):  # they take the exclusive lock themselves
         yield
         return
     with default_port_shared():

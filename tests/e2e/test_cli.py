@@ -187,7 +187,7 @@ def test_setup_lays_out_workspace_idempotently(tmp_path):
     r, pid = run_command("vf-rl", "setup", ws)
     assert r.returncode == 0 and r.stdout.count("✓ created") == 9
     for rel in (
-        "configs/endpoints.py",
+        "configs/endpoints.toml",
         "configs/vf-rl/alphabet-sort.toml",
         "configs/vf-rl/wordle.toml",
         "configs/vf-rl/reverse-text.toml",
@@ -205,6 +205,50 @@ def test_setup_lays_out_workspace_idempotently(tmp_path):
     from verifiers_rl.scripts.setup import setup_workspace
 
     assert {s for _, s in setup_workspace(ws)} == {"unchanged"}
+
+
+@pytest.fixture
+def port_8000():
+    """vf-vllm's default port, which configs/endpoints.toml names, for this test alone (tests/ports.py)."""
+    from ports import default_port_exclusive
+
+    with default_port_exclusive():
+        yield
+
+
+def test_setup_next_steps_run_as_printed(tmp_path, tiny_model_dir, port_8000):
+    """`vf-rl setup`'s next steps, run as printed from the workspace: the example's dry run plans, and vf-eval -m local
+    (verifiers' own, installed here) reads configs/endpoints.toml and evaluates the model the printed vf-vllm serves
+    (with the tiny model in place of the example's, which this machine has no copy of)."""
+    import shlex
+    import subprocess
+
+    from procs import BIN
+    from waits import wait_healthy
+
+    ws = tmp_path / "ws"
+    r, _ = run_command("vf-rl", "setup", ws, cwd=tmp_path)
+    steps = [shlex.split(line.split("#")[0]) for line in r.stdout.split("next:\n", 1)[1].splitlines()]
+    assert steps[0] == ["cd", str(ws)] and not (ws / "configs" / "endpoints.py").exists()
+    starts = (["vf-rl", "@"], ["vf-vllm", "--model"], ["vf-eval", "reverse-text"])
+    plan, serve, evaluate = (next(s for s in steps if s[:2] == start) for start in starts)
+    r, _ = run_command(*plan, cwd=ws)
+    assert r.returncode == 0 and f"a new run in {ws}" in r.stdout, r.stderr[-2000:]
+    serve[serve.index("--model") + 1] = tiny_model_dir
+    log = open(tmp_path / "server.log", "wb")
+    server = subprocess.Popen([str(BIN / serve[0]), *serve[1:], "--engine", "cpu"], stdout=log, stderr=log)
+    try:
+        wait_healthy("http://127.0.0.1:8000", proc=server, log=tmp_path / "server.log")
+        env = {"VLLM_API_KEY": "", "OPENAI_API_KEY": ""}
+        r, _ = run_command(*evaluate, "-n", "2", "-r", "1", "-t", "4", cwd=ws, env=env, timeout=300)
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "not found in endpoint registry" not in out and "no longer supported" not in out, out[-3000:]
+    assert re.search(r"output_tokens \(avg\): [1-9]", out), out[-3000:]  # the rollouts reached the local server
 
 
 def test_repo_configs_are_the_scaffold_templates():

@@ -1,4 +1,5 @@
-"""`vf-rl setup [DIR] [--force]`: lay out a verifiers-rl workspace, offline and idempotently.
+"""`vf-rl setup [DIR] [--force]`: lay out a verifiers-rl workspace, offline and idempotently, and say what to run
+next in it (each step true as printed: tests/e2e/test_cli.py runs them).
 
 `setup_workspace(path, force=False)` is the function other tools (e.g. `prime lab setup --vf-rl`) call."""
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 FILES = [
-    "configs/endpoints.py",
+    "configs/endpoints.toml",  # what the installed verifiers' vf-eval reads (it refuses endpoints.py)
     "configs/vf-rl/alphabet-sort.toml",
     "configs/vf-rl/gsm8k.toml",
     "configs/vf-rl/math-python.toml",
@@ -71,10 +72,35 @@ def run_setup(argv: list[str] | None = None) -> int:
     }
     for rel, status in report:
         print(f"{marks[status]:36} {Path(args.dir) / rel}")
-    print(
-        f"\nnext: pip install -e environments/<name>, then vf-rl @ {Path(args.dir) / 'configs/vf-rl/reverse-text.toml'}"
-    )
+    print("\n" + next_steps(args.dir))
     return 0
+
+
+EXAMPLE = "configs/vf-rl/reverse-text.toml"
+
+
+def next_steps(workspace: str) -> str:
+    """What to run next, from the workspace (vf-eval reads ./configs/endpoints.toml, and the example config's paths
+    are its own): its environment, if this machine lacks it; the example's plan and run; a served model evaluated
+    through the "local" endpoint."""
+    import tomllib
+
+    from verifiers_rl.scripts.environments import environment_status, install_hint
+
+    cfg = tomllib.loads(template(EXAMPLE))
+    env, model = cfg["env"]["id"], cfg["model"]
+    lines = ["next:"]
+    if Path(workspace).resolve() != Path.cwd().resolve():
+        lines.append(f"  cd {workspace}")
+    if "NOT installed" in environment_status(env):
+        lines.append(f"  {install_hint(env).strip('`')}    # the example's environment, {env}")
+    lines += [
+        f"  vf-rl @ {EXAMPLE} --dry-run    # the plan: GPUs, the server, the trainer, checks",
+        f"  vf-rl @ {EXAMPLE}              # train ({model}): the dry run prints where its outputs go",
+        f"  vf-vllm --model {model} --served-model-name local --port 8000    # serve a model (--engine cpu: no GPU)",
+        f"  vf-eval {env} -m local -n 20    # evaluate it through configs/endpoints.toml's local endpoint",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
