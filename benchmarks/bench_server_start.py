@@ -1,6 +1,6 @@
 """CPU server start-up benchmark: seconds from launching the server process to its first healthy answer, the model
 loaded through transformers' `from_pretrained` (what the server did before) vs built from the checkpoint by
-`cpu/lean_model.py` (what it does now).
+`cpu/model/lean_model.py` (what it does now).
 
     .venv/bin/python benchmarks/bench_server_start.py [--quick]
 

@@ -527,7 +527,7 @@ def lora(tiny_model_dir, tmp_path_factory):
     """One vLLM server in adapter mode, started as vf-rl starts it: AdapterServing flags with a zero adapter of the
     trainer's layout (`adapter.write_zero_adapter`; the trainer is another process), our worker extension, an API
     key, and the launcher's control token. The trainer-spawned path writes its real step-0 adapter with the same
-    `write_adapter` (tests/e2e/test_trainer.py runs it on our engine)."""
+    `adapter.write_served_adapter` (tests/e2e/test_trainer.py runs it on our engine)."""
     from types import SimpleNamespace
 
     from peft import LoraConfig, get_peft_model

@@ -128,6 +128,7 @@ NOT_OURS = {
     "sitecustomize.py": "Python's startup hook, written by the test",
     "vf_carried_dep.py": "written by the test",
     "endpoints.py": "the file vf-eval refuses (setup.py writes endpoints.toml)",
+    "configs/endpoints.py": "the file vf-eval refuses (setup.py writes endpoints.toml)",
     "gpu_trainer_cpu_engine.py": "the script of a recorded GPU run, since replaced by gpu_check.py",
     "benchmarks/gpu_trainer_cpu_engine.py": "the script of a recorded GPU run, since replaced by gpu_check.py",
     "gpu_smoke.py": "a script of a recorded GPU run, since removed",

@@ -1,4 +1,4 @@
-"""The CPU server's model built from the checkpoint without transformers' modeling code (cpu/lean_model.py): the
+"""The CPU server's model built from the checkpoint without transformers' modeling code (cpu/model/lean_model.py): the
 same parameters as `from_pretrained` (names, order, shapes, dtypes, values, tying), the same RoPE tables and
 logits, the fall-backs to transformers for what it does not read, and the import it exists to avoid."""
 
@@ -15,9 +15,9 @@ from decoders import KINDS, decoder
 from safetensors.torch import load_file, save_file
 
 from verifiers_rl.inference.cpu.engines import load_engine
-from verifiers_rl.inference.cpu.kv_cache import SlotKVCache
-from verifiers_rl.inference.cpu.lean_forward import LeanDecoder, unsupported_reason
-from verifiers_rl.inference.cpu.lean_model import LeanCausalLM, load_lean_model
+from verifiers_rl.inference.cpu.model.kv_cache import SlotKVCache
+from verifiers_rl.inference.cpu.model.lean_forward import LeanDecoder, unsupported_reason
+from verifiers_rl.inference.cpu.model.lean_model import LeanCausalLM, load_lean_model
 from verifiers_rl.models import get_model
 from verifiers_rl.tiny import build_tokenizer
 

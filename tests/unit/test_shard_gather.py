@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from verifiers_rl.sync.buckets import TensorMeta, plan_buckets
-from verifiers_rl.sync.shard_gather import Ring, carve, carved_bytes, chunk_rows, flat_lengths, place_pieces
+from verifiers_rl.sync.shard_gather import Ring, carve, carved_bytes, dim0_rows, flat_lengths, place_pieces
 from verifiers_rl.sync.transport.gloo import in_place
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 7, 8, 261])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_chunk_rows_is_torch_chunk(rows, world):
-    got = chunk_rows(rows, world)
+    got = dim0_rows(rows, world)
     assert sum(got) == rows and len(got) == world
     chunks = torch.chunk(torch.arange(rows), world) if rows else ()
     assert got[: len(chunks)] == [len(c) for c in chunks]  # torch.chunk may give fewer chunks: the rest hold none
@@ -24,7 +24,7 @@ def test_chunk_rows_is_torch_chunk(rows, world):
 def _dim0_pieces(t, world):
     """FSDP2's layout: rank r holds torch.chunk's r-th piece on dim 0 (or nothing)."""
     inner = math.prod(t.shape[1:])
-    rows = chunk_rows(t.shape[0], world)
+    rows = dim0_rows(t.shape[0], world)
     chunks = list(torch.chunk(t, world))
     return [r * inner for r in rows], [(chunks[r] if r < len(chunks) else t[:0]).reshape(-1) for r in range(world)]
 

@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 from decoders import decoder
 
-from verifiers_rl.inference.cpu import lean_forward
 from verifiers_rl.inference.cpu import slot_engine as se
 from verifiers_rl.inference.cpu.cb_engine import CPUEngine
 from verifiers_rl.inference.cpu.engine_api import EngineError
 from verifiers_rl.inference.cpu.engines import create_engine
-from verifiers_rl.inference.cpu.kv_cache import DEFAULT_CACHE_BYTES, SlotKVCache, token_budget
-from verifiers_rl.inference.cpu.lean_forward import (
+from verifiers_rl.inference.cpu.model import lean_forward
+from verifiers_rl.inference.cpu.model.kv_cache import DEFAULT_CACHE_BYTES, SlotKVCache, token_budget
+from verifiers_rl.inference.cpu.model.lean_forward import (
     LeanDecoder,
     apply_rope,
     cache_rows,

@@ -1,4 +1,4 @@
-"""Per-request attention for the CPU engine (verifiers_rl.inference.cpu.varlen_attention): tensor-level checks
+"""Per-request attention for the CPU engine (verifiers_rl.inference.cpu.model.varlen_attention): tensor-level checks
 against the dense block-diagonal reference that transformers' continuous batching uses, plus the engine's
 outputs with and without it."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verifiers_rl.inference.cpu.varlen_attention import varlen_layout, varlen_sdpa
+from verifiers_rl.inference.cpu.model.varlen_attention import varlen_layout, varlen_sdpa
 
 
 def dense_reference(q, k, v, cu_q, cu_k, scale=None):

@@ -47,7 +47,7 @@ from verifiers_rl.sync.policy_weights import (
     unit_scaling_config,
     unwrap_peft,
 )
-from verifiers_rl.sync.shard_gather import Pieces, Ring, ToRankZero, chunk_rows, flat_lengths
+from verifiers_rl.sync.shard_gather import Pieces, Ring, ToRankZero, dim0_rows, flat_lengths
 from verifiers_rl.sync.stream import WeightStream
 
 # the reused receive buffers of each sharded model's syncs (rank 0), kept as long as the model
@@ -283,7 +283,7 @@ class FSDP2Export(ShardedExport):
         if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or p.ndim == 0:
             return None
         group, world, rank = p.device_mesh.get_group(), p.device_mesh.size(), p.device_mesh.get_local_rank()
-        rows, local = chunk_rows(p.shape[0], world), p.to_local().detach()
+        rows, local = dim0_rows(p.shape[0], world), p.to_local().detach()
         if tuple(local.shape) != (rows[rank], *p.shape[1:]) or dist.get_global_rank(group, 0) != 0:
             return None
         inner = math.prod(p.shape[1:])

@@ -166,7 +166,7 @@ def unsupported_adapter_features(config: dict) -> list[str]:
     return problems
 
 
-def adapter_items(model, dtype: torch.dtype | None = None) -> tuple[list[ExportItem], dict[str, int]]:
+def adapter_items(model) -> tuple[list[ExportItem], dict[str, int]]:
     """The active LoRA adapter in the adapter-sync format (see `AdapterWeights`): its items and each module's rank."""
     inner, peft_base = unwrap_peft(model)
     if peft_base is None:
@@ -191,8 +191,8 @@ def adapter_items(model, dtype: torch.dtype | None = None) -> tuple[list[ExportI
         for kind in ("lora_A", "lora_B"):
             source = f"{module}.{kind}.{adapter}.weight"
             p = params[source]
-            # float32 product for B, then the transfer dtype: the same rounding merged sync applies to its deltas
-            meta = TensorMeta(f"{prefix}.{kind}.weight", dtype or p.dtype, full_shape(p))
+            # B is pre-scaled in float32, then cast to its own dtype: the rounding merged sync applies to its deltas
+            meta = TensorMeta(f"{prefix}.{kind}.weight", p.dtype, full_shape(p))
             items.append(ExportItem(meta.name, meta, (source,), kind, scaling if kind == "lora_B" else 1.0))
         ranks[module] = int(layer.r[adapter])
     if not ranks:
@@ -200,9 +200,9 @@ def adapter_items(model, dtype: torch.dtype | None = None) -> tuple[list[ExportI
     return items, ranks
 
 
-def adapter_weights(model, dtype: torch.dtype | None = None) -> AdapterWeights:
+def adapter_weights(model) -> AdapterWeights:
     """The active LoRA adapter of a peft model in the adapter-sync format (see `AdapterWeights`), materialised."""
-    items, ranks = adapter_items(model, dtype)
+    items, ranks = adapter_items(model)
     tensors = list(replicated_stream(model, items))
     return AdapterWeights(tensors, unit_scaling_config(ranks), ranks)
 

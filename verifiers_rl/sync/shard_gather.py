@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 
-def chunk_rows(rows: int, world: int) -> list[int]:
+def dim0_rows(rows: int, world: int) -> list[int]:
     """Rows each rank holds of a dim-0 sharded tensor with `rows` rows (torch.chunk's split, as FSDP2 and DTensor's
     Shard(0) cut it: `ceil(rows / world)` each, the last ranks fewer or none)."""
     per = math.ceil(rows / world) if rows else 0

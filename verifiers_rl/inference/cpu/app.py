@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from verifiers_rl.config.net import LOOPBACK, SERVER_KEEP_ALIVE_S
 from verifiers_rl.inference.cpu import protocol
 from verifiers_rl.inference.cpu.control_routes import generation_router, weight_router
-from verifiers_rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS, Engine
+from verifiers_rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS, ServingEngine
 from verifiers_rl.inference.cpu.engines import load_engine
 from verifiers_rl.inference.cpu.fast_chat import ChatFastPath
 from verifiers_rl.inference.cpu.openai_routes import openai_router
@@ -48,7 +48,7 @@ class ApiKeyGuard:
 
 
 def create_app(
-    engine: Engine,
+    engine: ServingEngine,
     served_model_name: str,
     *,
     control_token: str | None = None,

@@ -21,12 +21,13 @@ from verifiers_rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT
 from verifiers_rl.inference.cpu.sampling import (
     Completion,
     SamplingParams,
+    check_prompt,
+    find_stop,
     process_logits,
     request_generator,
     sample_inverse_cdf,
+    stop_tail,
 )
-from verifiers_rl.inference.cpu.stop_strings import find_stop, stop_tail
-from verifiers_rl.inference.cpu.validation import check_prompt
 from verifiers_rl.inference.cpu.weights import ServedWeights
 
 
@@ -47,7 +48,8 @@ _RETIRED = _Request(SamplingParams(temperature=0.0), [], None, set(), 0, done=Tr
 
 
 class CPUEngine(ServedWeights):
-    """transformers' continuous batching as an `engine_api.Engine` (architectures the slot engine does not cover)."""
+    """transformers' continuous batching as an `engine_api.ServingEngine` (architectures the slot engine does not
+    cover)."""
 
     def __init__(
         self,
@@ -92,7 +94,7 @@ class CPUEngine(ServedWeights):
         )
         self.manager = model.init_continuous_batching(gen_config, cb_config)
         if attention == "varlen":  # per-request attention instead of one block-diagonal mask over the whole batch
-            from verifiers_rl.inference.cpu.varlen_attention import install
+            from verifiers_rl.inference.cpu.model.varlen_attention import install
 
             install(model)
         self.manager.warmup()  # creates the batch processor so the hook is in place before the first batch

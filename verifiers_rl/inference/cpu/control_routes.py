@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Body, Query
 
 from verifiers_rl.config.choices import Transport
-from verifiers_rl.inference.cpu.engine_api import Engine
+from verifiers_rl.inference.cpu.engine_api import ServingEngine
 from verifiers_rl.inference.cpu.openai_routes import bad_request
 from verifiers_rl.inference.cpu.weight_receiver import WeightReceiver
 from verifiers_rl.serving import identity
@@ -28,7 +28,7 @@ def version_number(name: str, value) -> int:
     return number
 
 
-def generation_router(engine: Engine) -> APIRouter:
+def generation_router(engine: ServingEngine) -> APIRouter:
     router = APIRouter()
 
     @router.get("/get_world_size")
@@ -80,7 +80,7 @@ def generation_router(engine: Engine) -> APIRouter:
     return router
 
 
-def weight_router(engine: Engine, receiver: WeightReceiver) -> APIRouter:
+def weight_router(engine: ServingEngine, receiver: WeightReceiver) -> APIRouter:
     router = APIRouter()
 
     @router.post("/init_weight_transfer_engine")

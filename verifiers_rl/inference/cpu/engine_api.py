@@ -1,4 +1,4 @@
-"""What the CPU server needs from an engine (`Engine`), and the defaults every CPU engine shares.
+"""What the CPU server needs from an engine (`ServingEngine`), and the defaults every CPU engine shares.
 
 Two engines implement it: `slot_engine.SlotEngine` (ours, Llama-family models) and `cb_engine.CPUEngine`
 (transformers' continuous batching, every other architecture). The HTTP app, the weight receiver and the tests
@@ -25,7 +25,7 @@ class EngineError(RuntimeError):
     """One request failed inside the engine (the server answers 500 for it and keeps serving)."""
 
 
-class Engine(Protocol):
+class ServingEngine(Protocol):
     model: torch.nn.Module
     tokenizer: object
     max_model_len: int

@@ -7,8 +7,8 @@ import logging
 
 from verifiers_rl.inference.cpu.cb_engine import CPUEngine
 from verifiers_rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
-from verifiers_rl.inference.cpu.lean_forward import unsupported_reason
-from verifiers_rl.inference.cpu.lean_model import load_lean_model
+from verifiers_rl.inference.cpu.model.lean_forward import unsupported_reason
+from verifiers_rl.inference.cpu.model.lean_model import load_lean_model
 from verifiers_rl.inference.cpu.slot_engine import SlotEngine
 from verifiers_rl.plan.serving import resolve_cpu_engine
 

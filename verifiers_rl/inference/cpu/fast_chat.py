@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from verifiers_rl.inference.cpu import protocol
-from verifiers_rl.inference.cpu.engine_api import Engine
+from verifiers_rl.inference.cpu.engine_api import ServingEngine
 from verifiers_rl.inference.cpu.openai_routes import chat_completion
 
 CHAT_PATH = "/v1/chat/completions"
@@ -25,7 +25,7 @@ CHAT_PATH = "/v1/chat/completions"
 
 # Kept by bench_cpu_tunings' row "server CPU per chat request (httptools): FastAPI route vs fast path" (>= 1.1x).
 class ChatFastPath:
-    def __init__(self, app, engine: Engine, served_model_name: str):
+    def __init__(self, app, engine: ServingEngine, served_model_name: str):
         self.app, self.engine, self.served_model_name = app, engine, served_model_name
         self.answered = 0  # requests this layer answered itself (tests check the common case takes it)
 

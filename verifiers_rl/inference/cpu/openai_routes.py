@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from verifiers_rl.inference.cpu import protocol
-from verifiers_rl.inference.cpu.engine_api import Engine, EngineError
+from verifiers_rl.inference.cpu.engine_api import EngineError, ServingEngine
 from verifiers_rl.plan.layout import ADAPTER_NAME
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,9 @@ def _unknown_model(name: str | None, served_model_name: str) -> JSONResponse | N
     return JSONResponse(protocol.error_body(f"The model `{name}` does not exist.", 404, "NotFoundError"), 404)
 
 
-async def chat_completion(engine: Engine, served_model_name: str, req: protocol.ChatCompletionRequest) -> JSONResponse:
+async def chat_completion(
+    engine: ServingEngine, served_model_name: str, req: protocol.ChatCompletionRequest
+) -> JSONResponse:
     """One chat request, validated: the FastAPI route and the fast path (fast_chat.py) both answer with this."""
     if (resp := _unknown_model(req.model, served_model_name)) is not None:
         return resp
@@ -54,7 +56,7 @@ async def chat_completion(engine: Engine, served_model_name: str, req: protocol.
     return JSONResponse(body)
 
 
-def openai_router(engine: Engine, served_model_name: str) -> APIRouter:
+def openai_router(engine: ServingEngine, served_model_name: str) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")

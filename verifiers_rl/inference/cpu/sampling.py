@@ -7,6 +7,11 @@ penalties, that logprob is exactly log_softmax(logits / temperature), which is w
 
 transformers' continuous batching has per-request temperature/top-k/top-p but no per-request seed, min-p or
 penalties, so the engine calls these functions from its own sampling hook.
+
+Both CPU engines also check a request here before it joins a batch (`check_prompt`: a bad request is a 400 for that
+request, never a crash of the generation loop; an out-of-vocabulary id used to reach the embedding lookup inside
+the batch and take every in-flight request down with it), and end it at a stop string matched on the text the
+client sees, special tokens skipped as the request asks, as vLLM does (`find_stop`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from verifiers_rl.config.limits import request_fits
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 
@@ -230,3 +237,40 @@ class UniformStream:
         if not self.buf:
             self.buf = torch.rand(self.CHUNK, generator=self.generator, dtype=torch.float64).tolist()[::-1]
         return self.buf.pop()
+
+
+def check_prompt(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int) -> int:
+    """Validate a prompt against the model; return the request's max new tokens. Raises ValueError with vLLM's
+    wording (the server turns it into HTTP 400)."""
+    if not prompt_ids:
+        raise ValueError("prompt is empty")
+    lo, hi = min(prompt_ids), max(prompt_ids)
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"Token id {lo if lo < 0 else hi} is out of vocabulary (vocab size {vocab_size})")
+    if not request_fits(len(prompt_ids), params.max_tokens, max_model_len):
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{len(prompt_ids) + (params.max_tokens or 1)} tokens ({len(prompt_ids)} in the messages, "
+            f"{params.max_tokens or 1} in the completion). Please reduce the length of the messages or completion."
+        )
+    return params.max_tokens or max_model_len - len(prompt_ids)
+
+
+def stop_tail(stops: list[str]) -> int:
+    """Tokens of the tail that can hold a new match: the longest stop string's bytes, plus slack for tokens that
+    decode to nothing or straddle a character."""
+    return max((len(s.encode()) for s in stops), default=0) + 8
+
+
+def find_stop(tokenizer, stops: list[str], skip_special: bool, tokens: list[int], tail: int) -> tuple[int, str] | None:
+    """The shortest token prefix whose text contains a stop string, and that string; None while none does.
+    Only the last `tail` tokens are decoded per call, so checking after every token stays O(1)."""
+    text = tokenizer.decode(tokens[-tail:], skip_special_tokens=skip_special)
+    if not any(s in text for s in stops):
+        return None
+    for n in range(1, len(tokens) + 1):
+        text = tokenizer.decode(tokens[:n], skip_special_tokens=skip_special)
+        for s in stops:
+            if s in text:
+                return n, s
+    return None

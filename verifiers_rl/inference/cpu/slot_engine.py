@@ -26,18 +26,19 @@ import torch
 
 from verifiers_rl.inference.cpu.cb_engine import eos_ids
 from verifiers_rl.inference.cpu.engine_api import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS, EngineError
-from verifiers_rl.inference.cpu.kv_cache import DEFAULT_CACHE_BYTES, SlotKVCache
-from verifiers_rl.inference.cpu.lean_forward import LeanDecoder
+from verifiers_rl.inference.cpu.model.kv_cache import DEFAULT_CACHE_BYTES, SlotKVCache
+from verifiers_rl.inference.cpu.model.lean_forward import LeanDecoder
 from verifiers_rl.inference.cpu.sampling import (
     Completion,
     SamplingParams,
     UniformStream,
+    check_prompt,
+    find_stop,
     process_logits,
     request_generator,
     sample_inverse_cdf,
+    stop_tail,
 )
-from verifiers_rl.inference.cpu.stop_strings import find_stop, stop_tail
-from verifiers_rl.inference.cpu.validation import check_prompt
 from verifiers_rl.inference.cpu.weights import ServedWeights
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class _Seq:
 
 # Kept by bench_cpu_tunings' row "engine loop: transformers CB vs slots + lean forward" (>= 1.15x).
 class SlotEngine(ServedWeights):
-    """An `engine_api.Engine`, like cb_engine.CPUEngine (the server cannot tell them apart)."""
+    """An `engine_api.ServingEngine`, like cb_engine.CPUEngine (the server cannot tell them apart)."""
 
     def __init__(
         self,

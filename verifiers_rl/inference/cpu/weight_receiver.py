@@ -13,13 +13,13 @@ from verifiers_rl.sync.transport.shm import SharedSlots
 from verifiers_rl.sync.verify import tensor_checksum
 
 if TYPE_CHECKING:
-    from verifiers_rl.inference.cpu.engine_api import Engine
+    from verifiers_rl.inference.cpu.engine_api import ServingEngine
 
 
 class WeightReceiver:
     """Server side of the gloo weight transfer (same init_info/update_info as our vLLM plugin)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: ServingEngine):
         self.engine = engine
         self.pg = None
         self.bucket_bytes = DEFAULT_BUCKET_BYTES

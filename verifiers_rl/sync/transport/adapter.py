@@ -91,7 +91,7 @@ def lora_module(name: str) -> tuple[str, str]:
     return ".".join(parts[2:-2]), parts[-2]
 
 
-def write_adapter(weights, directory: str | os.PathLike) -> Path:
+def write_served_adapter(weights, directory: str | os.PathLike) -> Path:
     """Write `policy_weights.adapter_weights(model)` as a peft adapter directory (adapter_config.json +
     adapter_model.safetensors): the step-0 adapter a vLLM server registers at startup with `--lora-modules`."""
     from safetensors.torch import save_file
@@ -103,14 +103,14 @@ def write_adapter(weights, directory: str | os.PathLike) -> Path:
     return path
 
 
-def adapter_serving(model, directory: str | os.PathLike, name: str | None = None):
+def adapter_serving(model, directory: str | os.PathLike):
     """For a trainer that spawns vLLM in adapter mode: write the model's current adapter to `directory` and
     return the `layout.AdapterServing` to start the server with (requests then name `serving.name`)."""
     from verifiers_rl.plan.layout import ADAPTER_NAME, AdapterServing
     from verifiers_rl.sync.policy_weights import adapter_weights
 
     weights = adapter_weights(model)
-    return AdapterServing(name or ADAPTER_NAME, str(write_adapter(weights, directory)), weights.rank)
+    return AdapterServing(ADAPTER_NAME, str(write_served_adapter(weights, directory)), weights.rank)
 
 
 class AdapterSender(GlooSender):
@@ -181,4 +181,4 @@ def write_zero_adapter(model_name: str, args, directory) -> None:
     peft = wrap_lora(model, run_lora_config(args))
     shapes = adapter_weights(peft)  # meta tensors: names, shapes and the unit-scaling config
     zeros = [(name, torch.zeros(t.shape, dtype=torch.float32)) for name, t in shapes]
-    write_adapter(AdapterWeights(zeros, shapes.peft_config, shapes.ranks), directory)
+    write_served_adapter(AdapterWeights(zeros, shapes.peft_config, shapes.ranks), directory)

@@ -21,7 +21,7 @@ import os
 import torch
 from torch import nn
 
-from verifiers_rl.inference.cpu.lean_forward import config_problem
+from verifiers_rl.inference.cpu.model.lean_forward import config_problem
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
