@@ -1,8 +1,12 @@
-"""The offline learning demo: `vf-rl @ configs/vf-rl/tiny-reverse-text.toml` (SFT warm-start, then RL).
+"""The offline learning demos: `vf-rl @ configs/vf-rl/tiny-reverse-text.toml` and `tiny-alphabet-sort.toml` (an SFT
+warm-start on a systematically wrong teacher's transcripts, then RL against the environment's reward).
 
-The full run (slow-marked, ~4.5 min on an idle 2-core machine, SFT included) checks the issue's target: held-out
-eval reward rises by >= 0.10 over the warm-start, with a reward row per step and the curve written. The fast tests
-check that the tiny configs plan what the demo needs and that the multi-turn tiny config runs end to end.
+The full runs (slow-marked, 5-10 min each on an idle 2-core machine, SFT included) check issue 56's goals at half
+their size, so that noise between runs does not fail them but losing what RL teaches does: RL's own share of the
+held-out reward (after RL minus after the warm-start) greedy >= +0.075 (goal +0.15) in both demos, and sampled at
+temperature 1.0 >= +0.125 (goal +0.25) in the multi-turn one; the summary reports every number and the curve
+carries held-out points. The fast tests check that the tiny configs plan what the demos need and that the
+multi-turn tiny config runs end to end.
 """
 
 from __future__ import annotations
@@ -107,49 +111,74 @@ def test_alphabet_sort_demo_configs_agree():
     assert rl["env"]["args"] == sft["env"]["args"] and rl["tiny"] == sft["tiny"]
     assert (ALPHABET.parent / rl["sft"]["config"]).resolve() == ALPHABET_SFT.resolve()
     assert rl["eval"]["base"] and rl["eval"]["greedy"]  # the shares the summary reports
-    assert sft["dataset"]["replies"] == "alphabet_sort:reference_replies"
+    assert sft["dataset"]["replies"] == "alphabet_sort:untagging_teacher_replies"
+
+
+@pytest.mark.parametrize(("rl_path", "teacher"), [(DEMO, "reverse_text:lazy_teacher_replies"), (ALPHABET, None)])
+def test_demos_warm_start_on_a_wrong_teacher_and_sample_at_one(rl_path, teacher):
+    """What makes RL's share RL's: the warm-start learns from a teacher that is wrong in a systematic way, and RL
+    samples (and is evaluated) at temperature 1.0, where it cannot gain by sharpening a hotter sampler; the evals
+    report untrained / warm-start / RL, sampled and greedy, and the curve gets held-out points."""
+    rl = tomllib.loads(rl_path.read_text())
+    sft = tomllib.loads((rl_path.parent / rl["sft"]["config"]).read_text())
+    assert "teacher" in sft["dataset"]["replies"] and (teacher is None or sft["dataset"]["replies"] == teacher)
+    args = rl["trainer"]["args"]
+    assert args["temperature"] == 1.0 and rl["eval"].get("temperature") is None
+    assert rl["eval"]["base"] and rl["eval"]["greedy"] and rl["eval"]["before"] and rl["eval"]["after"]
+    assert args["eval_strategy"] == "steps" and args["eval_steps"] < args["max_steps"]
+
+
+def _rl_shares(ws: Path, run: str) -> dict:
+    """summary.json, checked for every number issue 56 asks the demos to report, and the held-out points on the
+    curve's data."""
+    out = ws / "outputs" / run
+    summary = json.loads((out / "summary.json").read_text())
+    for kind in ("eval_reward", "eval_greedy_reward", "eval_perfect", "eval_greedy_perfect"):
+        for when in ("base", "before", "after"):
+            assert summary[f"{kind}_{when}"] is not None, (kind, when, summary)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "eval/reward" in r]) >= 2  # held-out reward during RL, on the curve
+    assert (out / "reward_curve.png").stat().st_size > 1000
+    return summary
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # ~4.5 min idle, 12.5 with both cores busy: past the suite's 300 s default
+@pytest.mark.timeout(2400)  # 5-6 min idle, ~15 with both cores busy: past the suite's 300 s default
 def test_multi_turn_demo_learns(tmp_path):
-    """Issue 24's multi-turn target, from nothing: held-out reward rises >= 0.25 over the untrained model (warm-start
-    and RL together), RL adds to the warm-start, and the summary reports both shares, sampled and greedy."""
+    """Issue 56 on the multi-turn demo, from nothing: RL's own share of held-out reward, sampled at 1.0 and greedy,
+    at least half its goal (+0.25 sampled, +0.15 greedy), and the summary reports every share."""
     ws = _workspace(tmp_path, ALPHABET, ALPHABET_SFT)
     t0 = time.perf_counter()
-    r, pid = run_command("vf-rl", "@", "configs/vf-rl/tiny-alphabet-sort.toml", cwd=ws, timeout=1800)
+    r, pid = run_command("vf-rl", "@", "configs/vf-rl/tiny-alphabet-sort.toml", cwd=ws, timeout=2400)
     elapsed = time.perf_counter() - t0
     (tmp_path / "vf-rl.log").write_text(f"rc={r.returncode}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
     assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}"
-    summary = json.loads((ws / "outputs" / "tiny-alphabet-sort" / "summary.json").read_text())
+    summary = _rl_shares(ws, "tiny-alphabet-sort")
     print(f"multi-turn demo: {elapsed:.0f}s, {summary}")
-    lift = summary["eval_reward_after"] - summary["eval_reward_base"]
-    assert lift >= 0.25, summary
-    assert summary["eval_reward_sft_delta"] + summary["eval_reward_delta"] == pytest.approx(lift)
-    assert summary["eval_reward_delta"] > 0, summary  # RL's share: it must add to the warm-start, not erode it
-    assert {"eval_greedy_reward_base", "eval_greedy_reward_delta"} <= summary.keys()
+    assert summary["eval_reward_delta"] >= 0.125, summary
+    assert summary["eval_greedy_reward_delta"] >= 0.075, summary
+    assert summary["eval_reward_sft_delta"] > 0, summary  # the warm-start taught the format
     assert not survivors(pid)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # ~3-5 min: near the suite's 300 s default on a loaded machine
+@pytest.mark.timeout(2400)  # ~5 min idle, ~15 with both cores busy: past the suite's 300 s default
 def test_demo_learns(tmp_path):
-    """The README's main job, from nothing: eval reward after RL >= before + 0.10."""
+    """The README's main job, from nothing: RL's own share of held-out reward greedy at least half issue 56's goal
+    (+0.15), and sampled at 1.0 above the warm-start."""
     ws = _workspace(tmp_path, DEMO, DEMO_SFT)
     t0 = time.perf_counter()
-    r, pid = run_command("vf-rl", "@", "configs/vf-rl/tiny-reverse-text.toml", cwd=ws, timeout=1200)
+    r, pid = run_command("vf-rl", "@", "configs/vf-rl/tiny-reverse-text.toml", cwd=ws, timeout=2400)
     elapsed = time.perf_counter() - t0
     (tmp_path / "vf-rl.log").write_text(f"rc={r.returncode}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
     tail = f"rc={r.returncode} (full output: {tmp_path / 'vf-rl.log'})\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}"
     assert r.returncode == 0, tail
     out = ws / "outputs" / "tiny-reverse-text"
     assert (out / "summary.json").exists(), tail
-    summary = json.loads((out / "summary.json").read_text())
-    print(
-        f"demo: {elapsed:.0f}s, eval reward {summary['eval_reward_before']:.3f} -> {summary['eval_reward_after']:.3f}"
-    )
-    assert summary["eval_reward_delta"] >= 0.10, summary
-    assert (out / "reward_curve.png").stat().st_size > 1000
+    summary = _rl_shares(ws, "tiny-reverse-text")
+    print(f"demo: {elapsed:.0f}s, {summary}")
+    assert summary["eval_greedy_reward_delta"] >= 0.075, summary
+    assert summary["eval_reward_delta"] > 0, summary
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"reward"' in x]
     max_steps = tomllib.loads(DEMO.read_text())["trainer"]["args"]["max_steps"]
     assert steps[:max_steps] == list(range(1, max_steps + 1))
