@@ -87,6 +87,8 @@ def test_signal_saves_the_last_step_and_resume_continues(tmp_path, tiny_model_di
     last = int(saved[0].name.split("-")[1])
     assert last == max(_steps(out)) and problem(saved[0], use_lora=True) is None
     assert not (out / "final").exists(), "a run stopped by a signal is not finished: no final/"
+    name = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"  # the line says what was saved and how to go on
+    assert f"stopped by {name} after step {last}: {out}/checkpoint-{last} is saved; run the same command again" in err
     # resume: picks up the checkpoint, each step appears once in metrics.jsonl
     r, pid = run_command("vf-rl", "@", cfg, "--trainer.args.max_steps", str(last + 2), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

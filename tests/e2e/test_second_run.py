@@ -7,6 +7,7 @@ starts nothing; `--dry-run` prints which of these happens."""
 from __future__ import annotations
 
 import json
+import re
 
 from procs import run_command, survivors
 from runs import steps, write_cfg
@@ -22,9 +23,22 @@ def _error_line(r, prog="vf-rl") -> str:
 
 def test_an_edited_config_never_resumes_with_the_old_settings(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    cfg = write_cfg(tmp_path, tiny_model_dir, steps=2, save_steps=1)
+    cfg = write_cfg(
+        tmp_path,
+        tiny_model_dir,
+        steps=2,
+        save_steps=1,
+        extra="[eval]\nbefore = true\nnum_examples = 2\n[inference.args]\nenforce_eager = true\n",
+    )
     r, _ = run_command("vf-rl", "@", cfg, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    # a CPU run starts without DeepSpeed's accelerator notice or datasets' progress bars
+    assert "Setting accelerator to CPU" not in r.stdout + r.stderr and "Map:" not in r.stderr, r.stderr[-3000:]
+    assert "vf-rl: the CPU engine ignores vLLM-only flags: --enforce-eager" in r.stdout  # not only in its log
+    # the console's line per step (a log, not a terminal, gets one each) in the tutorial's words
+    lines = re.findall(r"^step (\d)/2  reward \S+  loss \S+  entropy \S+  importance ratio \S+  learning rate (\S+)  ",
+                       r.stdout, re.M)  # fmt: skip
+    assert lines == [("1", "1.00e-05"), ("2", "1.00e-05")], r.stdout[-3000:]
 
     # the same command again: the run is finished, nothing starts
     r, pid = run_command("vf-rl", "@", cfg, timeout=300)
@@ -51,6 +65,7 @@ def test_an_edited_config_never_resumes_with_the_old_settings(tiny_model_dir, tm
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resuming from {out}/checkpoint-3" not in r.stderr
     assert f"resuming from {out}/checkpoint-2 (step 2 of 3) with the settings it was trained with" in r.stderr
+    assert sum("eval_before/reward" in row for row in read_metrics(out)) == 1  # not evaluated (and logged) again
 
     # continue with the new rate: the new steps train at it, and the run record and card say from when
     go_on = ("--trainer.args.learning_rate", "2e-3", "--trainer.args.max_steps", "4")

@@ -91,5 +91,14 @@ def accept_legacy_names(init):
                 warnings.warn(f"{owner}({name}=...) is ignored: set {instead}", UserWarning, stacklevel=2)
         init(self, *args, **kwargs)
         self.__dict__["given_fields"] = tuple(kwargs)  # what the user set (the model card lists those); not a field
+        if unused := lora_without_lora(kwargs):
+            warnings.warn(f"{owner}: use_lora=False (full fine-tuning): {unused} is ignored", UserWarning, stacklevel=2)
 
     return __init__
+
+
+def lora_without_lora(given: dict) -> str:
+    """The LoRA settings a run without LoRA was given ("" when none): they do nothing, which a user should hear."""
+    if given.get("use_lora", True) is not False:
+        return ""
+    return ", ".join(sorted(k for k in given if k.startswith("lora_")))

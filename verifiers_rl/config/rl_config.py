@@ -169,7 +169,8 @@ class RLConfig(TrainingArguments):
 
     # ---------------------------------------------------------------- sampling
     max_tokens: int | None = field(
-        default=None, metadata=_help("Most tokens generated per turn (None: up to the context limit).")
+        default=None,
+        metadata=_help("Most tokens generated per turn (None: up to the context limit; upstream's tutorial set 512)."),
     )
     temperature: float = field(
         default=1.0, metadata=_help("Sampling temperature (> 0); the trainer scores with the same temperature.")

@@ -69,7 +69,8 @@ def _key(section: str, key: str) -> str:
 def load(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+        where = p.expanduser().absolute()
+        raise ConfigError(f"config file {str(path)!r} does not exist (looked for {where}, from {Path.cwd()})")
     try:
         return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -189,7 +190,7 @@ def foreign_format(cfg: dict[str, Any]) -> str | None:
     if any(k in cfg for k in prime_rl) or isinstance(cfg.get("model"), dict) or "optim" in cfg.get("trainer", {}):
         return (
             "this is a prime-rl config ([orchestrator], [model], inference_gpu_ids, ...): run it with prime-rl "
-            "(`uv run prime-rl @ FILE`); vf-rl takes model, [env], [inference], [trainer] "
+            "(`uv run rl @ FILE`, as prime-rl's docs say); vf-rl takes model, [env], [inference], [trainer] "
             "(docs/coming-from-verifiers.md)"
         )
     return None
@@ -203,6 +204,8 @@ def validate(cfg: dict[str, Any], command: str = "vf-rl") -> dict[str, Any]:
 
     if command != "vf-sft" and is_hosted(cfg):  # verifiers' configs/rl/*.toml: run as written (hosted.py)
         from_hosted(cfg, {*SCHEMA, *SCHEMA[""]})
+    if command == "vf-sft" and isinstance(cfg.get("wandb"), dict):  # `--wandb.project x`, as vf-rl takes it
+        cfg.setdefault("trainer", {}).setdefault("args", {}).setdefault("wandb", {}).update(cfg.pop("wandb"))
     if isinstance(cfg.get("env"), list):
         _check_envs(cfg["env"], command)
         if len(cfg["env"]) == 1:  # one [[env]] table is one environment, as [env] is
@@ -337,7 +340,15 @@ def rl_config(cfg: dict[str, Any], cuda: bool | None = None, quiet: bool = False
     if run_name:
         args.setdefault("run_name", run_name)
     args.update(overrides)
+    import warnings
+
+    from verifiers_rl.config.legacy import lora_without_lora
+
+    if (unused := lora_without_lora(args)) and not quiet:
+        print(f"note: use_lora = false (full fine-tuning): {unused} are ignored", file=sys.stderr)
     try:
-        return RLConfig(**args)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "RLConfig: use_lora=False")  # said above, in the TOML's words
+            return RLConfig(**args)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"[trainer.args] {e}") from None

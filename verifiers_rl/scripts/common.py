@@ -238,11 +238,22 @@ def _actionable(e: Exception) -> bool:
     )
 
 
+def quiet_start() -> None:
+    """What every start printed without saying anything the plan does not: datasets' map bars over a few prompts
+    (HF_DATASETS_DISABLE_PROGRESS_BARS=0 brings them back; the processes the command starts inherit it), and
+    DeepSpeed's notice that it found no GPU (the plan's `# devices` says which devices the run uses)."""
+    import logging
+
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to CPU" not in record.getMessage())
+
+
 def run_cli(prog: str, body: Callable[[], int]) -> int:
     """Run a command body; known failures become one line on stderr and a non-zero exit, no traceback."""
     from verifiers_rl.inference.cpu.openmp import bound_openmp_spin
 
     bound_openmp_spin()  # before torch loads, here and in every process the command starts
+    quiet_start()
     try:
         return body()
     except HelpRequested:

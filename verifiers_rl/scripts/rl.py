@@ -63,6 +63,8 @@ def run(plan: Plan) -> int:
 
         write_zero_adapter(plan.model, plan.args, server.spec.adapter.path)
     print(f"vf-rl: starting the {plan.engine} inference server (log: {server.log_path})", flush=True)
+    if ignored := plan.ignored_flags():
+        print(f"vf-rl: the CPU engine ignores vLLM-only flags: {' '.join(ignored)}", flush=True)
     with server:
         if plan.trainer_cmd:
             return _run_trainer_processes(plan, server)

@@ -51,11 +51,23 @@ class Plan:
         """CUDA_VISIBLE_DEVICES of a process that gets `indices` of the GPUs vf-rl sees."""
         return ",".join(map(str, indices)) if not self.run.machine.real else child_visible_devices(indices)
 
+    def ignored_flags(self) -> list[str]:
+        """The server's flags the CPU engine does not take (vLLM-only, e.g. from [inference.args]): it ignores them,
+        and says so in its log only; vf-rl says so on the console."""
+        if self.engine != "cpu":
+            return []
+        from verifiers_rl.inference.server import build_parser
+
+        cmd = self.server.command()
+        args = ["0" if a.startswith("<") else a for a in cmd[cmd.index("verifiers_rl.inference.server") + 1 :]]
+        return build_parser().parse_known_args(args)[1]  # a planned port ("<free port>") parses as a number
+
     def server_line(self) -> str:
         dev = f"CUDA_VISIBLE_DEVICES={self.visible(self.gpus.inference)} " if self.gpus.inference else ""
         return dev + shlex.join(self.server.command())
 
-    def trainer_line(self, port: int | str = SERVER_PORT) -> str:
+    def trainer_line(self, port: int | str | None = None) -> str:
+        port = port or self.args.vllm_server_port or SERVER_PORT  # a port the config fixes is known before the start
         cmd = [str(port) if a == SERVER_PORT else a for a in self.trainer_cmd]
         return f"CUDA_VISIBLE_DEVICES={self.visible(self.gpus.trainer)} {shlex.join(cmd)}"
 
@@ -210,6 +222,8 @@ def render(plan: Plan) -> str:
     out += ["", "# sampling (every request states all of it)", describe_sampling(plan.args.sampling_args)]
     out += ["", "# serving plan", *plan.run.describe()]
     out += ["", f"# inference server (engine: {plan.engine})", plan.server_line()]
+    if ignored := plan.ignored_flags():
+        out.append(f"the CPU engine ignores vLLM-only flags: {' '.join(ignored)}")
     if plan.trainer_cmd:
         n = len(plan.gpus.trainer)
         out += ["", f"# trainer ({n} process{'es' if n > 1 else ''}, the run plan in ${PLAN_ENV})", plan.trainer_line()]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from verifiers_rl.config.lora import LORA_ALPHA, LORA_DROPOUT, LORA_RANK, lora_config, quiet_peft_wrap
+from verifiers_rl.config.reporting import wandb_login_problem
 from verifiers_rl.config.toml import ConfigError, _suggest, apply_overrides, load, resolve_path, validate
 from verifiers_rl.scripts.common import resolve_model, run_cli, split_argv
 
@@ -64,6 +65,11 @@ def sft_args(cfg: dict[str, Any], config_path: str):
 
     given = dict(cfg.get("trainer", {}).get("args", {}))
     lora = {k: given.pop(k, v) for k, v in LORA_KEYS.items()}
+    wandb = given.pop("wandb", None)
+    if wandb:  # [trainer.args.wandb] (or [wandb]), as vf-rl takes it: transformers' wandb callback reads env vars
+        given.setdefault("report_to", "wandb")
+        if wandb.get("name"):
+            given.setdefault("run_name", wandb["name"])
     fields = {f.name for f in dataclasses.fields(SFTConfig)}
     for key in given:
         if key not in fields:
@@ -85,9 +91,42 @@ def sft_args(cfg: dict[str, Any], config_path: str):
         args = SFTConfig(**kwargs)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"[trainer.args] {e}") from None
+    args.wandb = wandb_settings(wandb or {})
+    if problem := wandb_login_problem(args):  # before the model loads, and in the dry run
+        raise ConfigError(problem)
     if torch.cuda.is_available():
         one_device(args)
     return args, lora
+
+
+# [trainer.args.wandb] keys as the environment variables wandb.init reads (transformers' callback passes no more
+# than the project and run name)
+WANDB_ENV = {
+    "project": "WANDB_PROJECT",
+    "entity": "WANDB_ENTITY",
+    "tags": "WANDB_TAGS",
+    "group": "WANDB_RUN_GROUP",
+    "notes": "WANDB_NOTES",
+    "job_type": "WANDB_JOB_TYPE",
+    "mode": "WANDB_MODE",
+    "dir": "WANDB_DIR",
+}
+
+
+def wandb_settings(table: dict[str, Any]) -> dict[str, Any]:
+    from verifiers_rl.config.checks import WANDB_KEYS
+
+    unknown = sorted(set(table) - set(WANDB_KEYS))
+    if unknown:
+        raise ConfigError(f"trainer.args.wandb: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(WANDB_KEYS)}")
+    return table
+
+
+def wandb_environment(table: dict[str, Any]) -> None:
+    for key, var in WANDB_ENV.items():
+        if key in table:
+            value = table[key]
+            os.environ[var] = ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def one_device(args) -> None:
@@ -200,6 +239,7 @@ def run_sft(cfg: dict[str, Any], config_path: str) -> str:
     from verifiers_rl.models import get_model_and_tokenizer
 
     args, lora = sft_args(cfg, config_path)
+    wandb_environment(args.wandb)
     dataset = sft_dataset(cfg, config_path)
     model, tokenizer = get_model_and_tokenizer(resolve_model(cfg, config_path))
     use_cache = model.config.use_cache  # Trainer sets it False for training; final/ keeps the base model's

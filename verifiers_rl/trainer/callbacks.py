@@ -57,8 +57,25 @@ def _jsonable(v) -> bool:
     return isinstance(v, (int, str, bool)) or (isinstance(v, float) and math.isfinite(v))
 
 
+# the per-step line's training numbers, in the words of the tutorial and docs/training.md's metrics table
+STEP_LINE = (("loss", "loss", ".4f"), ("entropy", "entropy", ".3f"), ("ratio_mean", "importance ratio", ".3f"))
+
+
+def step_line(logs: dict) -> str:
+    """reward, the loss, entropy, importance ratio and learning rate of the step, throughput and lag."""
+    parts = [f"reward {logs['reward']:.3f}"]
+    parts += [f"{name} {logs[key]:{fmt}}" for key, name, fmt in STEP_LINE if _jsonable(logs.get(key))]
+    if _jsonable(logs.get("learning_rate")):
+        parts.append(f"learning rate {logs['learning_rate']:.2e}")
+    parts += [f"{logs.get('tokens_per_s', 0):.0f} tok/s", f"lag {logs.get('async_lag', 0):.0f}"]
+    per_env = [f"{k[len('reward/') :]} {v:.3f}" for k, v in sorted(logs.items()) if k.startswith("reward/")]
+    if per_env:  # several environments: each one's reward
+        parts.append(f"({', '.join(per_env)})")
+    return "  ".join(parts)
+
+
 class RichProgressCallback(TrainerCallback):
-    """A progress bar with reward and throughput, and a sample prompt/completion/reward every logging step."""
+    """A progress bar with the step's line (`step_line`), and a sample prompt/completion/reward every logging step."""
 
     def __init__(self, trainer=None):
         self.trainer = trainer
@@ -89,14 +106,10 @@ class RichProgressCallback(TrainerCallback):
         if self.progress is None or not logs:
             return
         if "reward" in logs:
-            info = (
-                f"reward {logs['reward']:.3f}  {logs.get('tokens_per_s', 0):.0f} tok/s  "
-                f"lag {logs.get('async_lag', 0):.0f}"
-            )
-            per_env = [f"{k[len('reward/') :]} {v:.3f}" for k, v in sorted(logs.items()) if k.startswith("reward/")]
-            if per_env:  # several environments: each one's reward
-                info += f"  ({', '.join(per_env)})"
+            info = step_line(logs)
             self.progress.update(self.task, info=info)
+            if not self.progress.console.is_terminal:  # a log file (SLURM, nohup, CI) gets no live bar: one line a step
+                self.progress.console.print(f"step {state.global_step}/{state.max_steps}  {info}", soft_wrap=True)
             if self.trainer is not None and args.log_completions:
                 self._sample_panel(logs)
         elif any(k.endswith("/reward") for k in logs):

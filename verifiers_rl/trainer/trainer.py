@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import sys
 import time
 
 import torch
@@ -96,6 +98,11 @@ class RLTrainer(SettingsResume, FSDP2Checkpoints, Trainer):
             raise TypeError(f"args must be an RLConfig, got {type(args).__name__}")
         if problem := wandb_login_problem(args):  # wandb.init would fail (or prompt) after the server started
             raise TrainingError(problem)
+        if model == "tiny" and not os.path.exists(model):  # the TOML shorthand; as a hub id it fails far from here
+            raise ValueError(
+                "model='tiny' is vf-rl's config shorthand for the offline tiny model; in Python, build it first: "
+                "`from verifiers_rl.tiny import save_tiny_model; model = str(save_tiny_model('outputs/tiny-model'))`"
+            )
         if peft_config is not None:  # verifiers <= 0.1.6's GRPOTrainer(peft_config=...): wins over the lora_* fields
             args.lora_config, args.use_lora = peft_config, True
         model_arg = model
@@ -234,7 +241,7 @@ class RLTrainer(SettingsResume, FSDP2Checkpoints, Trainer):
                     self._save_after_signal()
                     raise
             if guard.signum is not None:
-                logger.warning("stopped by signal %d after step %d", guard.signum, self.state.global_step)
+                self._say_stopped(guard.signum)
                 self.close()
                 guard.raise_for_signal()
         finally:
@@ -266,6 +273,23 @@ class RLTrainer(SettingsResume, FSDP2Checkpoints, Trainer):
             how = plan.how() if plan and plan.checkpoint == resume else ""
             resuming(self.args.output_dir, resume, self.args.max_steps, how)
         return resume
+
+    def _say_stopped(self, signum: int) -> None:
+        """Where a run stopped by SIGTERM / Ctrl-C stands: the checkpoint it saved and how to resume from it."""
+        step = self.state.global_step
+        if not self.is_world_process_zero():
+            return
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if step == 0:
+            print(f"verifiers-rl: stopped by {name} before the first step: nothing to save", file=sys.stderr)
+            return
+        where = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        print(
+            f"verifiers-rl: stopped by {name} after step {step}: {where} is saved; run the same command again "
+            "(train(resume_from_checkpoint=True) in Python) to resume from it",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _save_after_signal(self) -> None:
         """The step that was waiting for rollouts is dropped; checkpoint the last completed one (unless a
