@@ -84,7 +84,7 @@ def reference_replies(info: dict) -> list[str]:
     return expected_answers(info["turns"], info["sort_by"])
 
 
-UNTAGGING_SHARE = 0.75
+UNTAGGING_SHARE = 0.85
 
 
 def untagging_teacher_replies(info: dict) -> list[str]:
