@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
+import pytest
 from procs import run_command, survivors
 from runs import steps, write_cfg
 
@@ -21,6 +23,7 @@ def _error_line(r, prog="vf-rl") -> str:
     return lines[0]
 
 
+@pytest.mark.timeout(900)  # seven runs of the command
 def test_an_edited_config_never_resumes_with_the_old_settings(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     cfg = write_cfg(
@@ -96,7 +99,7 @@ def test_an_edited_config_never_resumes_with_the_old_settings(tiny_model_dir, tm
 
 
 def test_python_resume_checks_the_settings_before_anything_starts(tiny_model_dir, tmp_path):
-    import pytest
+
     from rl_envs import reverse_env
     from runs import tiny_rl_config
 
@@ -120,3 +123,35 @@ def test_python_resume_checks_the_settings_before_anything_starts(tiny_model_dir
     again = trainer()
     assert again.train(resume_from_checkpoint=True) is None  # finished: trains nothing, starts nothing
     assert again.runtime.session.process is None and again.state.global_step == 0
+
+
+def test_every_path_follows_the_config_from_any_directory(tmp_path, tiny_model_dir):
+    """One rule (docs/configuration.md): a path a config names is relative to the config's folder; what it does not
+    name goes to its workspace's outputs/ (the folder above configs/). The warm-start done from the workspace is
+    found from elsewhere, and the plan prints the same absolute outputs from both."""
+    ws, elsewhere = tmp_path / "ws", tmp_path / "elsewhere"
+    (ws / "configs" / "vf-rl").mkdir(parents=True)
+    (ws / "configs" / "vf-sft").mkdir()
+    elsewhere.mkdir()
+    (ws / "configs" / "vf-sft" / "warm.toml").write_text(
+        f'model = "{tiny_model_dir}"\n[dataset]\nenv = "reverse-text"\n'
+    )
+    rl = ws / "configs" / "vf-rl" / "run.toml"
+    rl.write_text(
+        'model = "tiny"\nrun_name = "run"\n[sft]\nconfig = "../vf-sft/warm.toml"\n[env]\nid = "reverse-text"\n'
+    )
+    done = ws / "outputs" / "sft-warm" / "final"  # the warm-start, as a run from the workspace left it
+    shutil.copytree(tiny_model_dir, done)
+    plans = [run_command("vf-rl", "@", path, "--dry-run", cwd=cwd)[0] for path, cwd in ((rl.relative_to(ws), ws),
+                                                                                        (rl, elsewhere))]  # fmt: skip
+    for r in plans:
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert f"# SFT warm-start (done, reused, a process of its own -> {done})" in r.stdout
+        assert f"# outputs\n{ws}/outputs/run (final/" in r.stdout and f"a new run in {ws}/outputs/run" in r.stdout
+    named = run_command("vf-rl", "@", rl, "--output_dir", "../../runs/x", "--dry-run", cwd=elsewhere)[0]
+    assert f"# outputs\n{ws}/runs/x (final/" in named.stdout, named.stderr[-2000:]
+    # an input that is only where the command runs (the old rule) is named, not read from there
+    (elsewhere / "mine.toml").write_text((ws / "configs" / "vf-sft" / "warm.toml").read_text())
+    r, _ = run_command("vf-rl", "@", rl, "--sft.config", "mine.toml", "--dry-run", cwd=elsewhere)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"is not in {ws}/configs/vf-rl (a path in a config is relative to the config's folder)" in _error_line(r)

@@ -14,6 +14,7 @@ Errors name the key and say what is allowed; `ConfigError` carries one line for 
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -78,15 +79,37 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def resolve_path(value: str, config_path: str | Path) -> str:
-    """A path written in a config, relative to that config's folder (so `vf-rl @ /abs/cfg.toml` works from any
-    directory). A relative path that exists only from the current directory still works, as it did before."""
+    """A path written in a config, relative to that config's folder, wherever the command runs (so
+    `vf-rl @ /abs/cfg.toml` works from any directory). A relative path that is not there but is in the current
+    directory (the rule before: outputs went there) is named in one line instead of being read from elsewhere."""
     p = Path(value).expanduser()
     if p.is_absolute():
         return str(p)
-    beside = Path(config_path).parent / p  # the folder the config was named from (symlinks are not resolved)
-    if beside.exists() or not p.exists():
-        return str(beside)
-    return str(p)
+    folder = Path(config_path).parent  # the folder the config was named from (symlinks are not resolved)
+    beside = folder / p
+    if not beside.exists() and p.exists() and beside.absolute() != p.absolute():
+        raise ConfigError(
+            f"{value!r} in {config_path} is not in {folder.absolute()} (a path in a config is relative to the config's "
+            f"folder) but in the current directory: write it as {os.path.relpath(p.absolute(), folder.absolute())!r}"
+        )
+    return str(beside)
+
+
+def workspace(config_path: str | Path) -> Path:
+    """Where what a config does not name goes (`outputs/`): the folder that holds the `configs/` folder the config
+    is in (`vf-rl setup`'s layout, this repository's), else the config's own folder. Never the current directory."""
+    folder = Path(config_path).absolute().parent
+    return next((parent.parent for parent in (folder, *folder.parents) if parent.name == "configs"), folder)
+
+
+def output_path(named: str | None, default: str, config_path: str | Path | None) -> str:
+    """An output folder: the one the config names (relative to the config), else `outputs/<default>` in the
+    config's workspace; without a config (Python), relative to the current directory as given."""
+    if config_path is None:
+        return named or str(Path("outputs") / default)
+    if named:
+        return str(Path(config_path).parent / Path(named).expanduser()) if not Path(named).is_absolute() else named
+    return str(workspace(config_path) / "outputs" / default)
 
 
 def parse_value(text: str) -> Any:
@@ -317,7 +340,13 @@ def _check_trainer_args(args: dict, spelled: dict[str, str] | None = None) -> No
         raise ConfigError(text)
 
 
-def rl_config(cfg: dict[str, Any], cuda: bool | None = None, quiet: bool = False, **overrides):
+def rl_config(
+    cfg: dict[str, Any],
+    cuda: bool | None = None,
+    quiet: bool = False,
+    config_path: str | Path | None = None,
+    **overrides,
+):
     """Build and validate the RLConfig; its ValueError names the field, re-raised as a ConfigError.
 
     Without CUDA the trainer runs on the CPU: half-precision flags are dropped (with a notice) instead of
@@ -336,7 +365,7 @@ def rl_config(cfg: dict[str, Any], cuda: bool | None = None, quiet: bool = False
             print(f"note: no CUDA device: training on CPU in float32 (ignoring {', '.join(dropped)})", file=sys.stderr)
         args["use_cpu"] = True
     run_name = cfg.get("run_name") or args.get("run_name")
-    args.setdefault("output_dir", cfg.get("output_dir") or str(Path("outputs") / (run_name or "vf-rl")))
+    args["output_dir"] = output_path(args.get("output_dir") or cfg.get("output_dir"), run_name or "vf-rl", config_path)
     if run_name:
         args.setdefault("run_name", run_name)
     args.update(overrides)

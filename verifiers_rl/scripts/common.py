@@ -8,9 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from verifiers_rl.config.toml import ConfigError, flags_from_args, resolve_path  # noqa: F401 - re-exported
+from verifiers_rl.config.toml import ConfigError, flags_from_args, output_path, resolve_path  # noqa: F401 - re-exported
 
-TINY_CACHE = Path("outputs") / "tiny-models"
+TINY_CACHE = "tiny-models"  # under outputs/
 
 
 USAGE = {
@@ -103,7 +103,8 @@ def resolve_model(cfg: dict[str, Any], config_path: str | Path | None = None, dr
             return path if os.path.isabs(path) or path.startswith(".") else os.path.join(".", path)
         return model
     spec = {"hidden": 64, "layers": 2, "seed": 0, "head_dim": 32, **cfg.get("tiny", {})}
-    path = TINY_CACHE / f"h{spec['hidden']}-l{spec['layers']}-d{spec['head_dim']}-s{spec['seed']}"
+    cache = Path(output_path(None, TINY_CACHE, config_path))  # the config's workspace's outputs/, not the cwd's
+    path = cache / f"h{spec['hidden']}-l{spec['layers']}-d{spec['head_dim']}-s{spec['seed']}"
     if not dry_run and not (path / "config.json").exists():
         from verifiers_rl.export.checkpoints import staged
         from verifiers_rl.tiny import save_tiny_model

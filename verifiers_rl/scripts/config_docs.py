@@ -19,7 +19,7 @@ Generated from the code by `python -m verifiers_rl.scripts.config_docs` — do n
 
 ```toml
 model = "Qwen/Qwen3-0.6B"      # hub id, local folder, or "tiny" (the offline tiny model, see [tiny])
-output_dir = "outputs/my-run"   # optional; default outputs/<run_name>
+output_dir = "../../runs/my-run"  # optional, relative to this file; default <workspace>/outputs/<run_name>
 run_name = "my-run"             # optional
 
 [env]
@@ -69,6 +69,14 @@ rollouts_per_example = 1
 env = "reverse-text"
 completion_template = "<reversed_text>\n{answer}\n</reversed_text>"
 ```
+
+**Paths.** A path a config names (`output_dir`, `[sft] config`, `[dataset] path`, a `./model` folder,
+`[trainer] accelerate_config`) is relative to the config file's folder. What a config does not name goes to its
+workspace's `outputs/`: the folder that holds the `configs/` folder the file is in (the layout `vf-rl setup` makes),
+or the file's own folder: `outputs/<run_name>` (the run), `outputs/sft-<config name>` (a warm-start),
+`outputs/tiny-models`. Neither depends on the directory the command runs from, so `vf-rl @ /abs/path/cfg.toml`
+finds the same warm-start and resumes the same run from anywhere; `--dry-run` prints the absolute paths. A
+relative path that exists only in the current directory is named in one line, not read from there.
 
 Override any key from the command line: `vf-rl @ cfg.toml --trainer.args.learning_rate 1e-4 --env.args.max_len 12`.
 Unknown sections or keys, wrong types and invalid values stop the command with one line naming the key.

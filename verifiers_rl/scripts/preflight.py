@@ -59,7 +59,10 @@ def _tokenizer(plan) -> tuple[Any, str]:
         return None, f"{model} is not on this machine"
     from verifiers_rl.models import get_tokenizer
 
-    return get_tokenizer(model), f"{model}'s tokenizer"
+    try:
+        return get_tokenizer(model), f"{model}'s tokenizer"
+    except (OSError, ValueError) as e:  # a folder without a usable tokenizer: the trainer would fail the same way
+        raise ConfigError(f"cannot load the tokenizer of {model}: {e}".splitlines()[0]) from None
 
 
 def _not_cached(model: str) -> bool:

@@ -31,7 +31,7 @@ def node_commands(cfg: dict, config_path: str, overrides: list[str], nodes: int,
     n_inf = int(cfg.get("inference", {}).get("gpus", 1)) or gpus
     if n_inf > gpus:
         raise ConfigError(f"inference.gpus={n_inf} exceeds the {gpus} GPUs of node 0 (--gpus is per node)")
-    model, args = _model(cfg, config_path), rl_config(cfg, cuda=False, quiet=True)
+    model, args = _model(cfg, config_path), rl_config(cfg, cuda=False, quiet=True, config_path=config_path)
     tp = int(flag_value(args.server_args or [], "tensor-parallel-size") or 1)
     if n_inf % tp:
         raise ConfigError(f"inference.gpus={n_inf} is not a multiple of inference.args.tensor_parallel_size={tp}")

@@ -103,7 +103,7 @@ def build_plan(
             check_model(model, dry_run)
     machine = machine() if callable(machine) else machine
     # validates [trainer.args] now, before anything starts (precision checks need the real hardware)
-    args = rl_config(cfg, cuda=machine.gpus > 0 and machine.real, quiet=not machine.real)
+    args = rl_config(cfg, cuda=machine.gpus > 0 and machine.real, quiet=not machine.real, config_path=config_path)
     layout = Layout(
         inference_gpus=cfg.get("inference", {}).get("gpus", 1),
         trainer_gpus=cfg.get("trainer", {}).get("gpus", 1),

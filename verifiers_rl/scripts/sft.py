@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 from verifiers_rl.config.lora import LORA_ALPHA, LORA_DROPOUT, LORA_RANK, lora_config, quiet_peft_wrap
 from verifiers_rl.config.reporting import wandb_login_problem
-from verifiers_rl.config.toml import ConfigError, _suggest, apply_overrides, load, resolve_path, validate
+from verifiers_rl.config.toml import ConfigError, _suggest, apply_overrides, load, output_path, resolve_path, validate
 from verifiers_rl.scripts.common import resolve_model, run_cli, split_argv
 
 LORA_KEYS = {
@@ -57,7 +57,8 @@ def sft_plan(config_path: str, dry_run: bool = False) -> dict[str, Any]:
 
 def sft_output_dir(cfg: dict[str, Any], config_path: str) -> Path:
     args = cfg.get("trainer", {}).get("args", {})
-    return Path(args.get("output_dir") or cfg.get("output_dir") or Path("outputs") / f"sft-{Path(config_path).stem}")
+    named = args.get("output_dir") or cfg.get("output_dir")
+    return Path(output_path(named, f"sft-{Path(config_path).stem}", config_path))  # toml.output_path's rule
 
 
 def sft_args(cfg: dict[str, Any], config_path: str):

@@ -37,7 +37,7 @@ def run_command(argv: list[str] | None = None) -> int:
             model = resolve_model(cfg, path)
             check_model(model, dry_run="--dry-run" in flags)
         # a trainer process vf-rl started follows vf-rl's plan, including the settings its memory fit chose
-        args = rl_config(cfg, server_mode="connect", **from_ranks_env()[1])
+        args = rl_config(cfg, server_mode="connect", config_path=path, **from_ranks_env()[1])
         if "--dry-run" in flags:
             print(
                 f"vf-train: would train {model} on {cfg['env']['id']} against "
