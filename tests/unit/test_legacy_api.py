@@ -107,7 +107,8 @@ def test_peft_config_wins_over_lora_fields(tmp_path):
         warnings.simplefilter("ignore", DeprecationWarning)
         trainer = vf.GRPOTrainer(model=model, processing_class=tok, env=env, args=args, peft_config=peft)
     lc = trainer.model.peft_config["default"]
-    assert lc.r == 2 and set(lc.target_modules) == {"q_proj"} and args.use_lora
+    assert lc.r == 2 and set(lc.target_modules) == {"q_proj"} and trainer.args.use_lora
+    assert args.use_lora is False and args.lora_config is None  # the caller's RLConfig stays as they built it
     # RLConfig(lora_config=...) does the same for RLTrainer
     args2 = RLConfig(output_dir=str(tmp_path / "b"), use_cpu=True, lora_config=peft, batch_size=8,
                      rollouts_per_example=4, micro_batch_size=4, max_seq_len=128)  # fmt: skip

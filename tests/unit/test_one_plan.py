@@ -7,6 +7,7 @@ No GPU here: plans for 1, 2 and 8 GPUs are made as `vf-rl --dry-run --gpus N` ma
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import subprocess
@@ -117,7 +118,12 @@ def test_the_printed_plan_is_the_launched_plan(name, tmp_path, tiny_model_dir, m
         assert handed["serving"]["sync_backend"] == plan.serving.sync_backend
         assert not [a for a in cmd if a.startswith("--trainer.args.") and "vllm_server" not in a]
     else:
-        assert launched["trainer_args"].vllm_server_port == launched["port"]
+        trained, planned = launched["trainer_args"], plan.args
+        assert trained.vllm_server_port == launched["port"] and trained.server_mode == "connect"
+        # the trainer trains with the plan's config, the server's address aside; the plan's stays as printed
+        started = {"vllm_server_port", "server_mode", "server_control_token"}
+        assert _fields(trained, drop=started) == _fields(planned, drop=started)
+        assert planned.server_mode != "connect" and planned.vllm_server_port != launched["port"]
     if args.get("sync_changed_only"):  # vLLM's sparse NCCL engine on the server, the trainer's copy in the plan
         assert argv[argv.index("--weight-transfer-backend") + 1] == "sparse_nccl"
         assert "sync snapshot" in text
@@ -196,6 +202,27 @@ def test_upstreams_configs_plan(name):
         if name == "math-python":  # 8 x 4096 tokens a micro-batch: checkpointing makes it fit, it is not refused
             assert plan.run.measures == {"activation_checkpointing": True}
             assert "chose activation_checkpointing" in render(plan)
+            assert plan.args.activation_checkpointing is True  # the config the run trains with carries it
+            _ranks_train_with(plan, path)
+
+
+def _fields(args, drop=frozenset()) -> dict:
+    return {k: v for k, v in dataclasses.asdict(args).items() if k not in drop}
+
+
+def _ranks_train_with(plan, path: Path) -> None:
+    """A trainer process vf-rl starts builds its RLConfig as vf-train does (the TOML and the plan it is handed) and
+    ends with the config the plan printed and vf-rl's own process holds (the server's address aside)."""
+    import os
+    from unittest import mock
+
+    from verifiers_rl.config.toml import rl_config
+    from verifiers_rl.plan.run import from_ranks_env
+
+    cfg = validate(apply_overrides(tomllib.loads(path.read_text()), []), "vf-train")
+    with mock.patch.dict(os.environ, {PLAN_ENV: plan.run.for_ranks()}):
+        rank = rl_config(cfg, cuda=False, server_mode="connect", config_path=str(path), **from_ranks_env()[1])
+    assert _fields(rank, drop={"server_mode"}) == _fields(plan.args, drop={"server_mode"})
 
 
 def test_help_starts_nothing(tmp_path):

@@ -22,6 +22,7 @@ WANDB_KEYS = ("project", "name", "entity", "tags", "group", "notes", "job_type",
 # with exactly what the server samples with (temperature above all)
 _TOP_LEVEL_FIELDS = ("temperature", "top_p", "max_tokens", "presence_penalty", "frequency_penalty")
 _EXTRA_BODY_FIELDS = ("top_k", "min_p", "repetition_penalty")
+SAMPLING_FIELDS = (*_TOP_LEVEL_FIELDS, *_EXTRA_BODY_FIELDS)  # RLConfig fields that sampling_args also holds
 
 
 def effective_sampling_args(cfg, user: dict[str, Any] | None) -> dict[str, Any]:

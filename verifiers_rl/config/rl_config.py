@@ -4,13 +4,14 @@ fields must satisfy live in `checks.py`; names from older trainers are translate
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from verifiers_rl.config.checks import check_config, effective_sampling_args
+from verifiers_rl.config.checks import SAMPLING_FIELDS, check_config, effective_sampling_args
 from verifiers_rl.config.hf_compat import TrainingArguments
-from verifiers_rl.config.legacy import accept_legacy_names
+from verifiers_rl.config.legacy import TRANSFORMERS_RENAMED, accept_legacy_names
 from verifiers_rl.config.limits import room_for_prompt
 from verifiers_rl.config.lora import DEFAULT_LORA_TARGETS, LORA_ALPHA, LORA_DROPOUT, LORA_RANK
 from verifiers_rl.config.net import DEFAULT_PORT, LOOPBACK
@@ -461,6 +462,26 @@ class RLConfig(TrainingArguments):
     @property
     def token_budget(self) -> int:
         return self.micro_batch_tokens or self.micro_batch_size * self.max_seq_len
+
+    def derive(self, **chosen) -> RLConfig:
+        """A new RLConfig with `chosen` (the run plan's, the eval settings', vf-rl's server), checked as the user's
+        was (`__post_init__` runs again); `self` stays as its owner built it. `sampling_args` holds the sampling
+        fields (temperature, top_k, ...) as sent: the fields themselves hold them, so they are taken out of it."""
+        sampling = dict(self.sampling_args or {})
+        extra = dict(sampling.pop("extra_body", None) or {})
+        for key in SAMPLING_FIELDS:
+            sampling.pop(key, None)
+            extra.pop(key, None)
+        old_names = TRANSFORMERS_RENAMED.keys()  # the new names hold their values
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name not in old_names}
+        new = object.__new__(type(self))
+        # the dataclass __init__ itself: legacy names are translated already, and the given fields stay the user's
+        init = type(self).__init__
+        getattr(init, "__wrapped__", init)(
+            new, **{**fields, "sampling_args": {**sampling, "extra_body": extra}, **chosen}
+        )
+        new.__dict__["given_fields"] = self.__dict__.get("given_fields", ())
+        return new
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()

@@ -84,7 +84,7 @@ class RunPlan:
     gpus: GpuPlan
     serving: ServingPlan
     memory: Any  # memory.MemoryFit; None on a CPU run
-    args: Any  # the RLConfig, with `measures` applied
+    args: Any  # the RLConfig the run trains with: the one planned for, derived with `measures` (RLConfig.derive)
     measures: dict[str, Any] = field(default_factory=dict)  # RLConfig values the memory fit chose
     server: Any = None  # the InferenceServer to start (serving.launcher.server_of), not started
 
@@ -147,9 +147,8 @@ def plan_run(
     if measures and not apply:
         chosen = ", ".join(f"{k}={v!r}" for k, v in measures.items())
         raise ConfigError(f"the trainer does not fit its GPU as configured: set {chosen} ({'; '.join(memory.reasons)})")
-    for key, value in measures.items():
-        setattr(args, key, value)
-    return RunPlan(model, machine, gpus, serving, memory, args, measures)
+    # a new RLConfig, checked again with the chosen values; the caller's stays as it was built
+    return RunPlan(model, machine, gpus, serving, memory, args.derive(**measures) if measures else args, measures)
 
 
 def _gpus(args, machine: Machine, layout: Layout) -> GpuPlan:

@@ -125,14 +125,17 @@ def load_env(cfg: dict[str, Any]):
     return load_environment(cfg["env"]["id"], cfg["env"].get("args", {}))
 
 
-def apply_eval_settings(args, ev: dict[str, Any]) -> None:
-    """[eval] num_examples / rollouts_per_example / temperature onto the RLConfig."""
+def with_eval_settings(args, ev: dict[str, Any]):
+    """The RLConfig with [eval] num_examples / rollouts_per_example / temperature: a new one, checked again
+    (`RLConfig.derive`), or `args` itself when [eval] sets none of them."""
+    chosen: dict[str, Any] = {}
     if ev.get("num_examples"):
-        args.num_eval_examples = ev["num_examples"]
+        chosen["num_eval_examples"] = ev["num_examples"]
     if ev.get("rollouts_per_example"):
-        args.eval_rollouts_per_example = ev["rollouts_per_example"]
+        chosen["eval_rollouts_per_example"] = ev["rollouts_per_example"]
     if ev.get("temperature") is not None:
-        args.eval_temperature = float(ev["temperature"])
+        chosen["eval_temperature"] = float(ev["temperature"])
+    return args.derive(**chosen) if chosen else args
 
 
 def evaluations(trainer, ev: dict[str, Any], when: str) -> dict[str, dict]:
@@ -140,11 +143,7 @@ def evaluations(trainer, ev: dict[str, Any], when: str) -> dict[str, dict]:
     `<when>_greedy`: a policy can gain at its sampling temperature only by sharpening, which greedy decoding shows."""
     out = {when: trainer.evaluate(metric_key_prefix=f"eval_{when}")}
     if ev.get("greedy"):
-        saved, trainer.args.eval_temperature = trainer.args.eval_temperature, 0.0
-        try:
-            out[f"{when}_greedy"] = trainer.evaluate(metric_key_prefix=f"eval_{when}_greedy")
-        finally:
-            trainer.args.eval_temperature = saved
+        out[f"{when}_greedy"] = trainer.evaluate(metric_key_prefix=f"eval_{when}_greedy", temperature=0.0)
     return out
 
 
@@ -153,7 +152,7 @@ def evaluate_base(model: str, env, args, ev: dict[str, Any]) -> dict[str, dict]:
     of its own (started and stopped here, before the run's server), so the warm-start's share shows."""
     from verifiers_rl.trainer import RLTrainer
 
-    apply_eval_settings(args, ev)
+    args = with_eval_settings(args, ev)
     print(f"vf-rl: evaluating the model before the warm-start ({model})", flush=True)
     trainer = RLTrainer(model=model, env=env, args=args)
     try:
@@ -173,7 +172,7 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
     from verifiers_rl.trainer import RLTrainer
 
     ev = cfg.get("eval", {})
-    apply_eval_settings(args, ev)
+    args = with_eval_settings(args, ev)
     resume = True if wants_resume(cfg) and has_checkpoint(args.output_dir) else None
     trainer = RLTrainer(model=model, env=env, args=args)
     trainer.run_config = cfg

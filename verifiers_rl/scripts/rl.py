@@ -68,8 +68,8 @@ def run(plan: Plan) -> int:
     with server:
         if plan.trainer_cmd:
             return _run_trainer_processes(plan, server)
-        args = plan.args
-        args.server_mode, args.vllm_server_port, args.server_control_token = "connect", server.port, server.token
+        # the trainer connects to the server just started: a config derived from the plan's, which stays as printed
+        args = plan.args.derive(server_mode="connect", vllm_server_port=server.port, server_control_token=server.token)
         return train_and_evaluate(plan.model, env, args, cfg, server, plan.serving, base)
 
 

@@ -112,7 +112,7 @@ def build_plan(
     shape = shape_of(model) or (shape_of(sft["cfg"]["model"]) if sft else None) or _tiny_shape(cfg)
     user_set = frozenset(cfg.get("trainer", {}).get("args", {}))
     run = plan_run(args, model, machine, layout, shape=shape, user_set=user_set)
-    run.server = server_of(run)
+    run.server, args = server_of(run), run.args  # the RLConfig with what the memory fit chose
     procs = run.gpus.trainer_processes
     if args.batch_size % (args.micro_batch_size * procs):
         raise ConfigError(

@@ -256,9 +256,10 @@ class InferenceRuntime:
 
     # ------------------------------------------------------------------ eval
 
-    def evaluate(self, tokenizer, prefix: str = "eval") -> dict:
+    def evaluate(self, tokenizer, prefix: str = "eval", temperature: float | None = None) -> dict:
         """Rollouts on the eval split with the policy the server serves (the caller started the server and synced
-        it: see `RLTrainer.evaluate`, where every rank takes part in a sharded sync)."""
+        it: see `RLTrainer.evaluate`, where every rank takes part in a sharded sync), at `temperature` (None: the
+        config's eval_temperature, else its sampling temperature)."""
         args = self.args
         rows = eval_rows(self.env, args.num_eval_examples or -1)  # a mixture: that many of each environment
         kwargs = template_kwargs(args.sampling_args)
@@ -268,8 +269,9 @@ class InferenceRuntime:
             rows, rollouts_per_example=args.eval_rollouts_per_example, prompts_per_batch=1
         )
         sampling = dict(args.sampling_args)
-        if args.eval_temperature is not None:
-            sampling["temperature"] = args.eval_temperature
+        temperature = args.eval_temperature if temperature is None else temperature
+        if temperature is not None:
+            sampling["temperature"] = temperature
         try:
             rollouts = orch.evaluate(rows, args.eval_rollouts_per_example, sampling)
         finally:

@@ -93,18 +93,7 @@ class RLTrainer(SettingsResume, FSDP2Checkpoints, Trainer):
     ):
         from verifiers_rl.models import ensure_pad_token, get_model, get_tokenizer, master_weights, training_kwargs
 
-        args = args if args is not None else RLConfig()
-        if not isinstance(args, RLConfig):
-            raise TypeError(f"args must be an RLConfig, got {type(args).__name__}")
-        if problem := wandb_login_problem(args):  # wandb.init would fail (or prompt) after the server started
-            raise TrainingError(problem)
-        if model == "tiny" and not os.path.exists(model):  # the TOML shorthand; as a hub id it fails far from here
-            raise ValueError(
-                "model='tiny' is vf-rl's config shorthand for the offline tiny model; in Python, build it first: "
-                "`from verifiers_rl.tiny import save_tiny_model; model = str(save_tiny_model('outputs/tiny-model'))`"
-            )
-        if peft_config is not None:  # verifiers <= 0.1.6's GRPOTrainer(peft_config=...): wins over the lora_* fields
-            args.lora_config, args.use_lora = peft_config, True
+        args = self._own_args(args, peft_config, model)
         model_arg = model
         model_path = model if isinstance(model, str) else getattr(model, "name_or_path", None)
         self.fsdp2 = fsdp2_requested(args)
@@ -168,6 +157,23 @@ class RLTrainer(SettingsResume, FSDP2Checkpoints, Trainer):
         self.remove_callback(ProgressCallback)
         self.add_callback(RichProgressCallback(self))
         adapt_integrations(self.callback_handler.callbacks, self.args.output_dir)
+
+    @staticmethod
+    def _own_args(args: RLConfig | None, peft_config, model) -> RLConfig:
+        """The trainer's own RLConfig, checked again (`RLConfig.derive`): the caller's object stays as they built
+        it, whatever the run changes in the trainer's (FSDP2's take-over, Trainer's own settings). verifiers <= 0.1.6's
+        GRPOTrainer(peft_config=...) wins over the lora_* fields. What cannot start fails here, before any loading."""
+        args = args if args is not None else RLConfig()
+        if not isinstance(args, RLConfig):
+            raise TypeError(f"args must be an RLConfig, got {type(args).__name__}")
+        if problem := wandb_login_problem(args):  # wandb.init would fail (or prompt) after the server started
+            raise TrainingError(problem)
+        if model == "tiny" and not os.path.exists(model):  # the TOML shorthand; as a hub id it fails far from here
+            raise ValueError(
+                "model='tiny' is vf-rl's config shorthand for the offline tiny model; in Python, build it first: "
+                "`from verifiers_rl.tiny import save_tiny_model; model = str(save_tiny_model('outputs/tiny-model'))`"
+            )
+        return args.derive(**({"lora_config": peft_config, "use_lora": True} if peft_config is not None else {}))
 
     def _time_steps(self) -> TimeOptimizer:
         """The step's wall time by stage (step_timing.py; a new clock per train()); returns the optimizer's timer."""
@@ -451,15 +457,20 @@ class RLTrainer(SettingsResume, FSDP2Checkpoints, Trainer):
             )
         self.accelerator.wait_for_everyone()
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Rollouts on the environment's eval split with the current policy. Only the main process talks to the
-        server (the others would start or re-initialise one); every process gets the same metrics."""
+    def evaluate(
+        self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", temperature: float | None = None
+    ) -> dict[str, float]:
+        """Rollouts on the environment's eval split with the current policy, at `temperature` (None: the config's
+        eval_temperature; [eval] greedy asks for 0). Only the main process talks to the server (the others would
+        start or re-initialise one); every process gets the same metrics."""
         model = self.accelerator.unwrap_model(self.model)
         with self.clock.span("eval"):  # scheduled work, not the framework's share of the step it follows
             if self.is_world_process_zero():
                 self.runtime.ensure_server(model, self.processing_class, self.state.global_step)
             self.sync_weights()  # every rank: a sharded model's sync gathers on all of them
-            metrics = self.rank_zero.run(lambda: self.runtime.evaluate(self.processing_class, metric_key_prefix))
+            metrics = self.rank_zero.run(
+                lambda: self.runtime.evaluate(self.processing_class, metric_key_prefix, temperature)
+            )
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
