@@ -67,7 +67,7 @@ def draw(rows: list[dict], *, before: float | None = None, after: float | None =
         ax.plot(*zip(*points), lw=1, ls=":", label=f"train {name}")
     if evals:
         es, ev = zip(*evals)
-        ax.scatter(es, ev, color="#d1495b", zorder=3, label="eval reward")
+        ax.scatter(es, ev, color="#d1495b", zorder=3, label="held-out eval reward")
     for value, label, color in ((before, "eval before RL", "#888888"), (after, "eval after RL", "#d1495b")):
         if value is not None:
             ax.axhline(value, ls="--", lw=1, color=color, label=f"{label}: {value:.3f}")
