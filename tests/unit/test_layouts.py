@@ -233,7 +233,13 @@ def test_a_run_follows_the_launchers_mixed_precision(monkeypatch):
 def test_multi_node_plan_prints_every_machine(tmp_path):
     """`vf-rl --dry-run --nodes 2 --gpus 8`: node 0 serves for remote trainers (token-guarded control routes), node 1
     trains as one accelerate world rendezvousing at itself and connects to node 0."""
-    from verifiers_rl.scripts.rl_nodes import node_commands
+    import copy
+
+    from verifiers_rl.config.toml import validate
+    from verifiers_rl.scripts.rl_nodes import node_commands as plan_nodes
+
+    def node_commands(cfg, *rest):  # the config as vf-rl hands it over: validated, its aliases folded once
+        return plan_nodes(validate(copy.deepcopy(cfg), "vf-rl"), *rest)
 
     cfg = {"model": "Qwen/Qwen3-0.6B", "env": {"id": "reverse-text"}, "inference": {"gpus": 8},
            "trainer": {"accelerate_config": "configs/accelerate/zero3.yaml"}}  # fmt: skip

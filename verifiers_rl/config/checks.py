@@ -191,6 +191,15 @@ def _loss_and_lora_rules(cfg, check) -> None:
     )
 
 
+def uneven_split(batch_size: int, micro_batch_size: int, processes: int, who: str = "processes") -> str | None:
+    """The rule's one home: one step's batch splits into whole micro-batches on every training process. RLConfig
+    checks it for the processes it runs in, vf-rl's plan for those it will start (`who` names them); each caller
+    says which key it was (None: it splits)."""
+    if micro_batch_size < 1 or batch_size % (micro_batch_size * processes) == 0:  # micro_batch_size < 1: its own rule
+        return None
+    return f"must be divisible by micro_batch_size * {who} = {micro_batch_size} * {processes}"
+
+
 def check_ratios(ratios, names: list[str], where=lambda i: f"env[{i}].ratio") -> list[float]:
     """Ratios are finite numbers >= 0 that sum to something positive; errors name the entry."""
     ratios = list(ratios)

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from verifiers_rl.config.checks import SAMPLING_FIELDS, check_config, effective_sampling_args
+from verifiers_rl.config.checks import SAMPLING_FIELDS, check_config, effective_sampling_args, uneven_split
 from verifiers_rl.config.hf_compat import TrainingArguments
 from verifiers_rl.config.legacy import TRANSFORMERS_RENAMED, accept_legacy_names
 from verifiers_rl.config.limits import room_for_prompt
@@ -428,12 +428,8 @@ class RLConfig(TrainingArguments):
         self.per_device_train_batch_size = 1
         self.gradient_accumulation_steps = 1
         super().__post_init__()
-        world = max(self.world_size, 1)
-        if self.batch_size % (self.micro_batch_size * world) != 0:
-            raise ValueError(
-                f"invalid RLConfig: batch_size={self.batch_size}: must be divisible by micro_batch_size * processes "
-                f"= {self.micro_batch_size} * {world}"
-            )
+        if uneven := uneven_split(self.batch_size, self.micro_batch_size, max(self.world_size, 1)):
+            raise ValueError(f"invalid RLConfig: batch_size={self.batch_size}: {uneven}")
 
     @property
     def n_gpu(self) -> int:

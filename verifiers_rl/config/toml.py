@@ -255,10 +255,7 @@ def validate(cfg: dict[str, Any], command: str = "vf-rl") -> dict[str, Any]:
         if gpus is not None and gpus < 0:
             raise ConfigError(f"{section}.gpus={gpus}: must be >= 0")
     if command != "vf-sft":
-        spelled = {
-            name: alias for alias, name in aliases().items() if alias.split(".")[1] in cfg.get(alias.split(".")[0], {})
-        }
-        fold_aliases(cfg)
+        spelled = fold_aliases(cfg)  # the one place the aliases fold; rl_config() takes the folded config
         _check_trainer_args(cfg.get("trainer", {}).get("args", {}), spelled)
     return cfg
 
@@ -347,13 +344,13 @@ def rl_config(
     config_path: str | Path | None = None,
     **overrides,
 ):
-    """Build and validate the RLConfig; its ValueError names the field, re-raised as a ConfigError.
+    """Build and validate the RLConfig from a `validate`d config (its aliases folded into [trainer.args]); its
+    ValueError names the field, re-raised as a ConfigError.
 
     Without CUDA the trainer runs on the CPU: half-precision flags are dropped (with a notice) instead of
     failing, so one config serves a GPU box and a laptop."""
     from verifiers_rl.config.rl_config import RLConfig
 
-    fold_aliases(cfg)  # a config that skipped validate() still has one value per setting
     args = dict(cfg.get("trainer", {}).get("args", {}))
     if cuda is None:
         import torch

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verifiers_rl.config.checks import describe_sampling
+from verifiers_rl.config.checks import describe_sampling, uneven_split
 from verifiers_rl.config.toml import resolve_path, rl_config
 from verifiers_rl.errors import ConfigError
 from verifiers_rl.export.run_settings import Resume, decide, env_identity, run_settings
@@ -113,12 +113,9 @@ def build_plan(
     user_set = frozenset(cfg.get("trainer", {}).get("args", {}))
     run = plan_run(args, model, machine, layout, shape=shape, user_set=user_set)
     run.server, args = server_of(run), run.args  # the RLConfig with what the memory fit chose
-    procs = run.gpus.trainer_processes
-    if args.batch_size % (args.micro_batch_size * procs):
-        raise ConfigError(
-            f"trainer.args.batch_size={args.batch_size} must be divisible by micro_batch_size * trainer processes "
-            f"= {args.micro_batch_size} * {procs} (trainer.gpus)"
-        )
+    # RLConfig checked this in one process; the plan knows how many the trainer will run in
+    if uneven := uneven_split(args.batch_size, args.micro_batch_size, run.gpus.trainer_processes, "trainer processes"):
+        raise ConfigError(f"trainer.args.batch_size={args.batch_size} {uneven} (trainer.gpus)")
     plan = Plan(cfg, config_path, overrides, run, sft, resume=plan_resume(cfg, args, model))
     if run.gpus.trainer:  # every GPU layout: the trainer in processes of its own, on its own GPUs
         launch = launcher_args(len(run.gpus.trainer), layout.accelerate_config)
