@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from verifiers_rl.export.checkpoints import RUN_INFO  # noqa: F401 - its name here too
 from verifiers_rl.export.reward_curve import has_rewards, read_metrics, save_reward_curve
 
-RUN_INFO = "vf_rl_run.json"  # in checkpoints and exports: base model, environment, config
 CURVE = "reward_curve.png"
 
 

@@ -18,6 +18,8 @@ import shutil
 import sys
 from pathlib import Path
 
+RUN_INFO = "vf_rl_run.json"  # in checkpoints and exports: base model, environment, config
+
 MANIFEST = "vf_rl_checkpoint.json"
 ORCHESTRATOR_STATE = "orchestrator.pt"
 STAGING = ".staging"

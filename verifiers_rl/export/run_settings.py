@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verifiers_rl.export.card import RUN_INFO
-from verifiers_rl.export.checkpoints import STAGING, _incomplete, checkpoints
+# not from card.py: it imports transformers (through reward_curve), and vf-rl's plan reads this before anything is
+# loaded (a config typo is reported in under 2 s)
+from verifiers_rl.export.checkpoints import RUN_INFO, STAGING, _incomplete, checkpoints
 
 # RLConfig fields that change what a step computes: a run that changes one midway is a different run
 SHAPING = (
