@@ -383,9 +383,12 @@ def test_checkpoint_of_the_other_lora_mode_is_named(tmp_path, two_checkpoints, t
     shutil.copytree(two_checkpoints / "out", tmp_path / "out")
     cfg = _cfg(tmp_path, tiny_model_dir, steps=5, save_steps=100, extra="use_lora = false\n")
     r, pid = run_command("vf-rl", "@", cfg, timeout=300)
-    assert r.returncode == 1
+    # the settings the checkpoint was trained with are compared first (issue 55): the LoRA mode is a change that no
+    # resume can continue, named with both values before anything starts
+    assert r.returncode == 2, r.stderr[-2000:]
     line = _error_line(r.stderr)
-    assert "holds a LoRA adapter, but use_lora=False" in line
+    assert "was trained with other settings: " in line and "use_lora true -> false" in line, line
+    assert 'on_settings_change = "continue" cannot (' in line and "use_lora" in line.split("cannot (")[1]
 
 
 # ---------------------------------------------------------------------------------------------- config types
