@@ -62,7 +62,7 @@ def test_sigterm_ends_the_wait_for_a_server(tmp_path, tiny_model_dir):
 
     def read_stderr():
         for line in proc.stderr:
-            if "stopped by signal" in line:
+            if "verifiers-rl: stopped by SIGTERM" in line:  # the line that says where the run stands
                 stopped_at.append(time.monotonic())
 
     threading.Thread(target=read_stderr, daemon=True).start()

@@ -120,7 +120,7 @@ class ServerSession:
         if problem:
             raise ServerError(problem)
 
-    def _connected_plan(self, engine: str, client: InferenceClient, config) -> ServingPlan:
+    def _connected_plan(self, engine: str, client: InferenceClient, config=None) -> ServingPlan:
         """How to sync with a server that runs already: by what it says it runs, on the GPUs it reports, for the
         trainer's model (`config`: whether vLLM post-processes its weights)."""
         args, cuda = self.args, torch.cuda.is_available()
