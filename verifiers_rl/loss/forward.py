@@ -41,7 +41,6 @@ def token_logprobs(
     temperature: float,
     *,
     with_entropy: bool = True,
-    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T-1] logprobs of `target_ids` (0 where not trained) and the matching entropies (no grad)."""
     mask = mb.loss_mask
@@ -60,7 +59,6 @@ def token_logprobs(
             targets,
             bias=getattr(head, "bias", None),
             temperature=temperature,
-            chunk_size=chunk_size,
             with_entropy=with_entropy,
         )
     logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=lp.device).masked_scatter(mask, lp)

@@ -111,9 +111,9 @@ class InferenceClient:
         server = r.headers.get("server")
         return f"{r.status_code}" + (f" from {server}" if server else "")
 
-    def wait_for_health(self, timeout: float | None = None, foreign_after: float = FOREIGN_AFTER_S) -> None:
+    def wait_for_health(self, timeout: float | None = None) -> None:
         """Poll /health until it answers 200, or raise ServerError after `timeout` seconds. A listener that
-        keeps answering something else for `foreign_after` seconds is named at once: it is not an inference
+        keeps answering something else for FOREIGN_AFTER_S seconds is named at once: it is not an inference
         server starting up (vLLM and our engine listen only once they serve; 503 is a server still loading)."""
         timeout = self.connection_timeout if timeout is None else timeout
         start = time.monotonic()
@@ -122,7 +122,7 @@ class InferenceClient:
             now = time.monotonic()
             foreign = answer is not None and not answer.startswith("503")
             odd_since = (odd_since or now) if foreign else None
-            if odd_since is not None and now - odd_since >= foreign_after:
+            if odd_since is not None and now - odd_since >= FOREIGN_AFTER_S:
                 raise ServerError(
                     f"{self.base_url} is not an inference server: GET /health answered {answer} for "
                     f"{now - odd_since:.0f}s; point the trainer at the server (vllm_server_host / vllm_server_port, "

@@ -22,6 +22,9 @@ class Probe:
     model: str | None = None
 
 
+PROBE_TIMEOUT_S = 3.0  # a local server that takes longer to answer a GET is not one to train against
+
+
 def _listening(host: str, port: int, timeout: float) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):
@@ -30,17 +33,15 @@ def _listening(host: str, port: int, timeout: float) -> bool:
         return False
 
 
-def probe_server(
-    host: str, port: int, *, api_key: str | None = None, control_token: str | None = None, timeout: float = 3.0
-) -> Probe:
+def probe_server(host: str, port: int, *, api_key: str | None = None, control_token: str | None = None) -> Probe:
     """Classify what answers at host:port, without side effects (GET /health, /v1/models, /get_world_size)."""
-    if not _listening(host, port, timeout):
+    if not _listening(host, port, PROBE_TIMEOUT_S):
         return Probe("free")
     base = f"http://{host}:{port}"
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     control = {"Authorization": f"Bearer {control_token}"} if control_token else {}
     try:
-        with httpx.Client(base_url=base, timeout=timeout) as http:
+        with httpx.Client(base_url=base, timeout=PROBE_TIMEOUT_S) as http:
             health = http.get("/health")
             if health.status_code != 200:
                 return Probe("foreign", f"{base}/health answered {health.status_code}")

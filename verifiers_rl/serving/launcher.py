@@ -33,10 +33,11 @@ _PR_SET_PDEATHSIG = 1
 # ---------------------------------------------------------------------- process helpers
 
 
-def log_tail(path: str | os.PathLike | None, lines: int = 20) -> str:
+def log_tail(path: str | os.PathLike | None) -> str:
+    """The last 20 lines of a server's log, for the error that says why it did not start."""
     if not path or not Path(path).exists():
         return ""
-    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-20:])
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
