@@ -17,8 +17,9 @@ file with `--worker`: RLTrainer with full fine-tuning of a random Qwen3-shaped m
   larger rank's. Also reported: the same peak above the process's RSS before the model was loaded (imports:
   torch, transformers, DeepSpeed, verifiers), which sharding cannot shrink.
 
-Goals (full mode): sharded sync ≤ 1.3× DDP's, sharded peak ≤ 0.6× DDP's. The three layouts run one after
-another on this machine; compare only within one run.
+Both are reports (the goals of ≤ 1.3× and ≤ 0.6× DDP's went with issue 58: on 2 CPU processes at ~100M the ratio
+follows DDP's own sync time, and sharded state is small next to each rank's interpreter; what sharding saves shows
+on GPUs at sizes this machine cannot hold). The three layouts run one after another; compare only within one run.
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ from verifiers_rl.plan.ranks import LAYOUTS  # noqa: E402
 
 NAME = "bench_sharded"
 MODELS = {"full": ("~100M", 704, 22), "quick": ("~10M", 256, 16)}  # (label, hidden, layers) as bench_sync.py
-SYNC_GOAL = 1.3
-MEMORY_GOAL = 0.6
 ACCELERATE = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
 # the shipped configs/accelerate/<layout>.yaml on 2 CPU processes, as tests/e2e/test_sharded.py runs them
 ON_CPU = {"use_cpu": True, "num_processes": 2, "mixed_precision": "no"}
@@ -188,8 +187,8 @@ def _rows(results: dict, label: str, params: int, quick: bool) -> tuple[list[dic
                 ddp["sync_s"],
                 res["sync_s"],
                 ratio,
-                "(report)" if quick else f"<={SYNC_GOAL}x",
-                None if quick else ratio <= SYNC_GOAL,
+                "(report)",
+                None,
                 unit="s",
             )
         )
@@ -201,8 +200,8 @@ def _rows(results: dict, label: str, params: int, quick: bool) -> tuple[list[dic
                 ddp["peak_rss_bytes"] / gib,
                 res["peak_rss_bytes"] / gib,
                 ratio,
-                "(report)" if quick else f"<={MEMORY_GOAL}x",
-                None if quick else ratio <= MEMORY_GOAL,
+                "(report)",
+                None,
                 unit="GiB",
             )
         )

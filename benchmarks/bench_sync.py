@@ -37,7 +37,6 @@ MODELS = [
     ("~100M", 704, 22),
 ]
 ADAPTER_MODELS = ("tiny", "qwen3-0.6b-shape")  # adapter vs merged LoRA sync (--quick: tiny only)
-SPEEDUP_GOAL = 10.0  # bucketed vs per-tensor
 BANDWIDTH_GOAL = 0.8  # bucketed GB/s vs raw gloo GB/s at ~100M (issue 24; it was 50 %)
 
 
@@ -256,15 +255,14 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
                     unit="s",
                 )
             )
-            many = n_tensors >= 100  # the goal is about many-tensor models; ~1M (47 tensors) only reports
-            rows.append(
+            rows.append(  # a report: the 10x goal went with issue 58 (the baseline is our own, also faster, path)
                 row(
                     f"sync {label} ({n_params / 1e6:.2f}M params, {n_tensors} tensors, {nbytes / 1e6:.0f} MB)",
                     base["seconds"],
                     ours["seconds"],
                     sp,
-                    f">={SPEEDUP_GOAL:.0f}x" if many else "(report)",
-                    (sp >= SPEEDUP_GOAL) if many else None,
+                    "(report)",
+                    None,
                     unit="s",
                 )
             )
