@@ -25,8 +25,10 @@ A weight-0 metric ``mean_similarity`` is ``mean(sim_t)``.
 Teachers (transcripts for ``vf-sft``'s ``[dataset] replies``). ``reference_replies`` answers every turn correctly;
 ``untagging_teacher_replies`` is a systematically wrong teacher for the tiny demo: on a fixed share of the episodes
 (``UNTAGGING_SHARE``, drawn per episode from a hash of its names) it sorts and lists the names right but ignores the
-instruction to mark the new ones. A warm-start on its transcripts learns to leave the tag out most of the time;
-only the environment's reward says that the tag belongs there, and that is what RL has to learn.
+instruction to mark the new ones. A warm-start on its transcripts learns to leave the tag out almost always (one
+episode in twenty shows it); only the environment's reward says that the tag belongs there, and that is what RL has
+to learn. At 95 % RL's own share of held-out reward is larger than at 85 % or 75 %: the warm-start starts lower and
+RL still finds the tag in its samples (docs/performance.md#multi-turn-demo).
 
 Data. Generated offline and deterministically from ``seed`` out of the built-in name lists (no hub).
 Within an episode first names are distinct and last names are distinct, so either order is unambiguous;
@@ -84,7 +86,7 @@ def reference_replies(info: dict) -> list[str]:
     return expected_answers(info["turns"], info["sort_by"])
 
 
-UNTAGGING_SHARE = 0.85
+UNTAGGING_SHARE = 0.95
 
 
 def untagging_teacher_replies(info: dict) -> list[str]:
