@@ -130,25 +130,15 @@ def train_stage(name: str, model_dir: str, work: str, steps: int, cpu: bool, bro
             send = sender.send
 
             def recorded(tensors, version):  # each sync's bytes, whether it was a diff, what the copy then holds
-                snapshot = getattr(sender, "snapshot", None)
-                diffs = getattr(snapshot, "diffs", 0)
+                snapshot = getattr(sender, "changes", None)  # sync_changed_only's last-sent copy (sync/delta.py)
+                diffs = getattr(snapshot, "diffed", 0)
                 stats = send(tensors, version)
                 syncs.append(
-                    {"version": version, "bytes": stats.bytes, "diff": getattr(snapshot, "diffs", 0) > diffs,
+                    {"version": version, "bytes": stats.bytes, "diff": getattr(snapshot, "diffed", 0) > diffs,
                      "snapshot": getattr(snapshot, "version", None)}
                 )  # fmt: skip
                 rec["syncs"] = syncs
                 return stats
-
-            snapshot = getattr(sender, "snapshot", None)
-            if snapshot is not None:  # count the diffs (Snapshot.updates runs once per diffed sync)
-                updates, snapshot.diffs = snapshot.updates, 0
-
-                def counted(stream):
-                    snapshot.diffs += 1
-                    return updates(stream)
-
-                snapshot.updates = counted
 
             sender.send = recorded
 

@@ -46,19 +46,19 @@ def stepped(model, initial: dict, lr: float) -> None:
 
 def one_round(client, model, before: list) -> tuple[dict, dict]:
     """A full sync of `model`'s bf16 weights, then a delta sync of them against `before` (sent untimed first)."""
-    from verifiers_rl.sync.delta import Snapshot
+    from verifiers_rl.sync.delta import Changes
     from verifiers_rl.sync.policy_weights import merged_stream
 
     sender = client.sender
     version = int(client.weight_version())
-    sender.snapshot = None  # today's path, untouched
+    sender.changes = None  # today's path, untouched
     full = client.update_weights(merged_stream(model, torch.bfloat16), version=version + 1)
-    sender.snapshot = Snapshot()
+    sender.changes = Changes()
     client.update_weights(before, version=version + 2)  # whole: the snapshot is recorded
     t0 = time.perf_counter()
     change = client.update_weights(merged_stream(model, torch.bfloat16), version=version + 3)
     wall = time.perf_counter() - t0
-    sender.snapshot = None
+    sender.changes = None
     return {"seconds": full.seconds, "bytes": full.bytes}, {"seconds": wall, "bytes": change.bytes}
 
 

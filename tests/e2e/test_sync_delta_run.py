@@ -61,7 +61,7 @@ def test_full_finetuning_steps_sync_their_changes_only_and_land(server):
         sizes.append(stats.bytes)
         assert client.weight_version() == str(version)
         held = _wire(model)
-        assert all(torch.equal(sender.snapshot.tensors[n], t) for n, t in held.items())
+        assert all(torch.equal(sender.changes.tensors[n], t) for n, t in held.items())
     assert 0 < max(sizes) < whole and min(sizes) < whole / 2, (sizes, whole)  # in bf16 most elements keep theirs
     _step(model, opt, 9)
     assert _sync(client, model, 5).bytes < whole
@@ -105,7 +105,7 @@ def test_a_corrupted_delta_fails_verification_and_the_next_sync_is_whole(server,
     with pytest.raises(SyncMismatch, match=r"did not land on inference rank 1: 1 tensor holds other bytes"):
         _sync(client, model, 21)
     assert corrupted
-    assert sender.snapshot.version is None  # the server may hold anything: no delta against it
+    assert sender.changes.version is None  # the server may hold anything: no delta against it
     monkeypatch.setattr(delta, "wire_items", honest)
     assert _sync(client, model, 21).bytes == whole
 
@@ -125,9 +125,9 @@ def test_a_step_that_trained_nothing_keeps_the_next_sync_a_delta(server):
     policy.attach(client, "merged", started_from=None)
     whole = sum(t.numel() * 2 for t in _wire(model).values())
     policy.sync(export, 1)
-    assert sender.snapshot.version == 1
+    assert sender.changes.version == 1
     assert policy.sync(export, 2, changed=False) == 0.0  # nothing trained: no transfer
-    assert (client.weight_version(), sender.snapshot.version) == ("2", 2)
+    assert (client.weight_version(), sender.changes.version) == ("2", 2)
     _step(model, opt, 3)
     sizes = []
     send = sender.send
@@ -142,15 +142,7 @@ def test_changed_only_is_refused_where_the_receiver_cannot_apply_it(server):
         server.client.init_weight_transfer("adapter", changed_only=True)
 
 
-def test_a_full_finetuning_run_with_changed_only_trains_and_syncs(tiny_model_dir, tmp_path, monkeypatch):
-    deltas = []
-    diff = delta.Snapshot.delta
-
-    def counted(self, stream):
-        deltas.append(diff(self, stream))
-        return deltas[-1]
-
-    monkeypatch.setattr(delta.Snapshot, "delta", counted)
+def test_a_full_finetuning_run_with_changed_only_trains_and_syncs(tiny_model_dir, tmp_path):
     args = tiny_rl_config(
         tmp_path,
         use_lora=False,
@@ -165,9 +157,9 @@ def test_a_full_finetuning_run_with_changed_only_trains_and_syncs(tiny_model_dir
         trainer.train()
         client = trainer.runtime.client
         assert client.weight_version() == "3"
-        snapshot = client.sender.snapshot
+        snapshot = client.sender.changes
         assert snapshot is not None and snapshot.version == 3
-        assert len(deltas) == 2  # step 1 is a whole sync; steps 2 and 3 send their changes, verified
+        assert snapshot.diffed == 2  # step 1 is a whole sync; steps 2 and 3 send their changes, verified
         export = dict(trainer.weight_export().stream("merged"))  # the trainer's wire-dtype weights
         assert set(export) == set(snapshot.tensors)
         assert all(torch.equal(snapshot.tensors[n], t) for n, t in export.items())

@@ -289,8 +289,8 @@ class TestTwoEngines:
 
     def test_a_sync_of_changes_only_is_drained_and_refused(self, server):
         """vLLM's CPU build keeps its linear layers only repacked, so a sync of changes cannot be written in place
-        (inference/vllm/changes.py; on a GPU it is, tests/e2e/test_sync_changes_vllm.py): every worker drains it
-        and refuses at once, with the reason; the group stays usable and the next sync is whole."""
+        (sync/delta.py `Receiving.through`; on a GPU it is, tests/e2e/test_sync_changes_vllm.py): every worker
+        drains it and refuses at once, with the reason; the group stays usable and the next sync is whole."""
         from verifiers_rl.serving.client import InferenceClient, ServerError
         from verifiers_rl.tiny import build_tiny_model
 
@@ -299,12 +299,12 @@ class TestTwoEngines:
             sender = client.init_weight_transfer("gloo", bucket_bytes=BUCKET_BYTES, changed_only=True)
             original, perturbed = build_tiny_model(seed=0)[0], build_tiny_model(seed=1)[0]
             client.update_weights(original.named_parameters(), version=20)  # whole: the snapshot is recorded
-            assert sender.snapshot.version == 20
+            assert sender.changes.version == 20
             t0 = time.monotonic()
             with pytest.raises(ServerError, match=r"refused by the server \(inference rank 1 and 1 more\).*repacked"):
                 client.update_weights(perturbed.named_parameters(), version=21)
             assert time.monotonic() - t0 < 30  # not the 90 s group timeout
-            assert sender.snapshot.version is None and client.health() and not client.is_paused()
+            assert sender.changes.version is None and client.health() and not client.is_paused()
             client.update_weights(original.named_parameters(), version=22)  # whole again, verified
             _check_serves(server, original, perturbed, dp_ranks=(0, 1))
         finally:

@@ -119,9 +119,9 @@ def run_syncs(client, served, reference, config, weights, report: dict, key: str
 
 
 def gloo_scenarios(model_dir: str, report: dict) -> None:
-    from verifiers_rl.inference.vllm import changes
     from verifiers_rl.inference.vllm.gloo_engine import GlooWeightTransferEngine
     from verifiers_rl.serving.client import InferenceClient
+    from verifiers_rl.sync import delta
 
     config, served = build_model(model_dir)
     _, reference = build_model(model_dir)
@@ -145,13 +145,11 @@ def gloo_scenarios(model_dir: str, report: dict) -> None:
     # a change that was never written: the trainer names the tensor
     weights = step(weights, seed=4)
     client.update_weights(list(weights.items()), version=4)  # whole again (the refusal forgot the snapshot)
-    real_load = changes.load_changes
+    real_write = delta.write_through
     lost = "model.layers.0.self_attn.k_proj.weight"
-    changes.load_changes = lambda model, updates, targets: real_load(
-        model, [u for u in updates if u[0] != lost], targets
-    )
+    delta.write_through = lambda load, updates, targets: real_write(load, [u for u in updates if u[0] != lost], targets)
     report["lost_write"] = _error(lambda: client.update_weights(list(step(weights, 5).items()), version=5))
-    changes.load_changes = real_load
+    delta.write_through = real_write
 
 
 def _error(fn) -> str:

@@ -16,6 +16,12 @@ def _bf16(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
+def _receiving(*names: str, shape=(64,)) -> delta.Receiving:
+    """The receiver's side of a sync of changes to bf16 tensors `names` of `shape`."""
+    whole = UpdateInfo.from_metas([TensorMeta(n, torch.bfloat16, shape) for n in names]).to_dict()
+    return delta.Receiving({"base_version": "0", **whole})
+
+
 def test_a_small_change_is_sparse_and_applying_it_gives_the_new_tensor_exactly():
     old = _bf16(1000).view(10, 100)
     new = old.clone()
@@ -77,7 +83,7 @@ def test_pairing_rejoins_an_index_and_its_values_across_buckets():
     metas = [TensorMeta(n, x.dtype, tuple(x.shape)) for n, x in wire]
     buckets = plan_buckets(metas, bucket_bytes=12)  # the index (12 B) and the values (6 B) in two buckets
     assert [m.name for m in buckets[0].metas] == ["w#delta_index"]
-    pairing, got = delta.Pairing(), {}
+    pairing, got = _receiving("w", "b"), {}
     buf = torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8)
     for bucket in buckets:
         ts = [dict(wire)[m.name] for m in bucket.metas]
@@ -89,27 +95,40 @@ def test_pairing_rejoins_an_index_and_its_values_across_buckets():
     delta.apply(served, got["w"])
     assert torch.equal(served, new)
     with pytest.raises(ValueError, match="without their indices"):
-        list(delta.Pairing().updates([("x#delta_values", torch.ones(2))]))
+        list(_receiving("x").updates([("x#delta_values", torch.ones(2))]))
 
 
-def test_snapshot_sends_changes_only_and_keeps_the_new_tensors():
+def test_changes_are_sent_against_the_servers_version_only_and_the_snapshot_keeps_the_new_tensors():
     a, b, c = _bf16(3000, 1), _bf16(10, 2), _bf16(50, 3)
-    snap = delta.Snapshot()
-    first = as_stream([("a", a), ("b", b), ("c", c)])
-    assert not snap.valid_for(None, first.metas)
-    assert [n for n, _ in snap.recording(first)] == ["a", "b", "c"]
-    snap.version = 4
-    assert snap.valid_for("4", first.metas) and not snap.valid_for("3", first.metas)
+    changes = delta.Changes()
+
+    def never_asked():
+        raise AssertionError("nothing to diff against: the server's version is not read")
+
+    with changes.sending(as_stream([("a", a), ("b", b), ("c", c)]), never_asked, 4) as out:
+        assert out.header is None and [n for n, _ in out.wire()] == ["a", "b", "c"]
+    assert changes.version == 4
     a2, b2 = a.clone(), b.clone() + 1
     a2[7] += 1
-    change = snap.delta(as_stream([("a", a2), ("b", b2), ("c", c)]))
-    assert [m.name for m in change.wire.metas] == ["a#delta_index", "a#delta_values", "b"]
-    assert [m.name for m in change.targets] == ["a", "b", "c"]
-    assert change.checksums == [tensor_checksum(x) for x in (a2, b2, c)]
-    assert torch.equal(snap.tensors["a"], a2) and torch.equal(snap.tensors["b"], b2)
-    assert change.wire.nbytes == 6 + 20
-    snap.forget()
-    assert not snap.valid_for("4", first.metas)
+    with changes.sending(as_stream([("a", a2), ("b", b2), ("c", c)]), lambda: "4", 5) as out:
+        wire = out.wire()
+        assert [m.name for m in wire.metas] == ["a#delta_index", "a#delta_values", "b"]
+        assert out.header["base_version"] == "4" and out.header["names"] == ["a", "b", "c"]
+        assert [m.name for m in out.targets] == ["a", "b", "c"]
+        assert out.checksums == [tensor_checksum(x) for x in (a2, b2, c)]
+        assert wire.nbytes == 6 + 20
+    assert (changes.version, changes.diffed) == (5, 1)
+    assert torch.equal(changes.tensors["a"], a2) and torch.equal(changes.tensors["b"], b2)
+    changes.relabel(6, was=4)  # not the version it holds: the next sync must not count on it
+    assert changes.version == 5
+    changes.relabel(6, was=5)  # the same weights, served as 6
+    with changes.sending(as_stream([("a", a2), ("b", b2), ("c", c)]), lambda: "6", 7) as out:
+        assert out.wire().nbytes == 0 and out.header["base_version"] == "6"
+    with changes.sending(as_stream([("a", a), ("b", b), ("c", c)]), lambda: "3", 8) as out:  # moved without us
+        assert out.header is None and sum(t.nbytes for _, t in out.wire()) == a.nbytes + b.nbytes + c.nbytes
+    with pytest.raises(RuntimeError, match="lost"), changes.sending(as_stream([("a", a)]), never_asked, 9):
+        raise RuntimeError("the sync was lost")
+    assert changes.version is None and changes.tensors == {}  # the server may hold anything: the next sync is whole
 
 
 def test_a_corrupted_delta_shows_in_the_checksums():
@@ -124,16 +143,21 @@ def test_a_corrupted_delta_shows_in_the_checksums():
     assert tensor_checksum(served) != tensor_checksum(new)
 
 
-def test_update_info_carries_the_delta_and_checks_its_shape():
+def test_update_info_carries_the_header_and_the_receiver_checks_it():
     targets = [TensorMeta("w", torch.bfloat16, (4, 4))]
     info = UpdateInfo.from_metas([TensorMeta("w#delta_index", torch.int32, (2,))])
     info.delta = {"base_version": "3", **UpdateInfo.from_metas(targets).to_dict()}
     parsed = UpdateInfo.parse(info.to_dict())
-    assert parsed.delta_targets() == targets
-    assert UpdateInfo.parse(UpdateInfo.from_metas(targets).to_dict()).delta is None
+    assert delta.receiving(parsed).targets == targets and delta.receiving(parsed, served=3).refused is None
+    with pytest.raises(ValueError, match="a delta against version 3 cannot apply to version 2"):
+        raise delta.receiving(parsed, served=2).refused
+    assert delta.receiving(UpdateInfo.parse(UpdateInfo.from_metas(targets).to_dict())) is None
+    parsed.delta["names"] = ["w", "x"]
+    with pytest.raises(ValueError, match="update_info.delta lists differ in length"):
+        delta.receiving(parsed)
     parsed.delta.pop("base_version")
     with pytest.raises(ValueError, match="base_version"):
-        parsed.delta_targets()
+        delta.receiving(parsed)
 
 
 def test_indices_behind_an_odd_number_of_values_unpack_from_one_bucket():
@@ -144,7 +168,7 @@ def test_indices_behind_an_odd_number_of_values_unpack_from_one_bucket():
     wire = delta.wire_items("a", delta.diff(old[0], new[0])) + delta.wire_items("b", delta.diff(old[1], new[1]))
     (bucket,) = plan_buckets([TensorMeta(n, x.dtype, tuple(x.shape)) for n, x in wire])
     assert bucket.offsets[2] % 4 == 2
-    updates = dict(delta.Pairing().updates(unpack(bucket, pack(bucket, [x for _, x in wire]))))
+    updates = dict(_receiving("a", "b").updates(unpack(bucket, pack(bucket, [x for _, x in wire]))))
     served = old.clone()
     delta.apply(served[0], updates["a"])
     delta.apply(served[1], updates["b"])

@@ -321,13 +321,13 @@ def check_changed_only(
     engine: str, backend: str, *, use_lora: bool, cuda: bool = True, post_processed: str | None = None
 ) -> None:
     """sync_changed_only (sync/delta.py) is for full fine-tuning over gloo or NCCL: into our CPU engine, or into
-    vLLM on a GPU, which writes the changes into its live parameters (inference/vllm/changes.py). vLLM's CPU build
+    vLLM on a GPU, which writes the changes into its live parameters (`delta.Receiving.through`). vLLM's CPU build
     keeps its linear layers only repacked, and a LoRA sync is small already. `cuda`: vLLM may run on a GPU (a local
     one is seen here; a remote server's is not, and its workers refuse in one line if they cannot).
 
     `post_processed` (a MoE or quantized model, `shape.post_processed`): vLLM may reorder or repack those weights
     for its kernels after loading (FlashInfer's CUTLASS MoE path, its default off Hopper); changes written through
-    the loader's mapping then land in the loader's layout over the kernel's, and `changes.not_landed` compares
+    the loader's mapping then land in the loader's layout over the kernel's, and `delta.not_landed` compares
     through the same mapping, so it passes while the weights are wrong. No check against the runtime layout
     exists, so such a model is refused into vLLM (our CPU engine holds transformers' layout, the trainer's)."""
     if use_lora:

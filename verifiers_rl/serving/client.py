@@ -217,6 +217,14 @@ class InferenceClient:
         with self.paused("keep"):
             return self.sender.send(named_tensors, version)
 
+    def relabel(self, version: int, was: int | None) -> None:
+        """The server keeps the weights it serves as `was` and serves them as `version` (nothing trained since);
+        a sender that keeps state about those weights follows."""
+        self.post("/update_weight_version", {"new_version": str(version)})
+        relabel = getattr(self.sender, "relabel", None)
+        if relabel is not None:
+            relabel(version, was)
+
     def close_weight_transfer(self, polite: bool = True) -> None:
         sender, self.sender = self.sender, None
         if sender is not None:

@@ -31,12 +31,7 @@ def create_sender(
     if backend == Transport.GLOO:
         from verifiers_rl.sync.transport.gloo import GlooSender
 
-        sender = GlooSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-        if changed_only:
-            from verifiers_rl.sync.delta import Snapshot
-
-            sender.snapshot = Snapshot()
-        return sender
+        return GlooSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s, changed_only=changed_only)
     if backend == Transport.ADAPTER:
         from verifiers_rl.sync.transport.adapter import AdapterSender
 

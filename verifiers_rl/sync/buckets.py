@@ -103,8 +103,7 @@ class UpdateInfo:
     shapes: list[list[int]]
     # Ours (gloo): the id under which each receiving rank leaves its checksums in the trainer's store (verify.py).
     report: str = ""
-    # Ours (delta.py): a sync of changes only. {"base_version": the version the changes apply to, and the whole
-    # tensors they update as "names", "dtype_names", "shapes"}; the receivers report checksums of those.
+    # Ours: the header of a sync of changes only, made and read by sync/delta.py alone.
     delta: dict | None = None
 
     def __post_init__(self):
@@ -140,15 +139,6 @@ class UpdateInfo:
 
     def metas(self) -> list[TensorMeta]:
         return _metas(self.names, self.dtype_names, self.shapes)
-
-    def delta_targets(self) -> list[TensorMeta]:
-        """A delta sync's whole tensors (what its changes update), from `delta`; a malformed one is a ValueError."""
-        d = self.delta
-        if not isinstance(d, dict) or set(d) != {"base_version", "names", "dtype_names", "shapes"}:
-            raise ValueError("update_info.delta needs exactly base_version, names, dtype_names and shapes")
-        if not len(d["names"]) == len(d["dtype_names"]) == len(d["shapes"]):
-            raise ValueError("update_info.delta lists differ in length")
-        return _metas(d["names"], d["dtype_names"], d["shapes"])
 
 
 def _metas(names, dtype_names, shapes) -> list[TensorMeta]:

@@ -79,9 +79,6 @@ class PolicySync:
         """The server already holds the weights of `version`: tell it the version, move no byte (a server that
         just started serves version 0 by itself)."""
         if self.served.value is not None or version != 0:
-            self.client.post("/update_weight_version", {"new_version": str(version)})
-            snapshot = getattr(getattr(self.client, "sender", None), "snapshot", None)  # sync_changed_only
-            if snapshot is not None and snapshot.version is not None and snapshot.version == self.served.value:
-                snapshot.version = version  # the same weights under the new version: the next sync stays a delta
+            self.client.relabel(version, was=self.served.value)
         self.served.advance(version)
         return 0.0

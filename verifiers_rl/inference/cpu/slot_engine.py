@@ -185,9 +185,9 @@ class SlotEngine(ServedWeights):
             self._paused = False
             self._cond.notify()
 
-    def load_weights(self, named_tensors, *, lora_scaling: float | None = None) -> int:
+    def load_weights(self, named_tensors, *, lora_scaling: float | None = None, write=None) -> int:
         with self._step_lock:  # never between two layers of a step
-            n = super().load_weights(named_tensors, lora_scaling=lora_scaling)
+            n = super().load_weights(named_tensors, lora_scaling=lora_scaling, write=write)
             self._shared.clear()
             return n
 

@@ -46,8 +46,8 @@ class WeightReceiver:
             raise ValueError("call /init_weight_transfer_engine before /update_weights")
         if not self.engine.is_paused:  # vLLM allows updates without /start_weight_update; stay consistent
             self.start()
-        loaded, error = 0, self._delta_problem(update)
-        pairing = delta.Pairing() if update.delta is not None else None
+        changes = delta.receiving(update, served=self.engine.version)  # a malformed header: refused before any byte
+        loaded, error, load = 0, changes and changes.refused, self.engine.load_weights
 
         def on_bucket(named):
             # After a failure keep receiving (and dropping) the remaining buckets: the trainer is mid-broadcast
@@ -55,7 +55,7 @@ class WeightReceiver:
             nonlocal loaded, error
             if error is None:
                 try:
-                    loaded += self.engine.load_weights(pairing.updates(named) if pairing else named)
+                    loaded += changes.into(named, load) if changes else load(named)
                 except (KeyError, ValueError, RuntimeError) as e:
                     error = e
 
@@ -73,20 +73,9 @@ class WeightReceiver:
         if error is not None:
             raise ValueError(f"weight update failed: {error}") from error
         if update.report:  # what the engine now holds, read back: a tensor received but not written shows
-            held = update.delta_targets() if update.delta is not None else metas
+            held = changes.targets if changes else metas
             gloo.publish_report(self.pg, update.report, {"checksums": self.engine.weight_checksums(held)})
         return loaded
-
-    def _delta_problem(self, update: UpdateInfo) -> Exception | None:
-        """Why a sync of changes (delta.py) cannot apply here, or None: its changes are against the version it
-        names, and this engine must serve exactly that one (the trainer checked; a restart in between shows)."""
-        if update.delta is None:
-            return None
-        update.delta_targets()  # malformed: refused before anything is received
-        base = update.delta["base_version"]
-        if str(base) != str(self.engine.version):
-            return ValueError(f"a delta against version {base} cannot apply to version {self.engine.version}")
-        return None
 
     def lora_update(self, update_json: str) -> dict[str, Any]:
         """`vf_lora_update` (sync/transport/adapter.py): W = W0 + B @ A on the pristine base weights, B pre-scaled.

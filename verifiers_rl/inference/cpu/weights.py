@@ -12,7 +12,6 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from verifiers_rl.sync import delta
 from verifiers_rl.sync.verify import tensor_checksum
 
 
@@ -76,11 +75,11 @@ class ServedWeights(ABC):
                 self._overwritten.add(meta.name)
         return views
 
-    def load_weights(self, named_tensors, *, lora_scaling: float | None = None) -> int:
-        """Copy tensors into the model (HF names; a tensor may be a `delta.Sparse` of changed elements). With
-        `lora_scaling`, `X.lora_A`/`X.lora_B` pairs become X.weight = X0 + scaling * B @ A against pristine base
-        weights; other names are copied as they are."""
-        params = self._params
+    def load_weights(self, named_tensors, *, lora_scaling: float | None = None, write=None) -> int:
+        """Copy tensors into the model (HF names), or write them with `write(parameter, update)` (a sync of changes
+        only passes its own, sync/delta.py). With `lora_scaling`, `X.lora_A`/`X.lora_B` pairs become X.weight = X0 +
+        scaling * B @ A against pristine base weights; other names are copied as they are."""
+        params, write = self._params, write or torch.Tensor.copy_
         pending: dict[str, dict[str, torch.Tensor]] = {}
         count = 0
         with torch.no_grad():
@@ -94,7 +93,7 @@ class ServedWeights(ABC):
                     continue
                 if name not in params:
                     raise KeyError(f"engine model has no parameter {name!r}")
-                delta.apply(params[name], tensor)  # a whole tensor, or a delta sync's changes (delta.Sparse)
+                write(params[name], tensor)
                 if name not in self._pristine:
                     self._overwritten.add(name)
                 count += 1

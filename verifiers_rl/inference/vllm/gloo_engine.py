@@ -1,6 +1,6 @@
 """The `gloo` weight-transfer engine vLLM's workers run (registered by `plugin.register`): it receives the
 trainer's bucketed gloo broadcasts (sync/transport/gloo.py) and loads them through the model's own `load_weights`, under
-vLLM's layerwise reload for whole tensors, in place for a sync of changes only (changes.py).
+vLLM's layerwise reload for whole tensors, in place for a sync of changes only (sync/delta.py `Receiving.through`).
 
 Per sync the trainer sends the requests our CPU engine also accepts:
   POST /start_weight_update                                      -> start_weight_update
@@ -18,7 +18,6 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from verifiers_rl.inference.vllm import changes
 from verifiers_rl.inference.vllm.plugin import worker_rank
 from verifiers_rl.sync import delta
 from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES, UpdateInfo, plan_buckets
@@ -93,17 +92,17 @@ class _DrainingLoader:
 
 
 class _ChangeLoader(_DrainingLoader):
-    """`_DrainingLoader` for a sync of changes only (sync/delta.py): each bucket's changes are paired, written in
-    place (`changes.load_changes`) and compared with where they landed (`changes.not_landed`). The report holds the
-    checksums of the tensors received; a tensor whose changes did not land reports 0 (no tensor's checksum: the
-    length is mixed in), so the trainer names it as holding other bytes than were sent."""
+    """`_DrainingLoader` for a sync of changes only: written into the live parameters and compared where they
+    landed (sync/delta.py `Receiving.through`). The report holds the checksums of the tensors received; a tensor
+    whose changes did not land reports 0 (no tensor's checksum: the length is mixed in), so the trainer names it
+    as holding other bytes than were sent."""
 
-    def __init__(self, model, targets, device):
+    def __init__(self, model, changes: delta.Receiving, device):
         super().__init__(self._load, device)
-        self.model, self.targets = model, {m.name: m for m in targets}
-        self.pairing = delta.Pairing()
-        self.wire_of: dict[str, list[str]] = {}
-        packed = changes.packed_away(model)
+        self.model, self.changes = model, changes
+        # vLLM's CPU build repacks every linear layer for its kernels and empties the parameter: a change has
+        # nowhere to be written there
+        packed = next((name for name, p in model.named_parameters() if p.numel() == 0), None)
         if packed is not None:
             self.error = ValueError(
                 f"this vLLM keeps {packed} only repacked for its kernels (vLLM's CPU build does so with every linear "
@@ -112,20 +111,15 @@ class _ChangeLoader(_DrainingLoader):
             )
 
     def _load(self, copies) -> None:
-        for name, _ in copies:
-            target = name.removesuffix(delta.INDEX_SUFFIX).removesuffix(delta.VALUE_SUFFIX)
-            self.wire_of.setdefault(target, []).append(name)
-        updates = list(self.pairing.updates(copies))
-        changes.load_changes(self.model, updates, self.targets)
-        for target in changes.not_landed(self.model, updates, self.targets):
-            self.sums.update((n, 0) for n in self.wire_of[target])
+        self.sums.update((n, 0) for n in self.changes.through(copies, self.model.load_weights))
 
 
 def _loader_for(engine, update_info: UpdateInfo) -> _DrainingLoader:
     """The bucket callback for one update: changes only are written into the live parameters; whole tensors load
     under layerwise reload, started with the session's first whole tensors."""
-    if update_info.delta is not None:
-        return _ChangeLoader(engine.model, update_info.delta_targets(), engine.device)
+    changes = delta.receiving(update_info)
+    if changes is not None:
+        return _ChangeLoader(engine.model, changes, engine.device)
     if not engine._reloading:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 

@@ -31,7 +31,7 @@ from verifiers_rl.sync.buckets import (
     UpdateInfo,
     plan_buckets,
 )
-from verifiers_rl.sync.delta import Delta, Snapshot
+from verifiers_rl.sync.delta import Changes, Outgoing
 from verifiers_rl.sync.sender import NamedTensors, SyncStats
 from verifiers_rl.sync.stream import WeightStream, as_stream
 from verifiers_rl.sync.transport.shm import SharedSlots
@@ -191,13 +191,18 @@ class GlooSender:
     offers_shared_memory = True
 
     def __init__(
-        self, client, *, host: str = LOOPBACK, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0
+        self,
+        client,
+        *,
+        host: str = LOOPBACK,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 300.0,
+        changed_only: bool = False,
     ):
         self.client, self.host = client, host
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.group: WeightGroup | None = None
-        # Send only what changed (delta.py): set by `InferenceClient.init_weight_transfer(changed_only=True)`.
-        self.snapshot: Snapshot | None = None
+        self.changes = Changes() if changed_only else None  # send only what changed (sync/delta.py)
 
     def post(self, path: str, body: dict | None = None) -> dict:
         """A request of the sync: it may take as long as the sync itself (a server loading a large model answers
@@ -265,31 +270,29 @@ class GlooSender:
             raise RuntimeError("call init() before send()")
         t0 = time.perf_counter()
         tensors = as_stream(named_tensors)
-        snap = self.snapshot
-        if snap is None:
+        if self.changes is None:
             return self._send(tensors, version, t0)
-        with snap.sending(version):
-            # A delta only against the version the server holds now (a restart, a replaced server or a version
-            # moved without us: a full sync); our CPU engine checks the base version again.
-            if snap.valid_for(self.client.weight_version(), tensors.metas):
-                change = snap.delta(tensors)
-                return self._send(change.wire, version, t0, change, base=snap.version)
-            return self._send(snap.recording(tensors), version, t0)
+        with self.changes.sending(tensors, self.client.weight_version, version) as out:
+            return self._send(out.wire(), version, t0, out)
 
-    def _send(self, tensors: WeightStream, version: int, t0: float, change: Delta | None = None, base=None):
-        """Describe the sync, move its buckets, check what landed; `change`: a delta sync (delta.py). Our CPU
-        engine reports checksums of the whole tensors a delta updates (it reads its parameters back); vLLM's
-        workers, whose parameters are fused and sharded, report the tensors received and compare the changes with
-        where they landed (inference/vllm/changes.py)."""
+    def relabel(self, version: int, was: int | None) -> None:
+        """The server serves the weights it held as `was` as `version` now (`InferenceClient.relabel`)."""
+        if self.changes is not None:
+            self.changes.relabel(version, was)
+
+    def _send(self, tensors: WeightStream, version: int, t0: float, out: Outgoing | None = None):
+        """Describe the sync, move its buckets, check what landed; `out`: with changed_only (sync/delta.py). For
+        a sync of changes our CPU engine reports checksums of the whole tensors it updates (read back); vLLM's
+        workers, whose parameters are fused and sharded, report the tensors received (and 0 for those whose changes
+        did not land where they compared them)."""
         metas = tensors.metas
         buckets = plan_buckets(metas, self.bucket_bytes)
         report, sums = f"{version}-{secrets.token_hex(6)}", []
         info = self.update_info(metas, report)
-        if change is not None:
-            info.delta = {"base_version": str(base), **UpdateInfo.from_metas(change.targets).to_dict()}
+        info.delta = out.header if out is not None else None
         info = info.to_dict()
-        whole = change is not None and self.pauses_itself
-        held, held_sums = (change.targets, change.checksums) if whole else (metas, sums)
+        whole = info.get("delta") is not None and self.pauses_itself
+        held, held_sums = (out.targets, out.checksums) if whole else (metas, sums)
         if self.pauses_itself:  # our CPU engine: the whole sync is one request (vLLM keeps its own routes)
             body = {"update_info": info, "weight_version": str(version)}
             pending = run_in_thread(lambda: self.post("/update_weights", body))

@@ -1,4 +1,4 @@
-"""Changes only over NCCL: vLLM's own `sparse_nccl` engines, fed from our snapshot (delta.py).
+"""Changes only over NCCL: vLLM's own `sparse_nccl` engines, fed from our snapshot (sync/delta.py).
 
 vLLM ships a sparse NCCL backend (`SparseNCCLTrainerWeightTransferEngine` here, its worker engine on the server,
 started with `--weight-transfer-config '{"backend": "sparse_nccl"}'`): flat int32 indices and values per checkpoint
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from verifiers_rl.sync.delta import Snapshot, Sparse, index_dtype
+from verifiers_rl.sync.delta import Changes, Outgoing, Sparse, index_dtype
 from verifiers_rl.sync.transport.nccl import NCCLSender
 
 
@@ -43,11 +43,11 @@ def patch_nbytes(patch) -> int:
 
 
 class SparseNCCLSender(NCCLSender):
-    """`NCCLSender`'s init and control, vLLM's sparse engine for the bytes, a `Snapshot` for what changed."""
+    """`NCCLSender`'s init and control, vLLM's sparse engine for the bytes, `Changes` for what changed."""
 
     def __init__(self, client, **kwargs):
         super().__init__(client, **kwargs)
-        self.snapshot = Snapshot()
+        self.changes = Changes()
 
     def init(self) -> None:
         try:
@@ -68,17 +68,14 @@ class SparseNCCLSender(NCCLSender):
     def _engine(self, engine_cls, info):
         return engine_cls(client=self.control)
 
-    def _chunks(self, stream) -> Iterator[list]:
-        """The sync's patches in chunks of about a bucket: changes against the snapshot when it matches the
-        server's version, every element of every tensor otherwise (recorded as the new snapshot)."""
-        snap = self.snapshot
-        if snap.valid_for(self.client.weight_version(), stream.metas):
-            updates = ((n, u) for n, u in snap.updates(stream) if u is not None)
-        else:
-            updates = ((n, snap.tensors[n]) for n, _ in snap.recording(stream))
-        shapes = {m.name: tuple(m.shape) for m in stream.metas}
+    def relabel(self, version: int, was: int | None) -> None:
+        self.changes.relabel(version, was)
+
+    def _chunks(self, out: Outgoing) -> Iterator[list]:
+        """The sync's patches (changes, or every element of every tensor) in chunks of about a bucket."""
+        shapes = {m.name: tuple(m.shape) for m in out.targets}
         chunk, size = [], 0
-        for name, update in updates:
+        for name, update in out.updates():
             patch = _patch(name, update, shapes[name], self.device)
             chunk.append(patch)
             size += patch_nbytes(patch)
@@ -90,9 +87,9 @@ class SparseNCCLSender(NCCLSender):
 
     def _transfer(self, stream, version: int) -> tuple[int, int]:
         sent, chunks = 0, 0
-        with self.snapshot.sending(version):  # a failed sync: the next one sends every element
+        with self.changes.sending(stream, self.client.weight_version, version) as out:
             self.control.start_weight_update()
-            for chunk in self._chunks(stream):
+            for chunk in self._chunks(out):
                 self.engine.send_weight_chunk(chunk)
                 sent, chunks = sent + sum(map(patch_nbytes, chunk)), chunks + 1
                 self.sent += len(chunk)
