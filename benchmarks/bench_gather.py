@@ -4,10 +4,10 @@
 
 For each layout (FSDP2: `fully_shard` on a 2-rank CPU mesh; ZeRO-3: `deepspeed.zero.Init`) two gloo processes
 hold a random Qwen3-shaped model in shards and produce its merged sync stream (`weight_export(model).stream`, as a
-sync does, every rank iterating it, rank 0 receiving the tensors), without a server: what is timed is the gather
-alone, rank 0's clock between two barriers. The paths alternate in each repeat (order flipped every repeat); the
-first repeat also checks that both give the model's own weights. The row is the median library time over the
-median hand time: the hand path is kept only where it is >= 1.3x faster.
+sync does, inside `RankZeroLeads.run`: rank 0 opens each walk to the other rank and receives the tensors), without
+a server: what is timed is the gather alone, rank 0's clock between two barriers. The paths alternate in each
+repeat (order flipped every repeat); the first repeat also checks that both give the model's own weights. The row
+is the median library time over the median hand time: the hand path is kept only where it is >= 1.3x faster.
 """
 
 from __future__ import annotations
@@ -55,12 +55,14 @@ def worker(layout: str, hidden: int, layers: int, repeats: int, out: str) -> Non
 
     from verifiers_rl.sync.export import weight_export
     from verifiers_rl.tiny import build_tiny_model
+    from verifiers_rl.trainer.rank_zero import RankZeroLeads
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     reference = build_tiny_model(hidden=hidden, layers=layers)[0].state_dict() if rank == 0 else None
     model = _shard(layout, hidden, layers)
-    export = weight_export(model)
+    leads = RankZeroLeads(lambda: export)
+    export = weight_export(model, leads=leads)
     times: dict[str, list[float]] = {"hand": [], "library": []}
     first: dict[str, dict] = {}
     for rep in range(repeats + 1):  # the first: warm-up (rank 0's ring, first gathers) and the correctness check
@@ -68,7 +70,10 @@ def worker(layout: str, hidden: int, layers: int, repeats: int, out: str) -> Non
             export.hand_gather = path == "hand"
             dist.barrier()
             t0 = time.perf_counter()
-            got = {n: t.clone() if rep == 0 else t for n, t in export.stream("merged")}
+            got = {}
+            leads.run(
+                lambda got=got, c=rep == 0: got.update((n, t.clone() if c else t) for n, t in export.stream("merged"))
+            )
             dist.barrier()
             if rep:
                 times[path].append(time.perf_counter() - t0)

@@ -113,9 +113,10 @@ try:
         served = {"server_version": trainer.runtime.client.weight_version(), "killed": killer.killed,
                   "server_pid": trainer.runtime.session.process.process.pid,
                   "restarts": trainer.runtime.recovery.total}  # fmt: skip
-    # every rank iterates the export (a sharded one gathers); rank 0 keeps what a sync would send
+    # rank 0 keeps what a sync would send; the other ranks join a sharded export's walk (RankZeroLeads.run)
+    weights = {}
     stream = trainer.weight_export().stream("merged", 1 << 20)
-    weights = {name: t.detach().clone() for name, t in stream}
+    trainer.rank_zero.run(lambda: weights.update((name, t.detach().clone()) for name, t in stream))
 finally:
     trainer.close()
 if trainer.is_world_process_zero():

@@ -179,34 +179,46 @@ def test_pieces_reach_rank_zero_whole_over_real_gloo(tmp_path, share):
 # ------------------------------------------------------------------ the libraries' gathers against the hand path
 
 
-def _export_worker(rank: int, init: str, lora: bool) -> None:
-    import torch.distributed as dist
+def _fsdp2_model(lora: bool, kind: str = "merged"):
+    """The tiny model FSDP2-sharded over the 2 ranks of the default group, and its stream `kind` before that."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from verifiers_rl.sync.export import FSDP2Export, ReplicatedExport, weight_export
+    from verifiers_rl.sync.export import ReplicatedExport
     from verifiers_rl.tiny import build_tiny_model
+
+    model, _ = build_tiny_model(hidden=64, layers=2)
+    if lora:  # random B: the merge is not the base weight
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)  # the same adapter on both ranks: each keeps its own rows of it
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+        model = get_peft_model(model, cfg)
+    want = {n: t.clone() for n, t in ReplicatedExport(model).stream(kind)}
+    mesh = init_device_mesh("cpu", (2,))
+    inner = model.base_model.model if lora else model
+    for layer in inner.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(inner, mesh=mesh)
+    return model, want
+
+
+def _export_worker(rank: int, init: str, lora: bool) -> None:
+    import torch.distributed as dist
+
+    from verifiers_rl.sync.export import FSDP2Export, weight_export
+    from verifiers_rl.trainer.rank_zero import RankZeroLeads
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        model, _ = build_tiny_model(hidden=64, layers=2)
-        if lora:  # random B: the merge is not the base weight
-            from peft import LoraConfig, get_peft_model
-
-            torch.manual_seed(0)  # the same adapter on both ranks: each keeps its own rows of it
-            cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
-            model = get_peft_model(model, cfg)
-        want = dict(ReplicatedExport(model).stream("merged"))
-        mesh = init_device_mesh("cpu", (2,))
-        inner = model.base_model.model if lora else model
-        for layer in inner.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(inner, mesh=mesh)
-        export = weight_export(model)
+        model, want = _fsdp2_model(lora)
+        leads = RankZeroLeads(lambda: export)
+        export = weight_export(model, leads=leads)
         assert isinstance(export, FSDP2Export)
         for hand in (True, False, True):  # several buckets of 64 KB; the ring reused after the library's path
             export.hand_gather = hand
-            got = {n: t.clone() for n, t in export.stream("merged", 1 << 16)}
+            got = {}
+            leads.run(lambda got=got: got.update((n, t.clone()) for n, t in export.stream("merged", 1 << 16)))
             if rank == 0:
                 assert got.keys() == want.keys(), hand
                 bad = [
@@ -226,6 +238,51 @@ def test_fsdp2_merged_stream_is_the_unsharded_one_by_either_gather(tmp_path, lor
     import torch.multiprocessing as mp
 
     mp.spawn(_export_worker, args=(f"file://{tmp_path}/store", lora), nprocs=2, join=True)
+
+
+def _lead_worker(rank: int, init: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from verifiers_rl.sync.export import is_adapter_weight, weight_export
+    from verifiers_rl.trainer.rank_zero import RankZeroLeads
+
+    # were a walk let through alone, its first gather would fail after 60 s here instead of hanging the test
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        model, want = _fsdp2_model(True, "adapter_state")
+        assert want.keys() == {k for k in model.state_dict() if is_adapter_weight(k)}  # the names peft saves
+        leads = RankZeroLeads(lambda: led)
+        led, unled = weight_export(model, leads=leads), weight_export(model)
+
+        def refused_alone():  # each rank in turn, the other one elsewhere (at the barrier): refused at once
+            for alone in (0, 1):
+                for export in (led, unled) if rank == alone else ():
+                    for kind in ("merged", "adapter_state"):
+                        with pytest.raises(RuntimeError, match="outside RankZeroLeads.run"):
+                            next(iter(export.stream(kind)))
+                dist.barrier()
+
+        def work():  # rank 0: two walks, each opened to the other rank, which walks it as told
+            merged = {n: t.clone() for n, t in led.stream("merged", 1 << 16)}
+            return len(merged), {n: t.clone() for n, t in led.stream("adapter_state")}
+
+        refused_alone()
+        n, adapter = leads.run(work)  # every rank returns rank 0's result
+        assert n > 0 and adapter.keys() == want.keys() and all(torch.equal(adapter[k], want[k]) for k in want)
+        refused_alone()  # and again once run is over
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_walk_opens_only_where_every_rank_joins_it(tmp_path):
+    """Two real processes, FSDP2: a walk of a sharded stream begun outside RankZeroLeads.run, on either rank while
+    the other is elsewhere, is refused before it gathers (it would wait forever for the other rank); inside it, each
+    walk rank 0 begins is joined by the other rank, and the final model's adapter comes whole, as peft saves it."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_lead_worker, args=(f"file://{tmp_path}/store",), nprocs=2, join=True)
 
 
 def test_the_hand_gather_is_the_default_on_cpu_only():

@@ -13,9 +13,9 @@ in the middle of a run never moves the trainer's weights. The folder is written 
 once complete (`checkpoints.publish`): a crash mid-export leaves a `.OUT.staging` folder, never an OUT that looks
 whole.
 
-Sharded layouts plug in through `weights`: the merged (name, tensor) pairs, which a sharded trainer gathers
-collectively on every rank (its `WeightExport.stream("merged")`) and hands to rank 0; `adapter_state` likewise for
-the adapter's gathered state dict.
+Sharded layouts plug in through `weights`: the merged (name, tensor) pairs, which a sharded trainer's rank 0 reads
+from its `WeightExport.stream("merged")` (a walk every rank joins); `adapter_state` likewise, from
+`stream("adapter_state")`.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ class ServerRecovery:
         """Start a server where the lost one was, sync the current weights into it, regenerate lost batches."""
         rt, args = self.runtime, self.runtime.args
         session = rt.session
-        export, version = rt.current()  # a sharded export: the other ranks join its sync (rank_zero.py)
+        export, version = rt.current()  # a sharded export: its sync's walk opens to the other ranks
         limit = args.server_restarts  # a server we only connected to: how often it is awaited in a row
         if self.in_a_row >= limit:
             bound = f"server_restarts={args.server_restarts}"

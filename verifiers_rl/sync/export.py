@@ -5,7 +5,8 @@ Two consumers read the model's weights, and both go through here:
 - the sync: `stream(kind, bucket_bytes)` is a `WeightStream` of the tensors the server loads ("merged": every weight
   with LoRA merged out of place; "adapter": LoRA A/B only), described up front and produced in order. The plan
   of a sync (`policy_weights.merged_items` / `adapter_items`) comes from the model's structure; each layout only
-  says how its parameters are spread over the ranks.
+  says how its parameters are spread over the ranks. The final model reads "merged" and "adapter_state" (the
+  adapter as peft saves it) the same way.
 - the loss: the output projection. A replicated head is applied to the trained positions' hidden states in
   chunks (`loss.forward`); a sharded one is reached inside the model's own forward (`head_in_forward`), whose
   hooks gather it and route its gradient back to the shards.
@@ -16,14 +17,13 @@ Two consumers read the model's weights, and both go through here:
 - `ZeRO3Export`: DeepSpeed ZeRO-3 (flat partitions, `ds_tensor`; `deepspeed.zero.GatheredParameters` otherwise).
 - `FSDP2Export`: FSDP2's DTensor parameters (dim-0 shards; `full_tensor()` otherwise).
 
-Under a sharded layout producing a tensor is a collective: every rank iterates the stream in the same order
-(`collective = True`). Only rank 0 sends, so on the CPU a sync brings the pieces to rank 0 alone (shard_gather.py:
+Under a sharded layout producing a tensor is a collective: every rank walks the stream in the same order
+(`collective = True`), and each walk opens with rank 0 telling the others to (`ShardedExport.stream`: the one
+place that rule lives). Only rank 0 sends, so on the CPU a sync brings the pieces to rank 0 alone (shard_gather.py:
 point-to-point, or through shared memory on one host), a group of about `bucket_bytes` at a time, the next group
 in flight while rank 0 sends this one: no rank holds more than about two groups beyond its shard, and rank 0
 receives into buffers it reuses. On an accelerator a sync takes the libraries' gathers, group by group
-(`hand_gather` says why).
-(`gathered(names)`, every parameter whole on every rank, serves `lora_state` and layouts the sync does not
-know.)
+(`hand_gather` says why; `gathered(names)`, every parameter whole on every rank, serves layouts it does not know).
 """
 
 from __future__ import annotations
@@ -36,11 +36,13 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
-from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES
+from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES, TensorMeta
 from verifiers_rl.sync.policy_weights import (
     ExportItem,
     adapter_items,
+    full_shape,
     materialize,
     merged_items,
     replicated_stream,
@@ -53,7 +55,7 @@ from verifiers_rl.sync.stream import WeightStream
 # the reused receive buffers of each sharded model's syncs (rank 0), kept as long as the model
 _RINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-KINDS = ("merged", "adapter")
+KINDS = ("merged", "adapter", "adapter_state")
 
 
 class WeightExport(Protocol):
@@ -69,6 +71,11 @@ def _items(model, kind: str, dtype: torch.dtype | None = None) -> tuple[list[Exp
         return items, unit_scaling_config(ranks), max(ranks.values())
     if kind == "merged":
         return merged_items(model, dtype), None, 0
+    if kind == "adapter_state":  # what peft saves as the adapter, as the model holds it (the final export's)
+        inner, peft_base = unwrap_peft(model)
+        pre = "base_model.model." if peft_base is not None else ""
+        params = [(pre + n, n, p) for n, p in inner.named_parameters() if is_adapter_weight(n)]
+        return [ExportItem(k, TensorMeta(k, p.dtype, full_shape(p)), (n,), "copy") for k, n, p in params], None, 0
     raise ValueError(f"weight export kind={kind!r}; allowed: {', '.join(KINDS)}")
 
 
@@ -86,10 +93,6 @@ class ReplicatedExport:
         items, config, rank = _items(self.model, kind, self.dtype)
         return replicated_stream(self.model, items, config, rank)
 
-    def lora_state(self) -> dict[str, torch.Tensor]:
-        """The LoRA weights as peft names them in the model's state dict, whole, on the CPU (for a saved adapter)."""
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if is_adapter_weight(k)}
-
 
 class ShardedExport(ABC):
     """Parameters live in shards across ranks; `gathered(names)` makes a group of them whole on every rank."""
@@ -97,8 +100,9 @@ class ShardedExport(ABC):
     collective = True
     head_in_forward = True
 
-    def __init__(self, model, dtype: torch.dtype | None = None):
+    def __init__(self, model, dtype: torch.dtype | None = None, leads=None):
         self.model, self.dtype = model, dtype
+        self.leads = leads  # the RankZeroLeads whose `run` every rank joins (trainer/rank_zero.py); None: none
         self.inner, _ = unwrap_peft(model)
         self.params = dict(self.inner.named_parameters())
         self._hand: bool | None = None  # `hand_gather` as set; None: by where the parameters live
@@ -108,8 +112,22 @@ class ShardedExport(ABC):
         """The named parameters whole, on every rank, for the duration of the context (ZeRO3Export, FSDP2Export)."""
 
     def stream(self, kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightStream:
+        """The every-rank rule. Every rank walks a sharded stream, and only rank 0 knows when one is due (a sync, a
+        replaced server's, the final model): so each walk opens with rank 0 telling the others what to walk
+        (`RankZeroLeads.open_stream`), which they hear only while they follow it, inside `RankZeroLeads.run`. A
+        walk begun anywhere else, on any rank, is refused before it gathers anything: its gathers would wait
+        forever for ranks that are not coming. Nothing is sent before the first tensor is asked for."""
         items, config, rank = _items(self.model, kind, self.dtype)
-        return WeightStream([i.meta for i in items], lambda: self._produce(items, bucket_bytes), config, rank)
+
+        def walk():
+            several = dist.get_world_size() > 1
+            if several and not getattr(self.leads, "joined", False):
+                raise RuntimeError("a sharded weight sync outside RankZeroLeads.run: the other ranks cannot join it")
+            if several:
+                self.leads.open_stream(kind, bucket_bytes)
+            yield from self._produce(items, bucket_bytes)
+
+        return WeightStream([i.meta for i in items], walk, config, rank)
 
     @abstractmethod
     def pieces(self, p) -> Pieces | None:
@@ -143,8 +161,6 @@ class ShardedExport(ABC):
         """The libraries' own gathers (`gathered`: GatheredParameters, `full_tensor()`), one bucket's parameters at
         a time on every rank; rank 0 computes the bucket's tensors inside the gather and yields them after it
         (they keep the gathered memory they need alive)."""
-        import torch.distributed as dist
-
         source = dist.get_rank() == 0
         for group in _groups(items, bucket_bytes):
             with self.gathered(_sources(group)) as full:
@@ -156,8 +172,6 @@ class ShardedExport(ABC):
         # nothing. Group k+1 travels while the sender handles group k. No copies: the tensors are views of the
         # ring's buffers (valid while the sender can read them, see Ring), fresh `full_tensor()` results, or
         # parameters that no optimizer step changes during a sync.
-        import torch.distributed as dist
-
         groups = list(_groups(items, bucket_bytes))
         ring = _RINGS.get(self.inner)
         if ring is None or ring.slot_bytes < bucket_bytes:
@@ -191,13 +205,6 @@ class ShardedExport(ABC):
                 gathered = {n: Pieces.whole_here(g[n]) for n in others}
             pieces = {n: pieces.get(n) or gathered[n] for n in names}
         return ToRankZero(pieces, ring, index).wait
-
-    def lora_state(self) -> dict[str, torch.Tensor]:
-        """As `ReplicatedExport.lora_state`; every rank gathers, each gets the whole adapter (it is small)."""
-        prefix = "base_model.model." if self.inner is not self.model else ""
-        names = [n for n in self.params if is_adapter_weight(n)]
-        with self.gathered(names) as full:
-            return {prefix + n: full[n].detach().cpu().clone() for n in names}
 
 
 def is_adapter_weight(name: str) -> bool:
@@ -240,7 +247,6 @@ class ZeRO3Export(ShardedExport):
         left to `gathered`: reading a persistent parameter's whole `data` directly instead made the merged LoRA
         weights of tests/e2e/test_sharded.py differ from one process's by ~2 lr after 3 steps (GatheredParameters
         releases it on exit, so the next forward fetches it from its partition)."""
-        import torch.distributed as dist
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         part = getattr(p, "ds_tensor", None)
@@ -275,7 +281,6 @@ class FSDP2Export(ShardedExport):
         yield full
 
     def pieces(self, p) -> Pieces | None:
-        import torch.distributed as dist
         from torch.distributed.tensor import DTensor, Shard
 
         if not isinstance(p, DTensor):
@@ -300,18 +305,15 @@ def parallel_layout(model) -> str:
     return "replicated"
 
 
-def weight_export(model, accelerator=None) -> WeightExport:
-    """The export for the model's parallel layout (`model` as the Trainer holds it; `accelerator` unwraps it).
+def weight_export(model, accelerator=None, leads=None) -> WeightExport:
+    """The export for the model's parallel layout (`model` as the Trainer holds it; `accelerator` unwraps it;
+    `leads`: the RankZeroLeads a sharded export's walks open through, ShardedExport.stream).
     Under bf16/fp16 mixed precision a merged sync sends the compute dtype: full fine-tuning keeps float32 master
     weights (models.training_kwargs), and the server serves what the forward computes with, at half the bytes."""
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
     dtype = _HALF.get(getattr(accelerator, "mixed_precision", None))
-    layout = parallel_layout(unwrapped)
-    if layout == "zero3":
-        return ZeRO3Export(unwrapped, dtype)
-    if layout == "fsdp2":
-        return FSDP2Export(unwrapped, dtype)
-    return ReplicatedExport(unwrapped, dtype)
+    sharded = {"zero3": ZeRO3Export, "fsdp2": FSDP2Export}.get(parallel_layout(unwrapped))
+    return sharded(unwrapped, dtype, leads) if sharded else ReplicatedExport(unwrapped, dtype)
 
 
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -32,8 +32,6 @@ class PolicySync:
         self.started_from: int | None = None  # the version whose weights the server was started from
         self.before_transfer: Callable[[int], None] = lambda version: None  # e.g. wait for older batches
         self.on_failure: Callable[[str], Exception] = RuntimeError
-        # a collective export is about to be iterated: every other rank must iterate it too (RankZeroLeads.gather)
-        self.gather_on_every_rank: Callable[[str, int], None] = lambda kind, bucket_bytes: None
 
     def attach(self, client, weights: str, started_from: int | None) -> None:
         """A server to keep in sync: its client (sender initialised), what to send, and the version of the
@@ -54,15 +52,13 @@ class PolicySync:
 
     def sync(self, export: WeightExport, version: int, changed: bool = True) -> float:
         """Make the server serve `version`; returns the seconds spent moving weights (0.0 when none moved).
-        Under a sharded layout the other ranks iterate the same stream meanwhile: each transfer, a replaced
-        server's included, asks them to (`gather_on_every_rank`)."""
+        Under a sharded layout the other ranks walk the same stream meanwhile: its walk opens by telling them to
+        (`ShardedExport.stream`), each transfer's, a replaced server's included."""
         if self.served.value == version:
             return 0.0
         if not self.needs_transfer(version, changed):
             return self._advance(version)
         self.before_transfer(version)
-        if export.collective:
-            self.gather_on_every_rank(self.weights, self.bucket_bytes)
         stream = export.stream(self.weights, self.bucket_bytes)
         try:
             stats = self.client.update_weights(stream, version=version)

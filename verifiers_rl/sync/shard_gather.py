@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 
 def dim0_rows(rows: int, world: int) -> list[int]:
@@ -130,8 +131,6 @@ def _share_slots(ring: Ring, group) -> bool:
     import socket
     import tempfile
 
-    import torch.distributed as dist
-
     world, me = dist.get_world_size(group), dist.get_rank(group)
     try:
         boot = open("/proc/sys/kernel/random/boot_id").read().strip()
@@ -197,8 +196,6 @@ class ToRankZero:
     free. A rank other than 0 returns from construction only when its pieces are sent or copied."""
 
     def __init__(self, pieces: dict[str, Pieces], ring: Ring, index: int):
-        import torch.distributed as dist
-
         self.works, self.out = [], {}
         if not pieces:
             return

@@ -32,10 +32,10 @@ class WeightStream:
 
     def drain(self) -> None:
         """Produce what is left of the stream and drop it. A sender that failed mid-sync calls this: producing a
-        sharded model's tensors is a collective, and the other ranks are waiting in it."""
-        it = self._live if self._live is not None else self.produce()
-        self._live = None
-        for _ in it:
+        sharded model's tensors is a collective, and the other ranks are waiting in it (a stream never iterated
+        was never opened to them: nothing to finish)."""
+        it, self._live = self._live, None
+        for _ in it or ():
             pass
 
     @property

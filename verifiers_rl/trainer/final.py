@@ -3,8 +3,8 @@
 `RLTrainer.train()` calls `save_final` when it finishes (vf-rl calls it after its eval after RL, so the card has
 both evaluations); `push_final` sends the folder to the hub (`push_to_hub` / `hub_model_id`). The folder itself is
 written by `verifiers_rl.export.writer` (merged out of place, staged and renamed into place). Multi-process runs:
-every rank produces the merged weights from its weight export (a collective under a sharded layout), rank 0
-writes, the others wait for it.
+rank 0 writes it inside `RankZeroLeads.run`, reading its weight export's streams, whose walks the other ranks join
+under a sharded layout (`ShardedExport.stream`); they return its result, or raise its error.
 """
 
 from __future__ import annotations
@@ -78,18 +78,10 @@ def write_run_info(trainer, folder) -> None:
     (Path(folder) / RUN_INFO).write_text(json.dumps(run_info(trainer), indent=2, default=str))
 
 
-def _merged_on_rank0(trainer) -> dict | None:
-    """Every rank walks the merged weight stream under a sharded layout (producing it is a collective every rank
-    joins); rank 0 keeps the tensors, on the CPU. Replicated, the other ranks skip it: merging LoRA there would be
-    wasted work."""
-    keep, export = trainer.is_world_process_zero(), trainer.weight_export()
-    if not keep and not export.collective:
-        return None
-    tensors = {}
-    for name, tensor in export.stream("merged"):
-        if keep:  # a sharded export's tensors are views of buffers it reuses a few buckets later: copies
-            tensors[name] = tensor.detach().to("cpu", copy=export.collective)
-    return tensors if keep else None
+def _on_cpu(trainer, kind: str) -> dict:
+    """A weight stream's tensors on the CPU (rank 0; a sharded export's are views of buffers it reuses: copies)."""
+    export = trainer.weight_export()
+    return {name: t.detach().to("cpu", copy=export.collective) for name, t in export.stream(kind)}
 
 
 def save_final(trainer, *, push: bool = True) -> Path | None:
@@ -100,30 +92,28 @@ def save_final(trainer, *, push: bool = True) -> Path | None:
     out = Path(args.output_dir) / FINAL_DIR
     model = trainer.accelerator.unwrap_model(trainer.model)
     kind = args.final_model if is_lora(model) else "merged"
-    weights = _merged_on_rank0(trainer) if kind != "adapter" else None
-    # the adapter gathered on every rank (a collective under sharding) instead of inside peft's save, on rank 0 only
-    adapter = trainer.weight_export().lora_state() if kind != "merged" else None
-    try:
-        if trainer.is_world_process_zero():
-            info = run_info(trainer)
-            title = args.run_name or Path(args.output_dir).name
-            step = trainer.state.global_step
-            card = ModelCard.from_run(
-                info, run_dir=args.output_dir, step=step, kind=kind, log_history=trainer.state.log_history, title=title
-            )
-            export_model(
-                model,
-                trainer.processing_class,
-                out,
-                kind=kind,
-                card=card,
-                run_info=info,
-                weights=weights,
-                adapter_state=adapter,
-            )
-            logger.info("final model: %s (serve it with `vf-vllm --model %s`)", out, out)
-    finally:
-        trainer.accelerator.wait_for_everyone()  # a rank-0 failure must not leave the others waiting
+
+    def write() -> None:  # rank 0; the adapter read from the export too (peft's save sees rank 0's shards)
+        weights = _on_cpu(trainer, "merged") if kind != "adapter" else None
+        adapter = _on_cpu(trainer, "adapter_state") if kind != "merged" else None
+        info = run_info(trainer)
+        title, step = args.run_name or Path(args.output_dir).name, trainer.state.global_step
+        card = ModelCard.from_run(
+            info, run_dir=args.output_dir, step=step, kind=kind, log_history=trainer.state.log_history, title=title
+        )
+        export_model(
+            model,
+            trainer.processing_class,
+            out,
+            kind=kind,
+            card=card,
+            run_info=info,
+            weights=weights,
+            adapter_state=adapter,
+        )
+        logger.info("final model: %s (serve it with `vf-vllm --model %s`)", out, out)
+
+    trainer.rank_zero.run(write)
     if push and args.push_to_hub and trainer.is_world_process_zero():
         push_final(trainer, out)
     return out

@@ -150,8 +150,7 @@ class RLTrainer(SettingsResume, FSDP2Checkpoints, Trainer):
             **kwargs,
         )
         args.save_only_model = only
-        self.rank_zero = RankZeroLeads(self.accelerator, self.weight_export, self.abandonable)
-        self.runtime.policy.gather_on_every_rank = self.rank_zero.gather
+        self.rank_zero = RankZeroLeads(self.weight_export, self.abandonable)
         if sized := size_zero3_buckets_on_cpu(self.accelerator, args.device):  # see sharding.ZERO3_SIZES
             logger.info("ZeRO-3 on CPU: %s not in the DeepSpeed config, sized by the model", ", ".join(sized))
         self.remove_callback(ProgressCallback)
@@ -335,13 +334,13 @@ class RLTrainer(SettingsResume, FSDP2Checkpoints, Trainer):
     def sync_weights(self, changed: bool = True) -> float:
         """Make the server serve policy version = global step (`PolicySync` decides whether weights move). Called
         on every rank: rank 0 syncs (replacing a server that died, serving/recovery.py); under a sharded layout the
-        others iterate the same stream, which gathers what rank 0 sends, whenever rank 0 says (rank_zero.py)."""
+        others walk each stream rank 0 opens, gathering what it sends (`ShardedExport.stream`)."""
         version = self.state.global_step
         return self.rank_zero.run(lambda: self.runtime.sync(self.weight_export(), version, changed))
 
     def weight_export(self) -> WeightExport:
         """The training model as the server and the loss read it, for its parallel layout (sync/export.py)."""
-        return weight_export(self.model, self.accelerator)
+        return weight_export(self.model, self.accelerator, self.rank_zero)
 
     def abandonable(self):
         """A wait SIGTERM / Ctrl-C may end at once (see PreemptionGuard.abandonable); outside train(): none."""
