@@ -70,3 +70,27 @@ def test_two_process_ddp_matches_single_process(tiny_model_dir, tmp_path):
     assert not list(ddp.glob(".final*"))
     for k in fa:
         assert torch.allclose(fa[k], fb[k], atol=1e-4), (k, (fa[k] - fb[k]).abs().max())
+
+
+def test_vf_rls_ranks_train_from_its_plan_without_the_config_file(tiny_model_dir, tmp_path, monkeypatch):
+    """vf-rl's trainer processes (two DDP ranks under `accelerate launch`, as vf-rl starts them for two trainer
+    GPUs) train with the config, model and RLConfig vf-rl resolved and handed them in the plan: the TOML file is
+    gone before they start, and the command line's override still holds."""
+    from runs import write_cfg
+
+    from verifiers_rl.config.toml import apply_overrides, load, validate
+    from verifiers_rl.plan.run import probe_machine
+    from verifiers_rl.scripts import rl
+    from verifiers_rl.scripts.rl_plan import build_plan, launcher_args, trainer_command
+
+    path = write_cfg(tmp_path, tiny_model_dir, steps=3)
+    cfg = validate(apply_overrides(load(path), ["--trainer.args.max_steps", "1"]), "vf-rl")
+    plan = build_plan(cfg, str(path), probe_machine(0), dry_run=False)
+    assert not plan.trainer_cmd  # on a CPU vf-rl trains in its own process; here in the processes GPUs would get
+    plan.trainer_cmd = trainer_command(launcher_args(2))
+    path.unlink()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert rl.run(plan) == 0
+    out = Path(plan.output_dir)
+    assert len(_rewards_losses(out)) == 1  # max_steps from the command line, not the file's 3
+    assert (out / "final" / "vf_rl_export.json").exists()  # rank 0 wrote the final model

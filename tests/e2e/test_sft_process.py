@@ -55,7 +55,7 @@ def _plan(rl, gpus: int):
     from verifiers_rl.plan.run import probe_machine
 
     cfg = validate(tomllib.loads(rl.read_text()), "vf-rl")
-    return build_plan(cfg, str(rl), [], probe_machine(gpus, 80), dry_run=True)
+    return build_plan(cfg, str(rl), probe_machine(gpus, 80), dry_run=True)
 
 
 def test_the_warm_start_is_a_child_on_the_trainers_gpus(tmp_path, tiny_model_dir, monkeypatch):

@@ -102,7 +102,10 @@ def test_a_fixed_server_port_is_printed_as_itself(tmp_path, tiny_model_dir):
     cfg = _write(tmp_path, f'model = "{tiny_model_dir}"\n[env]\nid = "reverse-text"\n[inference]\nport = 8123\n')
     r, _ = run_command("vf-rl", "@", cfg, "--dry-run", "--gpus", "2")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "--trainer.args.vllm_server_port 8123" in r.stdout and "<server port>" not in r.stdout
+    assert "--port 8123" in r.stdout and "<free port>" not in r.stdout
+    # the trainer's command carries no address: the server's (this port) reaches it in the plan, with its config
+    trainer = r.stdout.split("# trainer (1 process", 1)[1].splitlines()[1]
+    assert trainer.endswith("-m verifiers_rl.scripts.train --from-plan") and str(cfg) not in trainer
 
 
 def test_the_cpu_engine_s_ignored_flags_are_named_in_the_plan(tmp_path, tiny_model_dir):

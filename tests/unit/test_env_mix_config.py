@@ -104,7 +104,7 @@ def test_hosted_configs_plan(name, gpus):
     """`vf-rl @ <hosted config> --dry-run` plans as written (no GPU here; 8 as `--gpus 8` plans them)."""
     path = HOSTED / f"{name}.toml"
     cfg = _validate(path.read_text())
-    plan = build_plan(cfg, str(path), [], probe_machine(gpus, 80), dry_run=True)
+    plan = build_plan(cfg, str(path), probe_machine(gpus, 80), dry_run=True)
     text = render(plan)
     assert plan.server.command() and "# environment" in text
     ids = [e["id"] for e in (cfg["env"] if isinstance(cfg["env"], list) else [cfg["env"]])]

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from verifiers_rl.config.toml import rl_config, validate
+from verifiers_rl.config.toml import build_rl_config, validate
 from verifiers_rl.plan.devices import child_visible_devices
 from verifiers_rl.plan.run import PLAN_ENV, probe_machine
 from verifiers_rl.plan.serving import ServingPlan, plan_serving
@@ -51,7 +51,7 @@ def _layout(tmp_path, gpus: int, trainers: int, policy: str):
     import tomllib
 
     cfg = validate(tomllib.loads(path.read_text()), "vf-rl")
-    return build_plan(cfg, str(path), [], probe_machine(gpus, 80), dry_run=True)
+    return build_plan(cfg, str(path), probe_machine(gpus, 80), dry_run=True)
 
 
 LAYOUTS = [
@@ -94,12 +94,12 @@ def test_planned_processes_agree(tmp_path, monkeypatch, gpus, trainers, policy):
     assert ("--enable-lora" in server) == adapter
     assert (_flag(server, "--lora-modules") or "").startswith("policy=") == adapter
 
-    # the trainer follows vf-rl's plan, handed over once in its environment: the serving plan and the values the
-    # memory fit chose, which its own config then carries
+    # the trainer follows vf-rl's plan, handed over once in its environment: the serving plan and its RLConfig's
+    # arguments, which carry the values the memory fit chose
     handed = json.loads(env[PLAN_ENV])
     assert ServingPlan.from_json(json.dumps(handed["serving"])) == serving
-    args = rl_config(plan.cfg, cuda=False, quiet=True, **handed["measures"])
-    assert all(getattr(args, k) == v for k, v in handed["measures"].items())
+    args = build_rl_config(handed["trainer"]["args"], cuda=False, quiet=True)
+    assert all(getattr(args, k) == v for k, v in plan.run.measures.items())
     mine = tuple(f"cuda:{i}" for i in plan.gpus.trainer)
     again = plan_serving(
         args, mode="connect", engine="vllm", cuda_count=trainers, server_uuids=serving.server_uuids, trainer_uuids=mine

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from verifiers_rl.config.net import free_port
-from verifiers_rl.config.toml import apply_overrides, validate
+from verifiers_rl.config.toml import apply_overrides, build_rl_config, validate
 from verifiers_rl.errors import ConfigError
 from verifiers_rl.plan.run import PLAN_ENV, probe_machine
-from verifiers_rl.scripts.rl_plan import SERVER_PORT, build_plan, render
+from verifiers_rl.scripts.rl_plan import build_plan, rank_inputs, render
 
 ROOT = Path(__file__).resolve().parents[2]
 UPSTREAM = ROOT / "tests" / "data" / "upstream"
@@ -39,7 +39,7 @@ def _config(tmp_path, model: str, *, inference: int, trainer: int, args: dict, t
 
 def _plan(path: Path, gpus: int, overrides=()):
     cfg = validate(apply_overrides(tomllib.loads(path.read_text()), list(overrides)), "vf-rl")
-    return build_plan(cfg, str(path), list(overrides), probe_machine(gpus, 80), dry_run=True)
+    return build_plan(cfg, str(path), probe_machine(gpus, 80), dry_run=True)
 
 
 def _printed(text: str, section: str) -> str:
@@ -112,11 +112,17 @@ def test_the_printed_plan_is_the_launched_plan(name, tmp_path, tiny_model_dir, m
         cmd, trainer_env = launched["trainer"]
         printed = _printed(text, "trainer (")
         launched_line = f"CUDA_VISIBLE_DEVICES={trainer_env['CUDA_VISIBLE_DEVICES']} {shlex.join(cmd)}"
-        assert printed == launched_line.replace(f"vllm_server_port {port}", f"vllm_server_port '{SERVER_PORT}'")
-        # the ranks get the plan once, in their environment, and no pinned settings on the command line
+        assert printed == launched_line
+        # the ranks get the plan and their resolved inputs once, in their environment: no config file to read again
+        # and no settings on the command line; they train with the plan's config, the server's address aside
+        assert cmd[-3:] == ["-m", "verifiers_rl.scripts.train", "--from-plan"]
         handed = json.loads(trainer_env[PLAN_ENV])
         assert handed["serving"]["sync_backend"] == plan.serving.sync_backend
-        assert not [a for a in cmd if a.startswith("--trainer.args.") and "vllm_server" not in a]
+        assert handed["trainer"]["config"] == plan.cfg and handed["trainer"]["model"] == plan.model
+        rank = build_rl_config(handed["trainer"]["args"], cuda=False)
+        assert rank.vllm_server_port == launched["port"] and rank.server_mode == "connect"
+        started = {"vllm_server_port", "server_mode", "server_control_token"}
+        assert _fields(rank, drop=started) == _fields(plan.args, drop=started)
     else:
         trained, planned = launched["trainer_args"], plan.args
         assert trained.vllm_server_port == launched["port"] and trained.server_mode == "connect"
@@ -211,17 +217,15 @@ def _fields(args, drop=frozenset()) -> dict:
 
 
 def _ranks_train_with(plan, path: Path) -> None:
-    """A trainer process vf-rl starts builds its RLConfig as vf-train does (the TOML and the plan it is handed) and
+    """A trainer process vf-rl starts builds its RLConfig from the arguments the plan hands it (`rank_inputs`) and
     ends with the config the plan printed and vf-rl's own process holds (the server's address aside)."""
     import os
     from unittest import mock
 
-    from verifiers_rl.config.toml import rl_config
     from verifiers_rl.plan.run import from_ranks_env
 
-    cfg = validate(apply_overrides(tomllib.loads(path.read_text()), []), "vf-train")
-    with mock.patch.dict(os.environ, {PLAN_ENV: plan.run.for_ranks()}):
-        rank = rl_config(cfg, cuda=False, server_mode="connect", config_path=str(path), **from_ranks_env()[1])
+    with mock.patch.dict(os.environ, {PLAN_ENV: plan.run.for_ranks(rank_inputs(plan))}):
+        rank = build_rl_config(from_ranks_env()[1]["args"], cuda=False)
     assert _fields(rank, drop={"server_mode"}) == _fields(plan.args, drop={"server_mode"})
 
 

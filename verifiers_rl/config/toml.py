@@ -345,13 +345,28 @@ def rl_config(
     **overrides,
 ):
     """Build and validate the RLConfig from a `validate`d config (its aliases folded into [trainer.args]); its
-    ValueError names the field, re-raised as a ConfigError.
+    ValueError names the field, re-raised as a ConfigError."""
+    return build_rl_config(rl_arguments(cfg, config_path, **overrides), cuda, quiet)
 
-    Without CUDA the trainer runs on the CPU: half-precision flags are dropped (with a notice) instead of
-    failing, so one config serves a GPU box and a laptop."""
+
+def rl_arguments(cfg: dict[str, Any], config_path: str | Path | None = None, **overrides) -> dict[str, Any]:
+    """The RLConfig keyword arguments a `validate`d config gives, output_dir resolved against `config_path`, before
+    anything this process's hardware decides (`build_rl_config`): what vf-rl hands its trainer processes."""
+    args = dict(cfg.get("trainer", {}).get("args", {}))
+    run_name = cfg.get("run_name") or args.get("run_name")
+    args["output_dir"] = output_path(args.get("output_dir") or cfg.get("output_dir"), run_name or "vf-rl", config_path)
+    if run_name:
+        args.setdefault("run_name", run_name)
+    args.update(overrides)
+    return args
+
+
+def build_rl_config(arguments: dict[str, Any], cuda: bool | None = None, quiet: bool = False):
+    """RLConfig(**arguments) on this process's hardware. Without CUDA the trainer runs on the CPU: half-precision
+    flags are dropped (with a notice) instead of failing, so one config serves a GPU box and a laptop."""
     from verifiers_rl.config.rl_config import RLConfig
 
-    args = dict(cfg.get("trainer", {}).get("args", {}))
+    args = dict(arguments)
     if cuda is None:
         import torch
 
@@ -361,11 +376,6 @@ def rl_config(
         if dropped and not quiet:
             print(f"note: no CUDA device: training on CPU in float32 (ignoring {', '.join(dropped)})", file=sys.stderr)
         args["use_cpu"] = True
-    run_name = cfg.get("run_name") or args.get("run_name")
-    args["output_dir"] = output_path(args.get("output_dir") or cfg.get("output_dir"), run_name or "vf-rl", config_path)
-    if run_name:
-        args.setdefault("run_name", run_name)
-    args.update(overrides)
     import warnings
 
     from verifiers_rl.config.legacy import lora_without_lora

@@ -27,7 +27,8 @@ from verifiers_rl.plan.memory import GIB, ModelShape
 from verifiers_rl.plan.ranks import read_accelerate_config, training_layout
 from verifiers_rl.plan.serving import ServingPlan, plan_serving, resolve_engine, vllm_installed
 
-# A trainer process started by vf-rl finds the plan vf-rl made in this variable (`RunPlan.for_ranks`).
+# A trainer process started by vf-rl finds the plan vf-rl made, and its resolved inputs, in this variable
+# (`RunPlan.for_ranks`).
 PLAN_ENV = "VF_RUN_PLAN"
 PLANNED_GPU_BYTES = 80 * GIB  # a GPU of a machine planned for from here (--gpus N) without --gpu-memory: an H100
 
@@ -92,9 +93,10 @@ class RunPlan:
     def engine(self) -> str:
         return self.serving.engine
 
-    def for_ranks(self) -> str:
-        """What a trainer process that vf-rl starts needs of the plan (it plans nothing itself)."""
-        return json.dumps({"serving": json.loads(self.serving.to_json()), "measures": self.measures})
+    def for_ranks(self, trainer: dict[str, Any]) -> str:
+        """What a trainer process that vf-rl starts gets: the serving plan and `trainer`, its resolved inputs (the
+        config, the model, the RLConfig arguments: `scripts.rl_plan.rank_inputs`). It plans and reads nothing itself."""
+        return json.dumps({"serving": json.loads(self.serving.to_json()), "trainer": trainer})
 
     def describe(self) -> list[str]:
         lines = list(self.serving.describe())
@@ -104,12 +106,13 @@ class RunPlan:
 
 
 def from_ranks_env() -> tuple[ServingPlan | None, dict[str, Any]]:
-    """(serving plan, chosen RLConfig values) that vf-rl handed this trainer process, or (None, {})."""
+    """(serving plan, the trainer's inputs: config, model, RLConfig arguments) that vf-rl handed this trainer
+    process, or (None, {})."""
     text = os.environ.get(PLAN_ENV)
     if not text:
         return None, {}
     data = json.loads(text)
-    return ServingPlan.from_json(json.dumps(data["serving"])), dict(data.get("measures") or {})
+    return ServingPlan.from_json(json.dumps(data["serving"])), dict(data.get("trainer") or {})
 
 
 def plan_run(

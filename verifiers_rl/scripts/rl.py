@@ -35,7 +35,7 @@ from verifiers_rl.scripts.common import (
     train_and_evaluate,
 )
 from verifiers_rl.scripts.preflight import preflight
-from verifiers_rl.scripts.rl_plan import SERVER_PORT, Plan, build_plan, render, trainer_env
+from verifiers_rl.scripts.rl_plan import Plan, build_plan, render, trainer_env
 
 
 def run(plan: Plan) -> int:
@@ -74,9 +74,8 @@ def run(plan: Plan) -> int:
 
 
 def _run_trainer_processes(plan: Plan, server) -> int:
-    cmd = [str(server.port) if a == SERVER_PORT else a for a in plan.trainer_cmd]
-    print(f"vf-rl: {plan.trainer_line(server.port)}", flush=True)
-    trainer = subprocess.Popen(cmd, env={**os.environ, **trainer_env(plan, server.token)})
+    print(f"vf-rl: {plan.trainer_line()}", flush=True)
+    trainer = subprocess.Popen(plan.trainer_cmd, env={**os.environ, **trainer_env(plan, server.token, server.port)})
     return supervise(trainer, server, plan.args.server_restarts)
 
 
@@ -135,7 +134,7 @@ def run_command(argv: list[str] | None = None) -> int:
 
             print_nodes(cfg, path, overrides, nodes, gpus)
             return 0
-        plan = build_plan(cfg, path, overrides, lambda: probe_machine(gpus, memory), dry_run=dry)
+        plan = build_plan(cfg, path, lambda: probe_machine(gpus, memory), dry_run=dry)
         finished = plan.resume is not None and plan.resume.kind == "finished"
         if gpus is not None:  # a plan for another machine: this one's environments, logins and files say nothing
             plan.checks = ["not checked: --gpus plans for another machine (its --dry-run without --gpus checks there)"]

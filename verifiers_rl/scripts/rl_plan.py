@@ -1,6 +1,7 @@
 """`vf-rl`'s plan: the run plan (`rl.plan.run.plan_run`) plus what only a command has: the SFT warm-start, the
 config file's model, and the trainer's own command on GPUs. `--dry-run` prints `render(plan)`; `vf-rl` launches
-`plan.server` and `plan.trainer_cmd`, the same objects.
+`plan.server` and `plan.trainer_cmd`, the same objects; the trainer processes get their inputs from the plan
+(`rank_inputs`), never from the config file.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from verifiers_rl.config.checks import describe_sampling, uneven_split
-from verifiers_rl.config.toml import resolve_path, rl_config
+from verifiers_rl.config.toml import resolve_path, rl_arguments, rl_config
 from verifiers_rl.errors import ConfigError
 from verifiers_rl.export.run_settings import Resume, decide, env_identity, run_settings
 from verifiers_rl.plan.devices import child_visible_devices
@@ -23,14 +24,13 @@ from verifiers_rl.plan.run import PLAN_ENV, Layout, Machine, RunPlan, plan_run
 from verifiers_rl.scripts.common import resolve_model
 from verifiers_rl.serving.launcher import server_of
 
-SERVER_PORT = "<server port>"  # in the trainer's command until the server has one
+FROM_PLAN = "--from-plan"  # the trainer processes' one argument: what they train with is in $VF_RUN_PLAN
 
 
 @dataclass
 class Plan:
-    cfg: dict[str, Any]
+    cfg: dict[str, Any]  # validated, with the command line's overrides
     config_path: str
-    overrides: list[str]
     run: RunPlan
     sft: dict[str, Any] | None = None
     trainer_cmd: list[str] = field(default_factory=list)  # empty: the trainer runs in vf-rl's process (CPU)
@@ -66,10 +66,8 @@ class Plan:
         dev = f"CUDA_VISIBLE_DEVICES={self.visible(self.gpus.inference)} " if self.gpus.inference else ""
         return dev + shlex.join(self.server.command())
 
-    def trainer_line(self, port: int | str | None = None) -> str:
-        port = port or self.args.vllm_server_port or SERVER_PORT  # a port the config fixes is known before the start
-        cmd = [str(port) if a == SERVER_PORT else a for a in self.trainer_cmd]
-        return f"CUDA_VISIBLE_DEVICES={self.visible(self.gpus.trainer)} {shlex.join(cmd)}"
+    def trainer_line(self) -> str:
+        return f"CUDA_VISIBLE_DEVICES={self.visible(self.gpus.trainer)} {shlex.join(self.trainer_cmd)}"
 
 
 def check_model(model: str, dry_run: bool) -> None:
@@ -85,9 +83,7 @@ def check_model(model: str, dry_run: bool) -> None:
         raise ConfigError(f"model = {model!r}: {e}") from None
 
 
-def build_plan(
-    cfg: dict[str, Any], config_path: str, overrides: list[str], machine: Machine | Callable[[], Machine], dry_run: bool
-) -> Plan:
+def build_plan(cfg: dict[str, Any], config_path: str, machine: Machine | Callable[[], Machine], dry_run: bool) -> Plan:
     """`machine`, or a function that probes it: called once the model is known to exist (probing imports torch,
     and a missing model is reported in well under a second)."""
     from verifiers_rl.plan.memory import shape_of
@@ -116,10 +112,10 @@ def build_plan(
     # RLConfig checked this in one process; the plan knows how many the trainer will run in
     if uneven := uneven_split(args.batch_size, args.micro_batch_size, run.gpus.trainer_processes, "trainer processes"):
         raise ConfigError(f"trainer.args.batch_size={args.batch_size} {uneven} (trainer.gpus)")
-    plan = Plan(cfg, config_path, overrides, run, sft, resume=plan_resume(cfg, args, model))
+    plan = Plan(cfg, config_path, run, sft, resume=plan_resume(cfg, args, model))
     if run.gpus.trainer:  # every GPU layout: the trainer in processes of its own, on its own GPUs
         launch = launcher_args(len(run.gpus.trainer), layout.accelerate_config)
-        plan.trainer_cmd = trainer_command(config_path, overrides, launch, args.vllm_server_host)
+        plan.trainer_cmd = trainer_command(launch)
     return plan
 
 
@@ -167,38 +163,37 @@ def launcher_args(processes: int, accelerate_config: str | None = None) -> list[
     return []
 
 
-def trainer_command(config_path: str, overrides: list[str], launch: list[str], host: str) -> list[str]:
+def trainer_command(launch: list[str]) -> list[str]:
     """The trainer's command on GPUs: `vf-train` for one process, under `accelerate launch` for several or for an
     accelerate config (`launcher_args`). Never in vf-rl's own process, which sees every GPU: CUDA_VISIBLE_DEVICES
     must narrow the trainer to its GPUs before CUDA starts (one process with several visible GPUs would take
     cuda:0, the server's, and Trainer would spread it with nn.DataParallel). vf-rl runs it with
-    CUDA_VISIBLE_DEVICES, the control token and the plan set (`trainer_env`); SERVER_PORT becomes the port the
-    server got."""
-    return [
-        sys.executable,
-        *launch,
-        "-m",
-        "verifiers_rl.scripts.train",
-        "@",
-        str(Path(config_path).resolve()),
-        *overrides,
-        "--trainer.args.vllm_server_host",
-        host,
-        "--trainer.args.vllm_server_port",
-        SERVER_PORT,
-    ]
+    CUDA_VISIBLE_DEVICES, the control token and the plan set (`trainer_env`): the processes read no config file."""
+    return [sys.executable, *launch, "-m", "verifiers_rl.scripts.train", FROM_PLAN]
 
 
-def trainer_env(plan: Plan, token: str) -> dict[str, str]:
+def rank_inputs(plan: Plan, port: int | None = None) -> dict[str, Any]:
+    """What a trainer process trains with, resolved and checked here once: the config (validated, overrides and
+    aliases applied), the model (the SFT warm-start's, the tiny one built), and the RLConfig arguments (the
+    config's, what the memory fit chose, the server's address). The process builds its RLConfig from them on its
+    own hardware (`config.toml.build_rl_config`: CPU or CUDA, bf16 or not)."""
+    address = {"vllm_server_host": plan.args.vllm_server_host, "server_mode": "connect"}
+    if port is not None:  # the port the server got (a free one, unless the config fixes it)
+        address["vllm_server_port"] = port
+    args = rl_arguments(plan.cfg, plan.config_path, **plan.run.measures, **address)
+    return {"config": plan.cfg, "model": plan.model, "args": args}
+
+
+def trainer_env(plan: Plan, token: str, port: int | None = None) -> dict[str, str]:
     """What the trainer processes get besides vf-rl's environment: their GPUs, the server's control token, and
-    the plan, once (they follow it instead of making their own)."""
+    the plan with their inputs, once (they follow it instead of making their own)."""
     from verifiers_rl.serving.recovery import RUN_COMMAND_ENV
 
     return {
         RUN_COMMAND_ENV: shlex.join(["vf-rl", *sys.argv[1:]]),  # what a trainer that must stop says to run again
         "VF_CONTROL_TOKEN": token,
         "CUDA_VISIBLE_DEVICES": plan.visible(plan.gpus.trainer),
-        PLAN_ENV: plan.run.for_ranks(),
+        PLAN_ENV: plan.run.for_ranks(rank_inputs(plan, port)),
     }
 
 
@@ -223,7 +218,8 @@ def render(plan: Plan) -> str:
         out.append(f"the CPU engine ignores vLLM-only flags: {' '.join(ignored)}")
     if plan.trainer_cmd:
         n = len(plan.gpus.trainer)
-        out += ["", f"# trainer ({n} process{'es' if n > 1 else ''}, the run plan in ${PLAN_ENV})", plan.trainer_line()]
+        head = f"# trainer ({n} process{'es' if n > 1 else ''}; the run plan and the resolved config in ${PLAN_ENV})"
+        out += ["", head, plan.trainer_line()]
     else:
         out += ["", "# trainer", "in this process, on the CPU (RLTrainer, connected to the server above)"]
     out += [

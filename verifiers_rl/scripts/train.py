@@ -1,7 +1,10 @@
 """`vf-train @ cfg.toml [--section.key value ...]`: the trainer only, against a server that already runs
 (`vf-vllm`, or the one `vf-rl` started). Server address from [inference] host/port (or [trainer.args]
-vllm_server_host/port; 8000 when unset); control token from $VF_CONTROL_TOKEN. Also the per-process entry point
-when `vf-rl` runs the trainer under `accelerate launch`.
+vllm_server_host/port; 8000 when unset); control token from $VF_CONTROL_TOKEN.
+
+`-m verifiers_rl.scripts.train --from-plan`: the per-process entry point of the trainer `vf-rl` starts (under
+`accelerate launch` when it has several processes). The config, the model and the RLConfig arguments come
+resolved in vf-rl's plan ($VF_RUN_PLAN, `rl_plan.rank_inputs`); no config file is read.
 """
 
 from __future__ import annotations
@@ -10,10 +13,11 @@ import sys
 from typing import NoReturn
 
 from verifiers_rl.config.net import DEFAULT_PORT
-from verifiers_rl.config.toml import apply_overrides, load, resolve_path, rl_config, validate
-from verifiers_rl.plan.run import from_ranks_env
+from verifiers_rl.config.toml import apply_overrides, build_rl_config, load, resolve_path, rl_config, validate
+from verifiers_rl.errors import ConfigError
+from verifiers_rl.plan.run import PLAN_ENV, from_ranks_env
 from verifiers_rl.scripts.common import load_env, resolve_model, run_cli, split_argv, train_and_evaluate
-from verifiers_rl.scripts.rl_plan import check_model
+from verifiers_rl.scripts.rl_plan import FROM_PLAN, check_model
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -26,6 +30,8 @@ def run_command(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
+        if argv == [FROM_PLAN]:
+            return from_plan()
         path, overrides, flags = split_argv(argv, "vf-train")
         cfg = validate(apply_overrides(load(path), overrides), "vf-train")
         model = None
@@ -36,8 +42,7 @@ def run_command(argv: list[str] | None = None) -> int:
         if model is None:
             model = resolve_model(cfg, path)
             check_model(model, dry_run="--dry-run" in flags)
-        # a trainer process vf-rl started follows vf-rl's plan, including the settings its memory fit chose
-        args = rl_config(cfg, server_mode="connect", config_path=path, **from_ranks_env()[1])
+        args = rl_config(cfg, server_mode="connect", config_path=path)
         if "--dry-run" in flags:
             print(
                 f"vf-train: would train {model} on {cfg['env']['id']} against "
@@ -47,6 +52,16 @@ def run_command(argv: list[str] | None = None) -> int:
         return train_and_evaluate(model, load_env(cfg), args, cfg)
 
     return run_cli("vf-train", body)
+
+
+def from_plan() -> int:
+    """A trainer process vf-rl started: it trains with what vf-rl resolved and checked once (config, model, RLConfig
+    arguments, the settings its memory fit chose); only what this process's hardware decides is decided here."""
+    inputs = from_ranks_env()[1]
+    if not inputs:
+        raise ConfigError(f"{FROM_PLAN}: no trainer inputs in ${PLAN_ENV} (vf-rl sets it); by hand: vf-train @ CONFIG")
+    cfg = inputs["config"]
+    return train_and_evaluate(inputs["model"], load_env(cfg), build_rl_config(inputs["args"]), cfg)
 
 
 if __name__ == "__main__":
