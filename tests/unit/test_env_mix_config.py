@@ -109,3 +109,18 @@ def test_hosted_configs_plan(name, gpus):
     assert plan.server.command() and "# environment" in text
     ids = [e["id"] for e in (cfg["env"] if isinstance(cfg["env"], list) else [cfg["env"]])]
     assert all(i in text for i in ids)
+
+
+def test_a_toml_date_is_refused_naming_its_key():
+    """The resolved config travels as JSON to the trainer processes (the run plan): a TOML date, which JSON cannot
+    carry, stops at validation with its key, not with a TypeError once the server has started."""
+    text = 'model = "tiny"\n[env]\nid = "reverse-text"\n[env.args]\nsince = 2024-05-01\n'
+    text += "[[env.args.windows]]\nat = 07:30:00\n"
+    cfg = tomllib.loads(text)
+    with pytest.raises(ConfigError, match=r"^env\.args\.since = 2024-05-01: TOML dates and times are not supported"):
+        validate(cfg)
+    cfg["env"]["args"]["since"] = "2024-05-01"
+    with pytest.raises(ConfigError, match=r"^env\.args\.windows\[0\]\.at = 07:30:00: .* as a string, \"07:30:00\""):
+        validate(cfg)
+    cfg["env"]["args"]["windows"] = [{"at": "07:30:00"}]
+    validate(cfg)

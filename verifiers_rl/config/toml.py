@@ -13,6 +13,7 @@ Errors name the key and say what is allowed; `ConfigError` carries one line for 
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import os
 import sys
@@ -219,6 +220,19 @@ def foreign_format(cfg: dict[str, Any]) -> str | None:
     return None
 
 
+def _check_no_dates(node: Any, where: str) -> None:
+    """A TOML date or time has no JSON form, and the resolved config travels as JSON (to the trainer processes, in
+    the run plan): refuse it here, naming the key, rather than when the trainer starts."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _check_no_dates(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _check_no_dates(value, f"{where}[{i}]")
+    elif isinstance(node, (datetime.date, datetime.time)):  # datetime.datetime is a date
+        raise ConfigError(f'{where} = {node}: TOML dates and times are not supported; write it as a string, "{node}"')
+
+
 def validate(cfg: dict[str, Any], command: str = "vf-rl") -> dict[str, Any]:
     other = foreign_format(cfg)
     if other:
@@ -229,6 +243,7 @@ def validate(cfg: dict[str, Any], command: str = "vf-rl") -> dict[str, Any]:
         from_hosted(cfg, {*SCHEMA, *SCHEMA[""]})
     if command == "vf-sft" and isinstance(cfg.get("wandb"), dict):  # `--wandb.project x`, as vf-rl takes it
         cfg.setdefault("trainer", {}).setdefault("args", {}).setdefault("wandb", {}).update(cfg.pop("wandb"))
+    _check_no_dates(cfg, "")
     if isinstance(cfg.get("env"), list):
         _check_envs(cfg["env"], command)
         if len(cfg["env"]) == 1:  # one [[env]] table is one environment, as [env] is
