@@ -31,7 +31,7 @@ def _dry_run_and_run_stop_alike(cfg, code: int, env: dict | None = None) -> str:
 def no_login(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
-    return {**NO_WANDB_LOGIN, "HOME": str(home), "NETRC": str(home / ".netrc")}
+    return {**NO_WANDB_LOGIN, "HOME": str(home), "NETRC": str(home / ".netrc"), "WANDB_CONFIG_DIR": str(home / "wb")}
 
 
 def test_wandb_without_a_login_stops_before_anything_starts(tiny_model_dir, tmp_path, no_login):
@@ -43,6 +43,30 @@ def test_wandb_without_a_login_stops_before_anything_starts(tiny_model_dir, tmp_
     (tmp_path / "home" / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
     r, _ = run_command("vf-rl", "@", cfg, "--dry-run", env=no_login)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_wandb_reads_its_login_from_its_settings_files(tmp_path, no_login, monkeypatch):
+    """wandb also takes an api_key from its settings files (system: $WANDB_CONFIG_DIR/settings; workspace:
+    ./wandb/settings), and its base_url says which ~/.netrc host counts."""
+    from types import SimpleNamespace
+
+    from verifiers_rl.config.reporting import wandb_login_problem
+
+    for key, value in no_login.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    args = SimpleNamespace(report_to=["wandb"], wandb={})
+    assert "no api.wandb.ai entry" in wandb_login_problem(args)
+    system = tmp_path / "home" / "wb" / "settings"
+    system.parent.mkdir()
+    system.write_text("[default]\nbase_url = https://wandb.example.org\n")
+    assert "no wandb.example.org entry" in wandb_login_problem(args)
+    (tmp_path / "home" / ".netrc").write_text("machine wandb.example.org\n  login user\n  password abc\n")
+    assert wandb_login_problem(args) is None
+    (tmp_path / "home" / ".netrc").unlink()
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "settings").write_text("[default]\napi_key = local-key\n")
+    assert wandb_login_problem(args) is None
 
 
 def test_wandb_without_a_login_in_python(tiny_model_dir, tmp_path, no_login, monkeypatch):

@@ -3,6 +3,7 @@ server is up, or, in a terminal, waits at a login prompt. No network: the places
 
 from __future__ import annotations
 
+import configparser
 import netrc
 import os
 from urllib.parse import urlparse
@@ -25,17 +26,35 @@ def _netrc_has(host: str) -> bool:
         return False
 
 
+def _settings_value(key: str) -> str | None:
+    """`key` from wandb's settings files, as wandb reads them: the workspace's ./wandb/settings over the system's
+    ($WANDB_CONFIG_DIR/settings, else ~/.config/wandb/settings), section [default]."""
+    system = os.path.join(os.environ.get("WANDB_CONFIG_DIR") or os.path.expanduser("~/.config/wandb"), "settings")
+    workspace = os.path.join(os.environ.get("WANDB_DIR") or ".", "wandb", "settings")
+    value = None
+    for path in (system, workspace):
+        parser = configparser.ConfigParser()
+        try:
+            parser.read(path)
+        except configparser.Error:
+            continue
+        value = parser.get("default", key, fallback=None) or value
+    return value
+
+
 def wandb_login_problem(args) -> str | None:
     """One line when the run reports to wandb online and wandb has no credentials here (its own sources:
-    $WANDB_API_KEY, $WANDB_IDENTITY_TOKEN_FILE, the host's ~/.netrc entry that `wandb login` writes); else None."""
+    $WANDB_API_KEY, $WANDB_IDENTITY_TOKEN_FILE, an api_key in its settings files, the host's ~/.netrc entry that
+    `wandb login` writes); else None."""
     if not reports_to_wandb(args) or os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
         return None
     mode = (args.wandb or {}).get("mode") or os.environ.get("WANDB_MODE") or "online"
     if mode in ("offline", "disabled", "dryrun"):
         return None
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE") or _settings_value("api_key"):
         return None
-    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    base_url = os.environ.get("WANDB_BASE_URL") or _settings_value("base_url") or "https://api.wandb.ai"
+    host = urlparse(base_url).hostname or "api.wandb.ai"
     if _netrc_has(host):
         return None
     return (
