@@ -26,20 +26,18 @@ def _netrc_has(host: str) -> bool:
         return False
 
 
-def _settings_value(key: str) -> str | None:
-    """`key` from wandb's settings files, as wandb reads them: the workspace's ./wandb/settings over the system's
+def _wandb_settings() -> dict[str, str]:
+    """wandb's settings files, as wandb reads them: the workspace's ./wandb/settings over the system's
     ($WANDB_CONFIG_DIR/settings, else ~/.config/wandb/settings), section [default]."""
     system = os.path.join(os.environ.get("WANDB_CONFIG_DIR") or os.path.expanduser("~/.config/wandb"), "settings")
     workspace = os.path.join(os.environ.get("WANDB_DIR") or ".", "wandb", "settings")
-    value = None
-    for path in (system, workspace):
-        parser = configparser.ConfigParser()
+    parser = configparser.ConfigParser()
+    for path in (system, workspace):  # read in order: a later file's keys win
         try:
             parser.read(path)
         except configparser.Error:
             continue
-        value = parser.get("default", key, fallback=None) or value
-    return value
+    return dict(parser["default"]) if parser.has_section("default") else {}
 
 
 def wandb_login_problem(args) -> str | None:
@@ -51,9 +49,10 @@ def wandb_login_problem(args) -> str | None:
     mode = (args.wandb or {}).get("mode") or os.environ.get("WANDB_MODE") or "online"
     if mode in ("offline", "disabled", "dryrun"):
         return None
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE") or _settings_value("api_key"):
+    settings = _wandb_settings()
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE") or settings.get("api_key"):
         return None
-    base_url = os.environ.get("WANDB_BASE_URL") or _settings_value("base_url") or "https://api.wandb.ai"
+    base_url = os.environ.get("WANDB_BASE_URL") or settings.get("base_url") or "https://api.wandb.ai"
     host = urlparse(base_url).hostname or "api.wandb.ai"
     if _netrc_has(host):
         return None
