@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from verifiers_rl.config.checks import describe_sampling, uneven_split
-from verifiers_rl.config.toml import resolve_path, rl_arguments, rl_config
+from verifiers_rl.config.toml import build_rl_config, resolve_path, rl_arguments
 from verifiers_rl.errors import ConfigError
 from verifiers_rl.export.run_settings import Resume, decide, env_identity, run_settings
 from verifiers_rl.plan.devices import child_visible_devices
@@ -33,6 +33,7 @@ class Plan:
     config_path: str
     run: RunPlan
     sft: dict[str, Any] | None = None
+    arguments: dict[str, Any] = field(default_factory=dict)  # the RLConfig arguments the config gives (rl_arguments)
     trainer_cmd: list[str] = field(default_factory=list)  # empty: the trainer runs in vf-rl's process (CPU)
     resume: Resume | None = None  # new run, resume, finished or restart (changed settings stop in build_plan)
     checks: list[str] = field(default_factory=list)  # what preflight.py checked before anything started
@@ -99,7 +100,8 @@ def build_plan(cfg: dict[str, Any], config_path: str, machine: Machine | Callabl
             check_model(model, dry_run)
     machine = machine() if callable(machine) else machine
     # validates [trainer.args] now, before anything starts (precision checks need the real hardware)
-    args = rl_config(cfg, cuda=machine.gpus > 0 and machine.real, quiet=not machine.real, config_path=config_path)
+    arguments = rl_arguments(cfg, config_path)
+    args = build_rl_config(arguments, cuda=machine.gpus > 0 and machine.real, quiet=not machine.real)
     layout = Layout(
         inference_gpus=cfg.get("inference", {}).get("gpus", 1),
         trainer_gpus=cfg.get("trainer", {}).get("gpus", 1),
@@ -112,7 +114,7 @@ def build_plan(cfg: dict[str, Any], config_path: str, machine: Machine | Callabl
     # RLConfig checked this in one process; the plan knows how many the trainer will run in
     if uneven := uneven_split(args.batch_size, args.micro_batch_size, run.gpus.trainer_processes, "trainer processes"):
         raise ConfigError(f"trainer.args.batch_size={args.batch_size} {uneven} (trainer.gpus)")
-    plan = Plan(cfg, config_path, run, sft, resume=plan_resume(cfg, args, model))
+    plan = Plan(cfg, config_path, run, sft, arguments, resume=plan_resume(cfg, args, model))
     if run.gpus.trainer:  # every GPU layout: the trainer in processes of its own, on its own GPUs
         launch = launcher_args(len(run.gpus.trainer), layout.accelerate_config)
         plan.trainer_cmd = trainer_command(launch)
@@ -180,8 +182,7 @@ def rank_inputs(plan: Plan, port: int | None = None) -> dict[str, Any]:
     address = {"vllm_server_host": plan.args.vllm_server_host, "server_mode": "connect"}
     if port is not None:  # the port the server got (a free one, unless the config fixes it)
         address["vllm_server_port"] = port
-    args = rl_arguments(plan.cfg, plan.config_path, **plan.run.measures, **address)
-    return {"config": plan.cfg, "model": plan.model, "args": args}
+    return {"config": plan.cfg, "model": plan.model, "args": {**plan.arguments, **plan.run.measures, **address}}
 
 
 def trainer_env(plan: Plan, token: str, port: int | None = None) -> dict[str, str]:
