@@ -54,28 +54,26 @@ def warm_start(log, quick: bool = False) -> tuple[str, list[dict], list[dict], o
     stops the SFT after 4 steps (it only checks that the benchmark runs)."""
     import hashlib
 
-    from verifiers_rl.config.toml import load, validate
-    from verifiers_rl.scripts.common import load_env
+    from verifiers_rl.config.run_file import RunFile
+    from verifiers_rl.scripts.environments import load_environment
     from verifiers_rl.scripts.sft import run_sft
 
-    cfg = validate(load(DEMO_SFT), "vf-sft")
-    if quick:
-        cfg["trainer"]["args"]["max_steps"] = 4
     key = hashlib.sha1(open(DEMO_SFT, "rb").read()).hexdigest()[:12] + ("-quick" if quick else "")
     out = os.path.join(os.environ.get("VF_BENCH_CACHE", "/tmp/vf_rl_bench_cache"), f"demo-sft-{key}")
     final = os.path.join(out, "final")
+    overrides = ["--trainer.args.output_dir", out] + (["--trainer.args.max_steps", "4"] if quick else [])
+    sft = RunFile.read(os.path.abspath(DEMO_SFT), overrides, "vf-sft")
     if not os.path.exists(os.path.join(final, "config.json")):
         cwd = os.getcwd()
         os.makedirs(out, exist_ok=True)
         os.chdir(out)  # vf-sft builds the tiny model and writes outputs/ relative to the working directory
         try:
-            cfg["trainer"]["args"]["output_dir"] = out
             t0 = time.perf_counter()
-            run_sft(cfg, os.path.abspath(os.path.join(cwd, DEMO_SFT)))
+            run_sft(sft)
             log(f"warm-start: vf-sft in {time.perf_counter() - t0:.0f}s -> {final}")
         finally:
             os.chdir(cwd)
-    env = load_env({"env": {"id": "reverse-text", "args": cfg.get("env", {}).get("args", {})}})
+    env = load_environment("reverse-text", sft.env[0].args if sft.env else {})
     return final, [dict(r) for r in env.get_dataset()], [dict(r) for r in env.get_eval_dataset()], env
 
 

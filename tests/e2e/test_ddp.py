@@ -78,14 +78,13 @@ def test_vf_rls_ranks_train_from_its_plan_without_the_config_file(tiny_model_dir
     gone before they start, and the command line's override still holds."""
     from runs import write_cfg
 
-    from verifiers_rl.config.toml import apply_overrides, load, validate
+    from verifiers_rl.config.run_file import RunFile
     from verifiers_rl.plan.run import probe_machine
     from verifiers_rl.scripts import rl
     from verifiers_rl.scripts.rl_plan import build_plan, launcher_args, trainer_command
 
     path = write_cfg(tmp_path, tiny_model_dir, steps=3)
-    cfg = validate(apply_overrides(load(path), ["--trainer.args.max_steps", "1"]), "vf-rl")
-    plan = build_plan(cfg, str(path), probe_machine(0), dry_run=False)
+    plan = build_plan(RunFile.read(path, ["--trainer.args.max_steps", "1"]), probe_machine(0), dry_run=False)
     assert not plan.trainer_cmd  # on a CPU vf-rl trains in its own process; here in the processes GPUs would get
     plan.trainer_cmd = trainer_command(launcher_args(2))
     path.unlink()

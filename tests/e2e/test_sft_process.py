@@ -10,9 +10,8 @@ import json
 import shlex
 import subprocess
 import textwrap
-import tomllib
 
-from verifiers_rl.config.toml import validate
+from verifiers_rl.config.run_file import RunFile
 from verifiers_rl.scripts.rl_plan import build_plan
 from verifiers_rl.scripts.sft import sft_command
 from verifiers_rl.serving.launcher import _die_with_parent
@@ -54,8 +53,7 @@ def _configs(tmp_path, model: str) -> tuple:
 def _plan(rl, gpus: int):
     from verifiers_rl.plan.run import probe_machine
 
-    cfg = validate(tomllib.loads(rl.read_text()), "vf-rl")
-    return build_plan(cfg, str(rl), probe_machine(gpus, 80), dry_run=True)
+    return build_plan(RunFile.read(rl), probe_machine(gpus, 80), dry_run=True)
 
 
 def test_the_warm_start_is_a_child_on_the_trainers_gpus(tmp_path, tiny_model_dir, monkeypatch):
@@ -65,7 +63,7 @@ def test_the_warm_start_is_a_child_on_the_trainers_gpus(tmp_path, tiny_model_dir
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     rl_cfg, sft_cfg = _configs(tmp_path, tiny_model_dir)
     plan = _plan(rl_cfg, gpus=2)  # GPU 0 serves, GPU 1 trains
-    assert plan.gpus.trainer == [1] and not plan.sft["done"]
+    assert plan.gpus.trainer == [1] and not plan.sft.done
     started: list = []
     real_popen = subprocess.Popen
 

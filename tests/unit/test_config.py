@@ -161,3 +161,63 @@ def test_final_model_rules(kw, message):
     from verifiers_rl.config.schema import load_schema, rule_errors
 
     assert any(message in e for e in rule_errors(kw, load_schema())), "the TOML check says the same before torch"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+RL_CONFIGS = sorted([*ROOT.glob("configs/vf-rl/*.toml"), *ROOT.glob("tests/data/upstream/*.toml")])
+
+
+def test_the_editors_schema_is_generated_from_the_run_file():
+    import json
+
+    from verifiers_rl.config.run_file import json_schema
+    from verifiers_rl.config.schema import SCHEMA_FILE
+
+    committed = json.loads(SCHEMA_FILE.read_text())
+    assert committed == json_schema(), "run_file.schema.json is stale: run python -m verifiers_rl.config.run_file"
+
+
+@pytest.mark.parametrize("path", RL_CONFIGS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_an_editor_with_the_schema_takes_every_shipped_config_and_flags_a_typo(path):
+    """What an editor's TOML extension checks against `run_file.schema.json` agrees with `RunFile.read`: our configs
+    and verifiers' own pass; a misspelled key in a section or in [trainer.args] is flagged by both."""
+    import json
+    import tomllib
+
+    import jsonschema
+
+    from verifiers_rl.config.run_file import RunFile
+    from verifiers_rl.config.schema import SCHEMA_FILE
+    from verifiers_rl.errors import ConfigError
+
+    schema = json.loads(SCHEMA_FILE.read_text())
+    data = tomllib.loads(path.read_text())
+    jsonschema.validate(data, schema)
+    RunFile.read(path)
+    for section, typo in (("trainer", {"args": {"learning_rat": 1e-5}}), ("inference", {"gpus": "two"})):
+        bad = {**data, section: {**data.get(section, {}), **typo}}
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+        with pytest.raises(ConfigError):
+            RunFile.parse(bad)
+
+
+def test_the_configuration_takes_one_path_from_vf_rl_to_its_plan(tmp_path):
+    """`vf-rl --dry-run` traced (benchmarks/config_path.py): read and checked in config/, then planned; at most 20
+    stops and 4 climbs back to a module it had left, with a warm-start's file and without one."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from config_path import DEFAULT, climbs, stops, trace
+
+    plain = tmp_path / "configs" / "run.toml"
+    plain.parent.mkdir()
+    plain.write_text(re.sub(r"\[sft\]\nconfig = .*\n", "", DEFAULT.read_text()))
+    assert "[sft]" not in plain.read_text()
+    for config in (DEFAULT, plain):
+        path = stops(trace(config))
+        modules = [m for m, _ in path]
+        assert len(path) <= 20 and len(climbs(path)) <= 4, path
+        first_plan = modules.index("verifiers_rl.scripts.rl_plan")
+        assert all(m.startswith("verifiers_rl.config.") for m in modules[:first_plan]), modules
+        assert not any(m.startswith("verifiers_rl.config.") for m in modules[first_plan:]), modules

@@ -130,12 +130,13 @@ def test_python_api_takes_a_list_or_an_env_group():
 
 
 def test_toml_entries_that_fail_to_load_are_named():
+    from verifiers_rl.config.run_file import Env
     from verifiers_rl.errors import ConfigError
     from verifiers_rl.scripts.environments import load_environments
 
     with pytest.raises(ConfigError, match=r"^env\[1\]: environment 'no-such-env' is not installed"):
-        load_environments([{"id": "reverse-text"}, {"id": "no-such-env"}])
-    empty = [{"id": "reverse-text"}, {"id": "alphabet-sort", "args": {"num_train_examples": 0}}]
+        load_environments([Env(id="reverse-text"), Env(id="no-such-env")])
+    empty = [Env(id="reverse-text"), Env(id="alphabet-sort", args={"num_train_examples": 0})]
     with pytest.raises(ConfigError, match=r"^env\[1\]: environment 'alphabet-sort' has no training examples with "
                        r"env\[1\].args.num_train_examples=0"):  # fmt: skip
         load_environments(empty)

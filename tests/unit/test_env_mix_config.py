@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from verifiers_rl.config.hosted import NOTED
-from verifiers_rl.config.toml import apply_overrides, validate
+from verifiers_rl.config.run_file import RunFile
 from verifiers_rl.errors import ConfigError
 from verifiers_rl.plan.run import probe_machine
 from verifiers_rl.scripts.rl_plan import build_plan, render
@@ -19,7 +19,7 @@ TWO = 'model = "m"\n[[env]]\nid = "reverse-text"\nratio = 2\n[[env]]\nid = "alph
 
 
 def _validate(text: str, *overrides: str, command: str = "vf-rl"):
-    return validate(apply_overrides(tomllib.loads(text), list(overrides)), command)
+    return RunFile.parse(tomllib.loads(text), list(overrides), command)
 
 
 @pytest.fixture(autouse=True)
@@ -29,10 +29,10 @@ def _fresh_note(monkeypatch):
 
 def test_env_tables_are_kept_with_args_and_ratios():
     cfg = _validate(TWO)
-    assert cfg["env"] == [{"id": "reverse-text", "ratio": 2}, {"id": "alphabet-sort", "args": {"seed": 1}}]
+    assert cfg.env_spec() == [{"id": "reverse-text", "ratio": 2}, {"id": "alphabet-sort", "args": {"seed": 1}}]
     one = _validate('model = "m"\n[[env]]\nid = "reverse-text"\n')
-    assert one["env"] == {"id": "reverse-text"}  # one table is one environment, as [env] is
-    assert _validate('model = "m"\n[env]\nid = "reverse-text"\n')["env"] == {"id": "reverse-text"}
+    assert one.env_spec() == {"id": "reverse-text"}  # one table is one environment, as [env] is
+    assert _validate('model = "m"\n[env]\nid = "reverse-text"\n').env_spec() == {"id": "reverse-text"}
 
 
 @pytest.mark.parametrize(
@@ -61,14 +61,14 @@ def test_vf_sft_takes_one_env():
 
 def test_hosted_config_maps_onto_our_settings(capsys):
     cfg = _validate((HOSTED / "qwen-3-5-moe-advanced.toml").read_text())
-    args = cfg["trainer"]["args"]
+    args = cfg.trainer.args
     assert {k: args[k] for k in ("max_steps", "batch_size", "rollouts_per_example", "max_async_level")} == {
         "max_steps": 500, "batch_size": 512, "rollouts_per_example": 16, "max_async_level": 4}  # fmt: skip
     assert args["oversampling_factor"] == 2.0 and args["online_difficulty_filtering"] is True and args["seed"] == 42
     assert args["max_tokens"] == 4096 and args["temperature"] == 0.7 and args["max_seq_len"] == 4096 + 2048
     assert args["eval_strategy"] == "steps" and args["eval_steps"] == 25
-    assert cfg["eval"] == {"num_examples": 64, "rollouts_per_example": 1, "before": True}
-    assert cfg["env"] == [
+    assert cfg.eval.model_dump(exclude_defaults=True) == {"num_examples": 64, "rollouts_per_example": 1, "before": True}
+    assert cfg.env_spec() == [
         {"id": "primeintellect/wiki-search", "ratio": 0.5},
         {"id": "primeintellect/wordle", "ratio": 0.5},
     ]
@@ -84,14 +84,14 @@ def test_hosted_wandb_and_unknown_keys():
     text = 'model = "m"\nmax_steps = 3\nfancy = 1\n[wandb]\nproject = "p"\nname = "n"\nsecret_sauce = 1\n'
     text += '[sampling]\nmax_tokens = 16\nlogprobs = true\n[[env]]\nid = "reverse-text"\nharness = {}\n'
     cfg = _validate(text)
-    assert cfg["trainer"]["args"]["wandb"] == {"project": "p", "name": "n"} and cfg["trainer"]["args"]["max_steps"] == 3
-    assert cfg["env"] == {"id": "reverse-text"}
+    assert cfg.trainer.args["wandb"] == {"project": "p", "name": "n"} and cfg.trainer.args["max_steps"] == 3
+    assert cfg.env_spec() == {"id": "reverse-text"}
 
 
 def test_hosted_keys_meet_our_own_spelling(capsys):
     text = (HOSTED / "qwen-3-5.toml").read_text()
     cfg = _validate(text, "--trainer.args.max_steps", "2")  # the command line wins over the file's max_steps
-    assert cfg["trainer"]["args"]["max_steps"] == 2
+    assert cfg.trainer.args["max_steps"] == 2
     with pytest.raises(ConfigError, match=r"max_steps=100 and trainer.args.max_steps=5 are one setting"):
         _validate(text + "\n[trainer.args]\nmax_steps = 5\n")
     with pytest.raises(ConfigError, match=r"buffer.env_ratios=\[1, 2\]: one ratio per \[\[env\]\] table \(1\)"):
@@ -103,11 +103,10 @@ def test_hosted_keys_meet_our_own_spelling(capsys):
 def test_hosted_configs_plan(name, gpus):
     """`vf-rl @ <hosted config> --dry-run` plans as written (no GPU here; 8 as `--gpus 8` plans them)."""
     path = HOSTED / f"{name}.toml"
-    cfg = _validate(path.read_text())
-    plan = build_plan(cfg, str(path), probe_machine(gpus, 80), dry_run=True)
+    plan = build_plan(RunFile.read(path), probe_machine(gpus, 80), dry_run=True)
     text = render(plan)
     assert plan.server.command() and "# environment" in text
-    ids = [e["id"] for e in (cfg["env"] if isinstance(cfg["env"], list) else [cfg["env"]])]
+    ids = [e.id for e in plan.run_file.env]
     assert all(i in text for i in ids)
 
 
@@ -118,9 +117,9 @@ def test_a_toml_date_is_refused_naming_its_key():
     text += "[[env.args.windows]]\nat = 07:30:00\n"
     cfg = tomllib.loads(text)
     with pytest.raises(ConfigError, match=r"^env\.args\.since = 2024-05-01: TOML dates and times are not supported"):
-        validate(cfg)
+        RunFile.parse(cfg)
     cfg["env"]["args"]["since"] = "2024-05-01"
     with pytest.raises(ConfigError, match=r"^env\.args\.windows\[0\]\.at = 07:30:00: .* as a string, \"07:30:00\""):
-        validate(cfg)
+        RunFile.parse(cfg)
     cfg["env"]["args"]["windows"] = [{"at": "07:30:00"}]
-    validate(cfg)
+    RunFile.parse(cfg)

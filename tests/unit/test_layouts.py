@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from verifiers_rl.config.toml import build_rl_config, validate
+from verifiers_rl.config.run_file import RunFile, build_rl_config
 from verifiers_rl.plan.devices import child_visible_devices
 from verifiers_rl.plan.run import PLAN_ENV, probe_machine
 from verifiers_rl.plan.serving import ServingPlan, plan_serving
@@ -48,10 +48,7 @@ def _layout(tmp_path, gpus: int, trainers: int, policy: str):
         )
         + f"[trainer.args]\nbatch_size = 32\nrollouts_per_example = 4\nmicro_batch_size = 4\n{args}\n"
     )
-    import tomllib
-
-    cfg = validate(tomllib.loads(path.read_text()), "vf-rl")
-    return build_plan(cfg, str(path), probe_machine(gpus, 80), dry_run=True)
+    return build_plan(RunFile.read(path), probe_machine(gpus, 80), dry_run=True)
 
 
 LAYOUTS = [
@@ -233,13 +230,12 @@ def test_a_run_follows_the_launchers_mixed_precision(monkeypatch):
 def test_multi_node_plan_prints_every_machine(tmp_path):
     """`vf-rl --dry-run --nodes 2 --gpus 8`: node 0 serves for remote trainers (token-guarded control routes), node 1
     trains as one accelerate world rendezvousing at itself and connects to node 0."""
-    import copy
-
-    from verifiers_rl.config.toml import validate
     from verifiers_rl.scripts.rl_nodes import node_commands as plan_nodes
 
-    def node_commands(cfg, *rest):  # the config as vf-rl hands it over: validated, its aliases folded once
-        return plan_nodes(validate(copy.deepcopy(cfg), "vf-rl"), *rest)
+    def node_commands(cfg, path, *rest):  # the config as vf-rl hands it over: read once, its aliases folded
+        run = RunFile.parse(cfg)
+        run._path = path
+        return plan_nodes(run, *rest)
 
     cfg = {"model": "Qwen/Qwen3-0.6B", "env": {"id": "reverse-text"}, "inference": {"gpus": 8},
            "trainer": {"accelerate_config": "configs/accelerate/zero3.yaml"}}  # fmt: skip

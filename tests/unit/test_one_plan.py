@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from verifiers_rl.config.net import free_port
-from verifiers_rl.config.toml import apply_overrides, build_rl_config, validate
+from verifiers_rl.config.run_file import RunFile, build_rl_config
 from verifiers_rl.errors import ConfigError
 from verifiers_rl.plan.run import PLAN_ENV, probe_machine
 from verifiers_rl.scripts.rl_plan import build_plan, rank_inputs, render
@@ -38,8 +38,7 @@ def _config(tmp_path, model: str, *, inference: int, trainer: int, args: dict, t
 
 
 def _plan(path: Path, gpus: int, overrides=()):
-    cfg = validate(apply_overrides(tomllib.loads(path.read_text()), list(overrides)), "vf-rl")
-    return build_plan(cfg, str(path), probe_machine(gpus, 80), dry_run=True)
+    return build_plan(RunFile.read(path, list(overrides)), probe_machine(gpus, 80), dry_run=True)
 
 
 def _printed(text: str, section: str) -> str:
@@ -118,7 +117,7 @@ def test_the_printed_plan_is_the_launched_plan(name, tmp_path, tiny_model_dir, m
         assert cmd[-3:] == ["-m", "verifiers_rl.scripts.train", "--from-plan"]
         handed = json.loads(trainer_env[PLAN_ENV])
         assert handed["serving"]["sync_backend"] == plan.serving.sync_backend
-        assert handed["trainer"]["config"] == plan.cfg and handed["trainer"]["model"] == plan.model
+        assert handed["trainer"]["config"] == plan.run_file.as_dict() and handed["trainer"]["model"] == plan.model
         rank = build_rl_config(handed["trainer"]["args"], cuda=False)
         assert rank.vllm_server_port == launched["port"] and rank.server_mode == "connect"
         started = {"vllm_server_port", "server_mode", "server_control_token"}
@@ -152,23 +151,22 @@ def test_the_tutorials_port_is_the_servers_port_and_the_trainers(tmp_path, tiny_
 
 def test_one_setting_spelled_twice():
     base = {"model": "m", "env": {"id": "reverse-text"}}
-    cfg = validate({**base, "inference": {"port": 8001, "host": "0.0.0.0", "startup_timeout": 900}}, "vf-rl")
-    args = cfg["trainer"]["args"]
+    parse = RunFile.parse
+    args = parse({**base, "inference": {"port": 8001, "host": "0.0.0.0", "startup_timeout": 900}}).trainer.args
     assert (args["vllm_server_port"], args["vllm_server_host"], args["vllm_server_timeout"]) == (8001, "0.0.0.0", 900)
     with pytest.raises(ConfigError, match=r"inference.port=8000 and trainer.args.vllm_server_port=8001 are one"):
-        validate({**base, "inference": {"port": 8000}, "trainer": {"args": {"vllm_server_port": 8001}}}, "vf-rl")
-    same = validate({**base, "inference": {"port": 8001}, "trainer": {"args": {"vllm_server_port": 8001}}}, "vf-rl")
-    assert same["trainer"]["args"]["vllm_server_port"] == 8001
+        parse({**base, "inference": {"port": 8000}, "trainer": {"args": {"vllm_server_port": 8001}}})
+    same = parse({**base, "inference": {"port": 8001}, "trainer": {"args": {"vllm_server_port": 8001}}})
+    assert same.trainer.args["vllm_server_port"] == 8001
     # the command line wins over the file's other spelling
     file = {**base, "trainer": {"args": {"vllm_server_port": 8001}}}
-    cfg = validate(apply_overrides(file, ["--inference.port", "9000"]), "vf-rl")
-    assert cfg["trainer"]["args"]["vllm_server_port"] == 9000
-    flags = validate({**base, "inference": {"args": {"enforce_eager": True, "max_num_seqs": 8}}}, "vf-rl")
-    assert flags["trainer"]["args"]["server_args"] == ["--enforce-eager", "--max-num-seqs", "8"]
+    assert parse(file, ["--inference.port", "9000"]).trainer.args["vllm_server_port"] == 9000
+    flags = parse({**base, "inference": {"args": {"enforce_eager": True, "max_num_seqs": 8}}})
+    assert flags.trainer.args["server_args"] == ["--enforce-eager", "--max-num-seqs", "8"]
     with pytest.raises(ConfigError, match=r"inference.port='x': expected int"):
-        validate({**base, "inference": {"port": "x"}}, "vf-rl")
+        parse({**base, "inference": {"port": "x"}})
     with pytest.raises(ConfigError, match=r"inference.engine='tpu': allowed"):
-        validate({**base, "inference": {"engine": "tpu"}}, "vf-rl")
+        parse({**base, "inference": {"engine": "tpu"}})
 
 
 def test_the_tutorials_wandb_table(monkeypatch, tmp_path):
@@ -257,12 +255,14 @@ def test_an_interrupted_tiny_model_build_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tiny, "save_tiny_model", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        resolve_model({"model": "tiny"})
+        resolve_model(RunFile.parse({"model": "tiny"}, command="vf-sft"))
     assert not any((tmp_path / "outputs" / "tiny-models").iterdir())
     monkeypatch.setattr(tiny, "save_tiny_model", real)
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(resolve_model({"model": "tiny"}))  # built whole the next time
+    AutoModelForCausalLM.from_pretrained(
+        resolve_model(RunFile.parse({"model": "tiny"}, command="vf-sft"))
+    )  # built whole the next time
 
 
 def test_dry_run_names_an_environment_that_is_not_installed(tmp_path, tiny_model_dir):

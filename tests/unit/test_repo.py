@@ -74,7 +74,7 @@ def test_every_data_file_of_the_package_is_installed():
     package = ROOT / "verifiers_rl"
     data = [p.relative_to(package).as_posix() for p in package.rglob("*")
             if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]  # fmt: skip
-    assert "config/rlconfig_schema.json" in data
+    assert "config/run_file.schema.json" in data
     left_out = [f for f in data if not any(fnmatch.fnmatch(f, g) for g in globs)]
     assert not left_out, f"add these to [tool.setuptools.package-data] in pyproject.toml: {left_out}"
 

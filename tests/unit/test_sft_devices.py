@@ -13,6 +13,7 @@ import subprocess
 import torch
 from test_one_plan import _config, _launch, _plan
 
+from verifiers_rl.config.run_file import RunFile
 from verifiers_rl.plan.run import PLAN_ENV
 from verifiers_rl.scripts.rl_plan import render
 from verifiers_rl.scripts.sft import sft_args
@@ -31,13 +32,13 @@ def test_vf_rl_starts_the_warm_start_on_one_of_the_trainers_gpus(tmp_path, tiny_
     args = {"batch_size": 16, "rollouts_per_example": 4, "micro_batch_size": 2, "max_seq_len": 256}
     path = _config(tmp_path, tiny_model_dir, inference=2, trainer=2, args=args, tables=f'[sft]\nconfig = "{sft_cfg}"')
     plan = _plan(path, 4)
-    assert plan.gpus.trainer == [2, 3] and not plan.sft["done"]
+    assert plan.gpus.trainer == [2, 3] and not plan.sft.done
 
     started = []
 
     def sft_process(cmd, env, **kw):  # stands in for vf-sft: records how it starts, writes what it writes
         started.append((cmd, env))
-        shutil.copytree(tiny_model_dir, plan.sft["final_dir"])
+        shutil.copytree(tiny_model_dir, plan.sft.final_dir)
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(subprocess, "run", sft_process)
@@ -57,7 +58,8 @@ def test_vf_sft_with_two_gpus_visible_trains_on_one(tmp_path, monkeypatch, capsy
     from trl import SFTConfig
 
     assert SFTConfig(output_dir=str(tmp_path / "hf"), report_to="none", bf16=False).n_gpu == 2  # what transformers does
-    cfg = {"model": "tiny", "dataset": {"env": "reverse-text"}, "trainer": {"args": {"bf16": False}}}
-    args, _ = sft_args(cfg, str(tmp_path / "sft.toml"))
+    sft = tmp_path / "sft.toml"
+    sft.write_text('model = "tiny"\n[dataset]\nenv = "reverse-text"\n[trainer.args]\nbf16 = false\n')
+    args, _ = sft_args(RunFile.read(sft, command="vf-sft"))
     assert args.n_gpu == 1 and str(args.device) == "cuda:0"
     assert "2 GPUs visible; training on cuda:0 only" in capsys.readouterr().out

@@ -45,9 +45,11 @@ def is_hosted(cfg: dict[str, Any]) -> bool:
     return any(k in cfg for k in (*TOP_LEVEL, *HOSTED_SECTIONS))
 
 
-def from_hosted(cfg: dict[str, Any], our_keys: set[str]) -> list[str]:
-    """Rewrite a hosted config in place into ours; returns the keys that mean nothing here (also printed).
-    `our_keys`: our own top-level keys and sections ([trainer], [inference], ...), which stay."""
+def from_hosted(cfg: dict[str, Any], our_keys: set[str], cli: frozenset[str] = frozenset()) -> list[str]:
+    """Rewrite a hosted config in place into ours; returns the keys that mean nothing here (also printed). A config
+    that is not one is left as it is. `our_keys`: our own top-level keys and sections ([trainer], ...), which stay."""
+    if not is_hosted(cfg):
+        return []
     args: dict[str, Any] = {}
     ignored: list[str] = []
     ours = our_keys - set(TOP_LEVEL)
@@ -65,15 +67,14 @@ def from_hosted(cfg: dict[str, Any], our_keys: set[str]) -> list[str]:
         ignored.append("[val]")
     _eval(cfg, args, ignored)
     cfg["env"] = _envs(cfg.get("env", []), ratios, ignored)
-    _merge(cfg, args)
+    _merge(cfg, args, cli)
     _note(ignored)
     return ignored
 
 
-def _merge(cfg: dict[str, Any], mapped: dict[str, Any]) -> None:
+def _merge(cfg: dict[str, Any], mapped: dict[str, Any], cli: frozenset[str]) -> None:
     """The mapped keys into [trainer.args]; a value also given there (`--trainer.args.max_steps 2`) wins when it
     came from the command line, and two values in the file are one setting too many."""
-    cli = getattr(cfg, "from_command_line", frozenset())
     args = cfg.setdefault("trainer", {}).setdefault("args", {})
     for key, value in mapped.items():
         if key in args and args[key] != value:

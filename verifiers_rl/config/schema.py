@@ -1,33 +1,32 @@
-"""RLConfig's fields as data (name -> accepted TOML types and default), so `vf-rl` can check `[trainer.args]`
-before it imports torch and transformers: a typo or a wrong type is reported in well under two seconds.
+"""The run file's JSON schema, generated: the sections from `run_file.RunFile` (pydantic), `[trainer.args]` from
+RLConfig's fields (their TOML value kinds, defaults and other spellings). Editors read it (`#:schema` in a TOML
+file, docs/configuration.md); `vf-rl` reads `[trainer.args]`'s part of it to check those keys before it imports
+torch and transformers, so a typo or a wrong type is reported in well under two seconds.
 
-`rlconfig_schema.json` is generated from RLConfig (`python -m verifiers_rl.config.schema`);
-tests/unit/test_docs.py fails when it is stale.
+`run_file.schema.json` is written by `python -m verifiers_rl.config.run_file` (`run_file.json_schema`);
+tests/unit/test_config.py fails when it is stale.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-import sys
 import types
 import typing
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-SCHEMA_FILE = Path(__file__).with_name("rlconfig_schema.json")
+SCHEMA_FILE = Path(__file__).with_name("run_file.schema.json")
 _NAMES = {int: "int", float: "float", bool: "bool", str: "str", list: "list", dict: "dict", type(None): "null"}
 
 
-def _kinds(annotation) -> list[str]:
+def kinds(annotation) -> list[str]:
     """The TOML value kinds a field accepts; ["any"] where the annotation is not plain data."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        kinds = []
-        for arg in typing.get_args(annotation):
-            kinds += _kinds(arg)
-        return sorted(set(kinds))
+        return sorted({kind for arg in typing.get_args(annotation) for kind in kinds(arg)})
     if origin is typing.Literal:
         return sorted({_NAMES.get(type(v), "any") for v in typing.get_args(annotation)})
     base = origin or annotation
@@ -57,21 +56,52 @@ def _default(field: dataclasses.Field):
     return getattr(value, "value", None)  # enums
 
 
-def build_schema() -> dict[str, dict[str, Any]]:
+_JSON = {"int": "integer", "float": "number", "bool": "boolean", "str": "string", "list": "array"}
+_JSON.update({"dict": "object", "null": "null"})
+
+
+def rlconfig_fields() -> dict[str, dict[str, Any]]:
+    """{field: {kinds, default, toml}}: what a [trainer.args] key may hold, from RLConfig itself."""
     from verifiers_rl.config.rl_config import RLConfig
 
     hints = typing.get_type_hints(RLConfig)
-    schema = {}
+    fields = {}
     for f in dataclasses.fields(RLConfig):
         if f.init:
-            schema[f.name] = {"kinds": _kinds(hints.get(f.name, Any)), "default": _default(f)}
+            fields[f.name] = {"kinds": kinds(hints.get(f.name, Any)), "default": _default(f)}
             if f.metadata.get("toml"):  # the same setting's key outside [trainer.args]
-                schema[f.name]["toml"] = f.metadata["toml"]
-    return schema
+                fields[f.name]["toml"] = f.metadata["toml"]
+            if f.metadata.get("help"):
+                fields[f.name]["help"] = " ".join(f.metadata["help"].split())
+    return fields
 
 
+def schema_property(entry: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"default": entry["default"]}
+    if "any" not in entry["kinds"]:
+        out["type"] = [_JSON[k] for k in entry["kinds"]]
+    if entry.get("help"):
+        out["description"] = entry["help"]
+    if entry.get("toml"):
+        out["x-toml"] = entry["toml"]
+    return out
+
+
+@functools.cache
 def load_schema() -> dict[str, dict[str, Any]]:
-    return json.loads(SCHEMA_FILE.read_text())
+    """[trainer.args]'s part of the generated schema, as {field: {kinds, default, toml}}."""
+    kinds_of = {v: k for k, v in _JSON.items()}
+    props = json.loads(SCHEMA_FILE.read_text())["$defs"]["Trainer"]["properties"]["args"]["properties"]
+    out = {}
+    for name, prop in props.items():
+        entry = {
+            "kinds": [kinds_of[t] for t in prop["type"]] if "type" in prop else ["any"],
+            "default": prop["default"],
+        }
+        if "x-toml" in prop:
+            entry["toml"] = prop["x-toml"]
+        out[name] = entry
+    return out
 
 
 def _kind_of(value) -> str:
@@ -111,14 +141,3 @@ def rule_errors(args: dict[str, Any], schema: dict[str, dict[str, Any]]) -> list
     except ValueError as e:
         return [str(e).replace("invalid RLConfig: ", "trainer.args.")]
     return [f"trainer.args.{e}" for e in check_config(cfg)]
-
-
-def main() -> int:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else SCHEMA_FILE
-    out.write_text(json.dumps(build_schema(), indent=1, sort_keys=True) + "\n")
-    print(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

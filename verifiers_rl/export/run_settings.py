@@ -82,15 +82,15 @@ def model_identity(model: str | None) -> str | None:
     return model
 
 
-def env_identity(env_cfg: Any = None, env: Any = None) -> Any:
+def env_identity(table: Any = None, env: Any = None) -> Any:
     """The environment(s) as a config names them ({"id", "args"}, a list of those with ratios), or, for a Python
     run, as the loaded environment records its own id and arguments."""
-    if env_cfg is not None:
-        if isinstance(env_cfg, list):
-            return [env_identity(e) for e in env_cfg]
-        out = {"id": env_cfg.get("id"), "args": dict(env_cfg.get("args") or {})}
-        if "ratio" in env_cfg:
-            out["ratio"] = env_cfg["ratio"]
+    if table is not None:
+        if isinstance(table, list):
+            return [env_identity(e) for e in table]
+        out = {"id": table.get("id"), "args": dict(table.get("args") or {})}
+        if "ratio" in table:
+            out["ratio"] = table["ratio"]
         return _plain(out)
     return _plain({"id": getattr(env, "env_id", None) or None, "args": dict(getattr(env, "env_args", None) or {})})
 

@@ -48,8 +48,12 @@ class ModelShape:
     post_processed: str | None = None  # the config entry for which vLLM post-processes loaded weights (MoE)
 
     @classmethod
-    def from_config(cls, cfg) -> ModelShape:
-        get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+    def from_config(cls, config) -> ModelShape:
+        """From a model's config: a transformers config object or its config.json as a dict."""
+        if isinstance(config, dict):
+            get = lambda k, d=None: config.get(k, d)  # noqa: E731
+        else:
+            get = lambda k, d=None: getattr(config, k, d)  # noqa: E731
         hidden, layers = int(get("hidden_size")), int(get("num_hidden_layers"))
         heads = int(get("num_attention_heads"))
         kv = int(get("num_key_value_heads") or heads)
@@ -61,7 +65,7 @@ class ModelShape:
         params = layers * per_layer + vocab * hidden * (1 if get("tie_word_embeddings", False) else 2) + hidden
         # a config object's own keys, as its config.json spells them (transformers maps Mixtral's num_experts to
         # num_local_experts)
-        saved = cfg.to_dict() if hasattr(cfg, "to_dict") else cfg
+        saved = config.to_dict() if hasattr(config, "to_dict") else config
         return cls(params, hidden, inter, layers, heads, kv, head_dim, vocab, post_processed(saved.get))
 
 

@@ -6,9 +6,12 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verifiers_rl.config.toml import ConfigError, flags_from_args, output_path, resolve_path  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:
+    from verifiers_rl.config.run_file import Eval, RunFile
 
 TINY_CACHE = "tiny-models"  # under outputs/
 
@@ -92,17 +95,17 @@ def split_argv(argv: list[str], prog: str) -> tuple[str, list[str], set[str]]:
     return argv[1], rest, flags
 
 
-def resolve_model(cfg: dict[str, Any], config_path: str | Path | None = None, dry_run: bool = False) -> str:
+def resolve_model(run: RunFile, dry_run: bool = False) -> str:
     """The model to load: "tiny" builds the offline tiny model once (deterministic) and returns its folder; a
     relative local path ("./x", "../x") is relative to the config file; a hub id is returned as is."""
-    model = cfg["model"]
+    model, config_path = run.model, run.path
     if model != "tiny":
         if config_path is not None and model.startswith(("./", "../", "~")):
             path = resolve_path(model, config_path)
             # a config beside the current directory gives "x": keep it a path, or it would be read as a hub id
             return path if os.path.isabs(path) or path.startswith(".") else os.path.join(".", path)
         return model
-    spec = {"hidden": 64, "layers": 2, "seed": 0, "head_dim": 32, **cfg.get("tiny", {})}
+    spec = run.tiny.model_dump()
     cache = Path(output_path(None, TINY_CACHE, config_path))  # the config's workspace's outputs/, not the cwd's
     path = cache / f"h{spec['hidden']}-l{spec['layers']}-d{spec['head_dim']}-s{spec['seed']}"
     if not dry_run and not (path / "config.json").exists():
@@ -117,37 +120,37 @@ def resolve_model(cfg: dict[str, Any], config_path: str | Path | None = None, dr
     return str(path)
 
 
-def load_env(cfg: dict[str, Any]):
+def load_env(run: RunFile):
     from verifiers_rl.scripts.environments import load_environment, load_environments
 
-    if isinstance(cfg["env"], list):  # [[env]] tables: one EnvGroup drawn by their ratios
-        return load_environments(cfg["env"])
-    return load_environment(cfg["env"]["id"], cfg["env"].get("args", {}))
+    if len(run.env) > 1:  # [[env]] tables: one EnvGroup drawn by their ratios
+        return load_environments(run.env)
+    return load_environment(run.env[0].id, run.env[0].args)
 
 
-def with_eval_settings(args, ev: dict[str, Any]):
+def with_eval_settings(args, ev: Eval):
     """The RLConfig with [eval] num_examples / rollouts_per_example / temperature: a new one, checked again
     (`RLConfig.derive`), or `args` itself when [eval] sets none of them."""
     chosen: dict[str, Any] = {}
-    if ev.get("num_examples"):
-        chosen["num_eval_examples"] = ev["num_examples"]
-    if ev.get("rollouts_per_example"):
-        chosen["eval_rollouts_per_example"] = ev["rollouts_per_example"]
-    if ev.get("temperature") is not None:
-        chosen["eval_temperature"] = float(ev["temperature"])
+    if ev.num_examples:
+        chosen["num_eval_examples"] = ev.num_examples
+    if ev.rollouts_per_example:
+        chosen["eval_rollouts_per_example"] = ev.rollouts_per_example
+    if ev.temperature is not None:
+        chosen["eval_temperature"] = float(ev.temperature)
     return args.derive(**chosen) if chosen else args
 
 
-def evaluations(trainer, ev: dict[str, Any], when: str) -> dict[str, dict]:
+def evaluations(trainer, ev: Eval, when: str) -> dict[str, dict]:
     """evaluate() at the eval temperature as `when`, and with [eval] greedy = true also at temperature 0 as
     `<when>_greedy`: a policy can gain at its sampling temperature only by sharpening, which greedy decoding shows."""
     out = {when: trainer.evaluate(metric_key_prefix=f"eval_{when}")}
-    if ev.get("greedy"):
+    if ev.greedy:
         out[f"{when}_greedy"] = trainer.evaluate(metric_key_prefix=f"eval_{when}_greedy", temperature=0.0)
     return out
 
 
-def evaluate_base(model: str, env, args, ev: dict[str, Any]) -> dict[str, dict]:
+def evaluate_base(model: str, env, args, ev: Eval) -> dict[str, dict]:
     """[eval] base = true: the model the [sft] warm-start starts from, evaluated as the RL policy is, on a server
     of its own (started and stopped here, before the run's server), so the warm-start's share shows."""
     from verifiers_rl.trainer import RLTrainer
@@ -161,7 +164,7 @@ def evaluate_base(model: str, env, args, ev: dict[str, Any]) -> dict[str, dict]:
         trainer.close()
 
 
-def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, serving=None, base=None) -> int:
+def train_and_evaluate(model: str, env, args, run: RunFile, server=None, serving=None, base=None) -> int:
     """RLTrainer with the config's [eval] before/after (every process runs it: evaluate() talks to the server on
     the main process only and hands the metrics to the others), resuming from the last checkpoint of output_dir
     unless trainer.args.resume_from_checkpoint = false; the main process writes the report, then <output_dir>/final
@@ -171,11 +174,11 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
     from verifiers_rl.scripts.report import write_report
     from verifiers_rl.trainer import RLTrainer
 
-    ev = cfg.get("eval", {})
+    ev = run.eval
     args = with_eval_settings(args, ev)
-    resume = True if wants_resume(cfg) and has_checkpoint(args.output_dir) else None
+    resume = True if run.wants_resume() and has_checkpoint(args.output_dir) else None
     trainer = RLTrainer(model=model, env=env, args=args)
-    trainer.run_config = cfg
+    trainer.run_config = run.as_dict()
     trainer.runtime.session.watched = server  # the server vf-rl started: a dead or stuck one is named at once
     if serving is not None:
         trainer.runtime.session.plan = serving  # vf-rl planned that server: the trainer syncs by the same plan
@@ -187,10 +190,10 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
         # a resumed run evaluated "before" when it started: those rows are in metrics.jsonl already
         earlier = earlier_evals(args.output_dir, "before") if resume else {}
         evals.update(earlier)
-        if ev.get("before", False) and not earlier:
+        if ev.before and not earlier:
             evals.update(evaluations(trainer, ev, "before"))
         trainer.train(resume_from_checkpoint=resume, save_final=False)
-        if ev.get("after", False):
+        if ev.after:
             evals.update(evaluations(trainer, ev, "after"))
     finally:
         trainer.close()
@@ -200,11 +203,6 @@ def train_and_evaluate(model: str, env, args, cfg: dict[str, Any], server=None, 
     if final and trainer.is_world_process_zero():
         print(f"final model: {final} (serve it: vf-vllm --model {final})", flush=True)
     return 0
-
-
-def wants_resume(cfg: dict[str, Any]) -> bool:
-    """vf-rl and vf-train resume from output_dir's checkpoints unless trainer.args.resume_from_checkpoint = false."""
-    return cfg.get("trainer", {}).get("args", {}).get("resume_from_checkpoint") is not False
 
 
 def earlier_evals(output_dir: str, when: str) -> dict[str, dict]:

@@ -1,4 +1,5 @@
-"""Generate docs/configuration.md from RLConfig and the TOML schema: `python -m verifiers_rl.scripts.config_docs`.
+"""Generate docs/configuration.md from RLConfig and the run file's sections:
+`python -m verifiers_rl.scripts.config_docs`.
 
 tests/unit/test_docs.py regenerates it and fails when the committed file differs, so docs never drift from code."""
 
@@ -81,6 +82,12 @@ relative path that exists only in the current directory is named in one line, no
 Override any key from the command line: `vf-rl @ cfg.toml --trainer.args.learning_rate 1e-4 --env.args.max_len 12`.
 Unknown sections or keys, wrong types and invalid values stop the command with one line naming the key.
 
+**In an editor.** `verifiers_rl/config/run_file.schema.json` is the JSON schema of a `vf-rl` / `vf-train` file,
+generated from the code that checks it (the run file's sections and every RLConfig field, with its default and
+meaning; `python -m verifiers_rl.config.run_file` writes it). A TOML extension that reads JSON schemas (Taplo,
+VS Code's Even Better TOML) completes and checks keys with it: put `#:schema <path to run_file.schema.json>` on the
+file's first line (`python -c "import verifiers_rl.config.schema as s; print(s.SCHEMA_FILE)"` prints the path).
+
 **One setting, one home.** `[inference] host`, `port`, `startup_timeout`, `engine` and `args` are the TOML spelling
 of RLConfig fields (the "also in TOML as" column below), as upstream `vf-rl` wrote them: a run reads one value, in
 `vf-rl`, `vf-train` and `RLConfig(...)` alike. Both spellings with different values stop with one line naming both
@@ -118,13 +125,11 @@ def _default(f) -> str:
 
 def render() -> str:
     from verifiers_rl.config.rl_config import RLConfig
-    from verifiers_rl.config.toml import SCHEMA, aliases
+    from verifiers_rl.config.run_file import toml_keys
 
     inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
     lines = [HEADER, "## TOML keys by section\n", "| section | keys |", "|---|---|"]
-    spelled = [alias.split(".") for alias in aliases()]
-    for section, own in SCHEMA.items():
-        keys = [*own, *(key for where, key in spelled if where == section and key not in own)]
+    for section, keys in toml_keys().items():
         lines.append(f"| `{section or 'top level'}` | {', '.join(f'`{k}`' for k in keys)} |")
     lines += [
         "",

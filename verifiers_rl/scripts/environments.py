@@ -12,9 +12,12 @@ import importlib
 import inspect
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from verifiers_rl.config.toml import ConfigError, _suggest
+from verifiers_rl.config.toml import ConfigError, suggest
+
+if TYPE_CHECKING:
+    from verifiers_rl.config.run_file import Env
 
 
 def module_name(env_id: str) -> str:
@@ -87,7 +90,7 @@ def check_env_args(env_id: str, module, args: dict[str, Any]) -> None:
     takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params.values())
     listing = ", ".join(sorted(named)) or "none"
     for key in unknown:
-        line = f"env.args.{key}{_suggest(key, named)}: load_environment of {env_id!r} takes {listing}"
+        line = f"env.args.{key}{suggest(key, named)}: load_environment of {env_id!r} takes {listing}"
         if not takes_kwargs:
             raise ConfigError(f"unknown key {line}")
         warnings.warn(f"{line} (and **kwargs, so it is passed on)", UserWarning, stacklevel=2)
@@ -110,7 +113,7 @@ def load_environment(env_id: str, args: dict[str, Any] | None = None):
     return env
 
 
-def load_environments(entries: list[dict[str, Any]]):
+def load_environments(entries: list[Env]):
     """[[env]] tables -> one `vf.EnvGroup` with a sampling ratio per environment (env_mix.py); each environment is
     loaded and checked as a single [env] is, and a failure names its entry (`env[1]: ...`). Names: the ids' last
     part (`primeintellect/reverse-text` -> `reverse-text`), numbered when one id comes twice."""
@@ -119,23 +122,24 @@ def load_environments(entries: list[dict[str, Any]]):
     envs = []
     for i, entry in enumerate(entries):
         try:
-            envs.append(load_environment(entry["id"], entry.get("args", {})))
+            envs.append(load_environment(entry.id, entry.args))
         except ConfigError as e:
             raise ConfigError(f"env[{i}]: {e}".replace("env.args.", f"env[{i}].args.")) from None
-    base = [e["id"].split("/")[-1] for e in entries]
+    base = [e.id.split("/")[-1] for e in entries]
     names = [n if base.count(n) == 1 else f"{n}-{i}" for i, n in enumerate(base)]
-    return mix_environments(envs, ratios=[e.get("ratio", 1.0) for e in entries], names=names)
+    return mix_environments(envs, ratios=[_ratio(e) for e in entries], names=names)
 
 
-def environments_status(env_cfg) -> list[str]:
+def _ratio(entry: Env) -> float:
+    return 1.0 if entry.ratio is None else entry.ratio
+
+
+def environments_status(entries: list[Env]) -> list[str]:
     """`--dry-run`'s environment lines: one per [[env]] table (with its ratio), or the single [env]'s."""
-    if not isinstance(env_cfg, list):
-        return [environment_status(env_cfg["id"])]
-    total = sum(e.get("ratio", 1.0) for e in env_cfg)
-    return [
-        f"env[{i}] {environment_status(e['id'])}, ratio {e.get('ratio', 1.0) / total:.0%}"
-        for i, e in enumerate(env_cfg)
-    ]
+    if len(entries) == 1:
+        return [environment_status(entries[0].id)]
+    total = sum(_ratio(e) for e in entries)
+    return [f"env[{i}] {environment_status(e.id)}, ratio {_ratio(e) / total:.0%}" for i, e in enumerate(entries)]
 
 
 def require_training_data(env_id: str, env, args: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ def preflight(plan) -> list[str]:
     problem = wandb_login_problem(plan.args)
     if problem:
         raise ConfigError(problem)
-    plan.env = load_env(plan.cfg)  # not installed, broken, or [env.args] it does not take: one line
+    plan.env = load_env(plan.run_file)  # not installed, broken, or [env.args] it does not take: one line
     lines = ["environment: installed and loaded"]
     tokenizer, source = _tokenizer(plan)
     if tokenizer is None:
@@ -45,13 +45,12 @@ def _tokenizer(plan) -> tuple[Any, str]:
     machine cannot measure."""
     from verifiers_rl.model_source import looks_like_path
 
-    cfg, model = plan.cfg, plan.model
-    if plan.sft and not plan.sft["done"]:  # the warm-start keeps its base model's tokenizer
+    run, model = plan.run_file, plan.model
+    if plan.sft and not plan.sft.done:  # the warm-start keeps its base model's tokenizer
         from verifiers_rl.scripts.common import resolve_model
 
-        cfg = plan.sft["cfg"]
-        model = resolve_model(cfg, plan.sft["config_path"], dry_run=True)
-    if cfg.get("model") == "tiny" and not os.path.isdir(model):
+        run, model = plan.sft.file, resolve_model(plan.sft.file, dry_run=True)
+    if run.model == "tiny" and not os.path.isdir(model):
         from verifiers_rl.tiny import build_tokenizer
 
         return build_tokenizer(), "the tiny model's tokenizer"

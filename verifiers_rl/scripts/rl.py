@@ -17,12 +17,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from verifiers_rl.config.toml import (
-    apply_overrides,
-    load,
-    rl_config,
-    validate,
-)
+from verifiers_rl.config.run_file import RunFile
 from verifiers_rl.errors import ConfigError
 from verifiers_rl.plan.run import probe_machine
 from verifiers_rl.scripts.common import (
@@ -39,24 +34,24 @@ from verifiers_rl.scripts.rl_plan import Plan, build_plan, render, trainer_env
 
 
 def run(plan: Plan) -> int:
-    cfg = plan.cfg
-    env = plan.env if plan.env is not None else load_env(cfg)
+    run_file = plan.run_file
+    env = plan.env if plan.env is not None else load_env(run_file)
     if plan.resume is not None and plan.resume.kind == "restart":
         from verifiers_rl.export.run_settings import start_over
 
         removed = start_over(plan.output_dir)
         print(f"vf-rl: {plan.resume.line()} ({', '.join(removed)})", flush=True)
     base = None
-    if plan.sft and cfg.get("eval", {}).get("base") and plan.trainer_cmd:
+    if plan.sft and run_file.eval.base and plan.trainer_cmd:
         print("vf-rl: [eval] base is evaluated only when the trainer runs in this process (CPU runs)", flush=True)
-    elif plan.sft and cfg.get("eval", {}).get("base"):
-        model = resolve_model(plan.sft["cfg"], plan.sft["config_path"])
-        args = rl_config(cfg, server_mode="spawn", output_dir=str(Path(plan.output_dir) / "base-eval"))
-        base = evaluate_base(model, env, args, cfg["eval"])
-    if plan.sft and not plan.sft["done"]:  # a process of its own, on the trainer's GPUs (none on a CPU)
+    elif plan.sft and run_file.eval.base:
+        model = resolve_model(plan.sft.file)
+        args = plan.args.derive(server_mode="spawn", output_dir=str(Path(plan.output_dir) / "base-eval"))
+        base = evaluate_base(model, env, args, run_file.eval)
+    if plan.sft and not plan.sft.done:  # a process of its own, on the trainer's GPUs (none on a CPU)
         from verifiers_rl.scripts.sft import run_sft_process
 
-        run_sft_process(plan.sft["config_path"], plan.visible(plan.gpus.trainer))
+        run_sft_process(plan.sft.config_path, plan.visible(plan.gpus.trainer))
     server = plan.server
     if server.spec.adapter is not None:
         from verifiers_rl.sync.transport.adapter import write_zero_adapter
@@ -70,7 +65,7 @@ def run(plan: Plan) -> int:
             return _run_trainer_processes(plan, server)
         # the trainer connects to the server just started: a config derived from the plan's, which stays as printed
         args = plan.args.derive(server_mode="connect", vllm_server_port=server.port, server_control_token=server.token)
-        return train_and_evaluate(plan.model, env, args, cfg, server, plan.serving, base)
+        return train_and_evaluate(plan.model, env, args, run_file, server, plan.serving, base)
 
 
 def _run_trainer_processes(plan: Plan, server) -> int:
@@ -120,7 +115,7 @@ def run_command(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         path, overrides, flags = split_argv(argv, "vf-rl")
-        cfg = validate(apply_overrides(load(path), overrides), "vf-rl")
+        run_file = RunFile.read(path, overrides, "vf-rl")
         dry = "--dry-run" in flags
         gpus = next((int(f.split("=")[1]) for f in flags if f.startswith("--gpus=")), None)
         if gpus is not None and not dry:
@@ -132,9 +127,9 @@ def run_command(argv: list[str] | None = None) -> int:
                 raise ConfigError("--nodes only plans (with --dry-run --gpus <per node>): run the printed commands")
             from verifiers_rl.scripts.rl_nodes import print_nodes
 
-            print_nodes(cfg, path, overrides, nodes, gpus)
+            print_nodes(run_file, overrides, nodes, gpus)
             return 0
-        plan = build_plan(cfg, path, lambda: probe_machine(gpus, memory), dry_run=dry)
+        plan = build_plan(run_file, lambda: probe_machine(gpus, memory), dry_run=dry)
         finished = plan.resume is not None and plan.resume.kind == "finished"
         if gpus is not None:  # a plan for another machine: this one's environments, logins and files say nothing
             plan.checks = ["not checked: --gpus plans for another machine (its --dry-run without --gpus checks there)"]

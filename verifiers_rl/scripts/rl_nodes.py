@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 
 from verifiers_rl.config.net import DEFAULT_PORT
-from verifiers_rl.config.toml import resolve_path, rl_config
+from verifiers_rl.config.run_file import RunFile
 from verifiers_rl.errors import ConfigError
 from verifiers_rl.plan.layout import flag_value
 from verifiers_rl.scripts.common import resolve_model
@@ -23,15 +23,15 @@ from verifiers_rl.scripts.common import resolve_model
 RENDEZVOUS_PORT = 29500
 
 
-def node_commands(cfg: dict, config_path: str, overrides: list[str], nodes: int, gpus: int) -> list[tuple[str, str]]:
+def node_commands(run: RunFile, overrides: list[str], nodes: int, gpus: int) -> list[tuple[str, str]]:
     """[(node, command line)] with placeholders $NODE0, $NODE1 (host names) and $VF_CONTROL_TOKEN (the run's
     secret, exported on every node)."""
     if nodes < 2:
         raise ConfigError("--nodes plans a run over several machines: give 2 or more")
-    n_inf = int(cfg.get("inference", {}).get("gpus", 1)) or gpus
+    n_inf = run.inference.gpus or gpus
     if n_inf > gpus:
         raise ConfigError(f"inference.gpus={n_inf} exceeds the {gpus} GPUs of node 0 (--gpus is per node)")
-    model, args = _model(cfg, config_path), rl_config(cfg, cuda=False, quiet=True, config_path=config_path)
+    model, args = _model(run), run.rl_config(cuda=False, quiet=True)
     tp = int(flag_value(args.server_args or [], "tensor-parallel-size") or 1)
     if n_inf % tp:
         raise ConfigError(f"inference.gpus={n_inf} is not a multiple of inference.args.tensor_parallel_size={tp}")
@@ -42,7 +42,7 @@ def node_commands(cfg: dict, config_path: str, overrides: list[str], nodes: int,
     devices = ",".join(map(str, range(n_inf)))
     out = [("node 0 (inference)", f"CUDA_VISIBLE_DEVICES={devices} {shlex.join(server)}")]
     machines, per_node = nodes - 1, gpus
-    accelerate = cfg.get("trainer", {}).get("accelerate_config")
+    accelerate = run.trainer.accelerate_config
     launch = ["accelerate", "launch"]
     if accelerate:
         launch += ["--config_file", str(Path(accelerate))]
@@ -51,7 +51,7 @@ def node_commands(cfg: dict, config_path: str, overrides: list[str], nodes: int,
     for rank in range(machines):
         cmd = [*launch, "--num_processes", str(machines * per_node), "--num_machines", str(machines)]
         cmd += ["--machine_rank", str(rank), "--main_process_ip", "$NODE1", "--main_process_port", str(RENDEZVOUS_PORT)]
-        cmd += ["-m", "verifiers_rl.scripts.train", "@", str(config_path), *overrides]
+        cmd += ["-m", "verifiers_rl.scripts.train", "@", str(run.path), *overrides]
         cmd += ["--trainer.args.server_mode", "connect", "--trainer.args.vllm_server_host", "$NODE0"]
         cmd += ["--trainer.args.vllm_server_port", port]
         line = " ".join(a if a.startswith("$") else shlex.quote(a) for a in cmd)
@@ -59,17 +59,17 @@ def node_commands(cfg: dict, config_path: str, overrides: list[str], nodes: int,
     return out
 
 
-def _model(cfg: dict, config_path: str) -> str:
+def _model(run: RunFile) -> str:
     """The model the server loads: the SFT warm-start's output when the config has one (run `vf-sft` first)."""
-    if "sft" in cfg:
+    if run.sft_file is not None:
         from verifiers_rl.scripts.sft import sft_plan
 
-        return sft_plan(resolve_path(cfg["sft"]["config"], config_path), dry_run=True)["final_dir"]
-    return resolve_model(cfg, config_path, dry_run=True)
+        return sft_plan(run.sft_file).final_dir
+    return resolve_model(run, dry_run=True)
 
 
-def print_nodes(cfg: dict, config_path: str, overrides: list[str], nodes: int, gpus: int) -> None:
+def print_nodes(run: RunFile, overrides: list[str], nodes: int, gpus: int) -> None:
     print(f"# {nodes} machines x {gpus} GPUs: node 0 serves, nodes 1..{nodes - 1} train (one world)")
     print("# on every node: export VF_CONTROL_TOKEN=<the same secret>; NODE0/NODE1 are the machines' host names")
-    for node, line in node_commands(cfg, config_path, overrides, nodes, gpus):
+    for node, line in node_commands(run, overrides, nodes, gpus):
         print(f"\n# {node}\n{line}")

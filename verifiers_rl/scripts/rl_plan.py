@@ -13,10 +13,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verifiers_rl.config.checks import describe_sampling, uneven_split
-from verifiers_rl.config.toml import build_rl_config, resolve_path, rl_arguments
+from verifiers_rl.config.run_file import RunFile, build_rl_config
 from verifiers_rl.errors import ConfigError
 from verifiers_rl.export.run_settings import Resume, decide, env_identity, run_settings
 from verifiers_rl.plan.devices import child_visible_devices
@@ -24,15 +24,17 @@ from verifiers_rl.plan.run import PLAN_ENV, Layout, Machine, RunPlan, plan_run
 from verifiers_rl.scripts.common import resolve_model
 from verifiers_rl.serving.launcher import server_of
 
+if TYPE_CHECKING:
+    from verifiers_rl.scripts.sft import SftPlan
+
 FROM_PLAN = "--from-plan"  # the trainer processes' one argument: what they train with is in $VF_RUN_PLAN
 
 
 @dataclass
 class Plan:
-    cfg: dict[str, Any]  # validated, with the command line's overrides
-    config_path: str
+    run_file: RunFile  # the config as read and checked once, with the command line's overrides
     run: RunPlan
-    sft: dict[str, Any] | None = None
+    sft: SftPlan | None = None
     arguments: dict[str, Any] = field(default_factory=dict)  # the RLConfig arguments the config gives (rl_arguments)
     trainer_cmd: list[str] = field(default_factory=list)  # empty: the trainer runs in vf-rl's process (CPU)
     resume: Resume | None = None  # new run, resume, finished or restart (changed settings stop in build_plan)
@@ -47,6 +49,7 @@ class Plan:
     server = property(lambda self: self.run.server)
     engine = property(lambda self: self.run.engine)
     output_dir = property(lambda self: self.run.args.output_dir)
+    config_path = property(lambda self: self.run_file.path)
 
     def visible(self, indices: list[int]) -> str:
         """CUDA_VISIBLE_DEVICES of a process that gets `indices` of the GPUs vf-rl sees."""
@@ -84,68 +87,61 @@ def check_model(model: str, dry_run: bool) -> None:
         raise ConfigError(f"model = {model!r}: {e}") from None
 
 
-def build_plan(cfg: dict[str, Any], config_path: str, machine: Machine | Callable[[], Machine], dry_run: bool) -> Plan:
+def build_plan(run_file: RunFile, machine: Machine | Callable[[], Machine], dry_run: bool) -> Plan:
     """`machine`, or a function that probes it: called once the model is known to exist (probing imports torch,
     and a missing model is reported in well under a second)."""
     from verifiers_rl.plan.memory import shape_of
     from verifiers_rl.scripts.sft import sft_plan
 
     sft = None
-    if "sft" in cfg:
-        sft = sft_plan(resolve_path(cfg["sft"]["config"], config_path), dry_run=dry_run)
-        model = sft["final_dir"]
+    if run_file.sft_file is not None:
+        sft = sft_plan(run_file.sft_file)
+        model = sft.final_dir
     else:
-        model = resolve_model(cfg, config_path, dry_run=dry_run)
-        if not (dry_run and cfg["model"] == "tiny"):  # a dry run builds nothing; the tiny model is built offline
+        model = resolve_model(run_file, dry_run=dry_run)
+        if not (dry_run and run_file.model == "tiny"):  # a dry run builds nothing; the tiny model is built offline
             check_model(model, dry_run)
     machine = machine() if callable(machine) else machine
     # validates [trainer.args] now, before anything starts (precision checks need the real hardware)
-    arguments = rl_arguments(cfg, config_path)
+    arguments = run_file.rl_arguments()
     args = build_rl_config(arguments, cuda=machine.gpus > 0 and machine.real, quiet=not machine.real)
     layout = Layout(
-        inference_gpus=cfg.get("inference", {}).get("gpus", 1),
-        trainer_gpus=cfg.get("trainer", {}).get("gpus", 1),
-        accelerate_config=_accelerate_config(cfg, config_path),
+        inference_gpus=run_file.inference.gpus,
+        trainer_gpus=run_file.trainer.gpus,
+        accelerate_config=run_file.accelerate_config(),
     )
-    shape = shape_of(model) or (shape_of(sft["cfg"]["model"]) if sft else None) or _tiny_shape(cfg)
-    user_set = frozenset(cfg.get("trainer", {}).get("args", {}))
+    shape = shape_of(model) or (shape_of(sft.file.model) if sft else None) or _tiny_shape(run_file)
+    user_set = frozenset(run_file.trainer.args)
     run = plan_run(args, model, machine, layout, shape=shape, user_set=user_set)
     run.server, args = server_of(run), run.args  # the RLConfig with what the memory fit chose
     # RLConfig checked this in one process; the plan knows how many the trainer will run in
     if uneven := uneven_split(args.batch_size, args.micro_batch_size, run.gpus.trainer_processes, "trainer processes"):
         raise ConfigError(f"trainer.args.batch_size={args.batch_size} {uneven} (trainer.gpus)")
-    plan = Plan(cfg, config_path, run, sft, arguments, resume=plan_resume(cfg, args, model))
+    plan = Plan(run_file, run, sft, arguments, resume=plan_resume(run_file, args, model))
     if run.gpus.trainer:  # every GPU layout: the trainer in processes of its own, on its own GPUs
         launch = launcher_args(len(run.gpus.trainer), layout.accelerate_config)
         plan.trainer_cmd = trainer_command(launch)
     return plan
 
 
-def plan_resume(cfg: dict[str, Any], args, model: str) -> Resume:
+def plan_resume(run_file: RunFile, args, model: str) -> Resume:
     """What this run does with output_dir's checkpoints, decided as the trainer decides it (run_settings.decide):
     changed settings stop here, before anything starts, with the line the trainer would raise."""
-    from verifiers_rl.scripts.common import wants_resume
-
-    settings = run_settings(args, model, env_identity(cfg["env"]))
-    resume = decide(args.output_dir, settings, args.max_steps, args.on_settings_change, wants_resume(cfg))
+    settings = run_settings(args, model, env_identity(run_file.env_spec()))
+    resume = decide(args.output_dir, settings, args.max_steps, args.on_settings_change, run_file.wants_resume())
     if resume.stops:
         raise ConfigError(resume.line())
     return resume
 
 
-def _tiny_shape(cfg: dict[str, Any]):
+def _tiny_shape(run_file: RunFile):
     """The offline tiny model's shape, from its spec, before it is built."""
-    if cfg.get("model") != "tiny":
+    if run_file.model != "tiny":
         return None
     from verifiers_rl.plan.memory import ModelShape
     from verifiers_rl.tiny import TinySpec, build_config, build_tokenizer
 
-    return ModelShape.from_config(build_config(build_tokenizer(), TinySpec(**cfg.get("tiny", {}))))
-
-
-def _accelerate_config(cfg: dict[str, Any], config_path: str) -> str | None:
-    path = cfg.get("trainer", {}).get("accelerate_config")
-    return str(Path(resolve_path(path, config_path)).resolve()) if path else None
+    return ModelShape.from_config(build_config(build_tokenizer(), TinySpec(**run_file.tiny.model_dump())))
 
 
 def launcher_args(processes: int, accelerate_config: str | None = None) -> list[str]:
@@ -182,7 +178,11 @@ def rank_inputs(plan: Plan, port: int | None = None) -> dict[str, Any]:
     address = {"vllm_server_host": plan.args.vllm_server_host, "server_mode": "connect"}
     if port is not None:  # the port the server got (a free one, unless the config fixes it)
         address["vllm_server_port"] = port
-    return {"config": plan.cfg, "model": plan.model, "args": {**plan.arguments, **plan.run.measures, **address}}
+    return {
+        "config": plan.run_file.as_dict(),
+        "model": plan.model,
+        "args": {**plan.arguments, **plan.run.measures, **address},
+    }
 
 
 def trainer_env(plan: Plan, token: str, port: int | None = None) -> dict[str, str]:
@@ -200,18 +200,18 @@ def trainer_env(plan: Plan, token: str, port: int | None = None) -> dict[str, st
 
 def render(plan: Plan) -> str:
     """What `vf-rl --dry-run` prints: the plan that `vf-rl` launches, from the same object."""
-    out = ["# resolved config", json.dumps(plan.cfg, indent=2, default=str)]
+    out = ["# resolved config", json.dumps(plan.run_file.as_dict(), indent=2)]
     from verifiers_rl.scripts.environments import environments_status
 
     out += ["", "# devices", plan.gpus.describe(plan.engine), "", "# model", plan.model]
-    out += ["", "# environment", *environments_status(plan.cfg["env"])]
+    out += ["", "# environment", *environments_status(plan.run_file.env)]
     out += ["", "# checked before anything starts", *plan.checks]
     if plan.sft:
-        state = "done, reused" if plan.sft["done"] else "runs first"
+        state = "done, reused" if plan.sft.done else "runs first"
         from verifiers_rl.scripts.sft import sft_line
 
-        cmd = sft_line(plan.sft["config_path"], plan.visible(plan.gpus.trainer))
-        out += ["", f"# SFT warm-start ({state}, a process of its own -> {plan.sft['final_dir']})", cmd]
+        cmd = sft_line(plan.sft.config_path, plan.visible(plan.gpus.trainer))
+        out += ["", f"# SFT warm-start ({state}, a process of its own -> {plan.sft.final_dir})", cmd]
     out += ["", "# sampling (every request states all of it)", describe_sampling(plan.args.sampling_args)]
     out += ["", "# serving plan", *plan.run.describe()]
     out += ["", f"# inference server (engine: {plan.engine})", plan.server_line()]

@@ -85,10 +85,11 @@ def next_steps(workspace: str) -> str:
     through the "local" endpoint."""
     import tomllib
 
+    from verifiers_rl.config.run_file import RunFile
     from verifiers_rl.scripts.environments import environment_status, install_hint
 
-    cfg = tomllib.loads(template(EXAMPLE))
-    env, model = cfg["env"]["id"], cfg["model"]
+    example = RunFile.parse(tomllib.loads(template(EXAMPLE)))
+    env, model = example.env[0].id, example.model
     lines = ["next:"]
     if Path(workspace).resolve() != Path.cwd().resolve():
         lines.append(f"  cd {workspace}")

@@ -26,7 +26,8 @@ from typing import Any, NoReturn
 
 from verifiers_rl.config.lora import LORA_ALPHA, LORA_DROPOUT, LORA_RANK, lora_config, quiet_peft_wrap
 from verifiers_rl.config.reporting import wandb_login_problem
-from verifiers_rl.config.toml import ConfigError, _suggest, apply_overrides, load, output_path, resolve_path, validate
+from verifiers_rl.config.run_file import RunFile
+from verifiers_rl.config.toml import ConfigError, suggest
 from verifiers_rl.scripts.common import resolve_model, run_cli, split_argv
 
 LORA_KEYS = {
@@ -48,23 +49,30 @@ SFT_DEFAULTS = {
 }
 
 
-def sft_plan(config_path: str, dry_run: bool = False) -> dict[str, Any]:
-    cfg = validate(load(config_path), "vf-sft")
-    out = sft_output_dir(cfg, config_path)
-    final = out / "final"
-    return {"cfg": cfg, "config_path": config_path, "final_dir": str(final), "done": (final / "config.json").exists()}
+@dataclasses.dataclass
+class SftPlan:
+    """An RL config's [sft] warm-start: its run file, where its model goes, and whether it is there already."""
+
+    file: RunFile
+    final_dir: str
+    done: bool
+    config_path = property(lambda self: self.file.path)
 
 
-def sft_output_dir(cfg: dict[str, Any], config_path: str) -> Path:
-    args = cfg.get("trainer", {}).get("args", {})
-    named = args.get("output_dir") or cfg.get("output_dir")
-    return Path(output_path(named, f"sft-{Path(config_path).stem}", config_path))  # toml.output_path's rule
+def sft_plan(sft: RunFile) -> SftPlan:
+    final = sft_output_dir(sft) / "final"
+    return SftPlan(sft, str(final), (final / "config.json").exists())
 
 
-def sft_args(cfg: dict[str, Any], config_path: str):
+def sft_output_dir(run: RunFile) -> Path:
+    named = run.trainer.args.get("output_dir") or run.output_dir
+    return Path(run.output_dir_for(named, f"sft-{Path(run.path).stem}"))
+
+
+def sft_args(run: RunFile):
     from trl import SFTConfig
 
-    given = dict(cfg.get("trainer", {}).get("args", {}))
+    given = dict(run.trainer.args)
     lora = {k: given.pop(k, v) for k, v in LORA_KEYS.items()}
     wandb = given.pop("wandb", None)
     if wandb:  # [trainer.args.wandb] (or [wandb]), as vf-rl takes it: transformers' wandb callback reads env vars
@@ -75,12 +83,12 @@ def sft_args(cfg: dict[str, Any], config_path: str):
     for key in given:
         if key not in fields:
             raise ConfigError(
-                f"unknown key 'trainer.args.{key}'{_suggest(key, fields | set(LORA_KEYS))}; vf-sft takes "
+                f"unknown key 'trainer.args.{key}'{suggest(key, fields | set(LORA_KEYS))}; vf-sft takes "
                 "SFTConfig fields plus use_lora, lora_rank, lora_alpha, lora_dropout, lora_target_modules"
             )
     import torch
 
-    kwargs = {**SFT_DEFAULTS, "output_dir": str(sft_output_dir(cfg, config_path)), **given}
+    kwargs = {**SFT_DEFAULTS, "output_dir": str(sft_output_dir(run)), **given}
     # TRL turns checkpointing on by default under transformers' old name, which warns (FutureWarning): the same
     # default, and a user's gradient_checkpointing, under the new name
     old_name = kwargs.pop("gradient_checkpointing", None)
@@ -146,20 +154,21 @@ def one_device(args) -> None:
         args._n_gpu = 1  # what Trainer reads to decide on DataParallel (it does the same for model parallel)
 
 
-def sft_dataset(cfg: dict[str, Any], config_path: str):
+def sft_dataset(run: RunFile):
     """Rows of {"prompt": messages, "completion": [assistant message]} (or the dataset as given)."""
     from datasets import load_dataset
 
-    ds_cfg = cfg.get("dataset", {})
-    if "env" in ds_cfg:
-        from verifiers_rl.scripts.common import load_env
+    from verifiers_rl.config.run_file import Dataset
 
-        env = load_env({"env": {"id": ds_cfg["env"], "args": cfg.get("env", {}).get("args", {})}})
+    source = run.dataset or Dataset()
+    if source.env:
+        from verifiers_rl.scripts.environments import load_environment
+
+        env = load_environment(source.env, run.env[0].args if run.env else {})
         rows = env.get_dataset()
-        if "replies" in ds_cfg:  # multi-turn: transcripts from the environment's own turns
-            return _transcripts(env, rows, ds_cfg)
-        template = ds_cfg.get("completion_template", "{answer}")
-        field = ds_cfg.get("completion_field", "answer")
+        if source.replies:  # multi-turn: transcripts from the environment's own turns
+            return _transcripts(env, rows, source)
+        template, field = source.completion_template, source.completion_field
 
         def to_pair(row):
             try:
@@ -169,30 +178,30 @@ def sft_dataset(cfg: dict[str, Any], config_path: str):
             return {"prompt": row["prompt"], "completion": [{"role": "assistant", "content": text or str(row[field])}]}
 
         ds = rows.map(to_pair, remove_columns=rows.column_names)
-    elif "path" in ds_cfg:
-        path = resolve_path(ds_cfg["path"], config_path)
+    elif source.path:
+        path = run.resolve(source.path)
         if not Path(path).exists():
             raise ConfigError(f"dataset.path {path!r} does not exist")
         kind = "json" if path.endswith((".json", ".jsonl")) else Path(path).suffix.lstrip(".")
         ds = load_dataset(kind, data_files=path, split="train")
-    elif "name" in ds_cfg:
-        ds = load_dataset(ds_cfg["name"], split=ds_cfg.get("split", "train"))
+    elif source.name:
+        ds = load_dataset(source.name, split=source.split)
     else:
         raise ConfigError("[dataset] needs one of: env, path, name")
-    n = ds_cfg.get("num_examples")
+    n = source.num_examples
     return ds.select(range(min(n, len(ds)))) if n else ds
 
 
-def _transcripts(env, rows, ds_cfg: dict[str, Any]):
+def _transcripts(env, rows, source):
     from datasets import Dataset
 
     from verifiers_rl.scripts.sft_transcripts import load_replies, transcript_samples
 
-    n = ds_cfg.get("num_examples")
+    n = source.num_examples
     rows = rows.select(range(min(n, len(rows)))) if n else rows
-    samples, reward = transcript_samples(env, rows, load_replies(ds_cfg["replies"]))
+    samples, reward = transcript_samples(env, rows, load_replies(source.replies))
     print(
-        f"vf-sft: {len(samples)} turns from {len(rows)} reference transcripts of {ds_cfg['env']} "
+        f"vf-sft: {len(samples)} turns from {len(rows)} reference transcripts of {source.env} "
         f"(their mean reward: {reward:.3f})",
         flush=True,
     )
@@ -236,13 +245,13 @@ def run_sft_process(config_path: str, visible_devices: str) -> None:
         raise TrainingError(f"the SFT warm-start failed (exit code {code}; its output is above): {line}")
 
 
-def run_sft(cfg: dict[str, Any], config_path: str) -> str:
+def run_sft(run: RunFile) -> str:
     from verifiers_rl.models import get_model_and_tokenizer
 
-    args, lora = sft_args(cfg, config_path)
+    args, lora = sft_args(run)
     wandb_environment(args.wandb)
-    dataset = sft_dataset(cfg, config_path)
-    model, tokenizer = get_model_and_tokenizer(resolve_model(cfg, config_path))
+    dataset = sft_dataset(run)
+    model, tokenizer = get_model_and_tokenizer(resolve_model(run))
     use_cache = model.config.use_cache  # Trainer sets it False for training; final/ keeps the base model's
     peft_config = None
     if lora["use_lora"]:
@@ -282,14 +291,13 @@ def run_command(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         path, overrides, flags = split_argv(argv, "vf-sft")
-        cfg = validate(apply_overrides(load(path), overrides), "vf-sft")
+        run = RunFile.read(path, overrides, "vf-sft")
         if "--dry-run" in flags:
-            args, lora = sft_args(cfg, path)
-            print(
-                f"vf-sft: {cfg['model']} on {cfg.get('dataset')} (lora={lora['use_lora']}) -> {args.output_dir}/final"
-            )
+            args, lora = sft_args(run)
+            source = run.dataset.model_dump(exclude_unset=True) if run.dataset else None
+            print(f"vf-sft: {run.model} on {source} (lora={lora['use_lora']}) -> {args.output_dir}/final")
             return 0
-        run_sft(cfg, path)
+        run_sft(run)
         return 0
 
     return run_cli("vf-sft", body)

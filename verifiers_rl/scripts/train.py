@@ -13,7 +13,7 @@ import sys
 from typing import NoReturn
 
 from verifiers_rl.config.net import DEFAULT_PORT
-from verifiers_rl.config.toml import apply_overrides, build_rl_config, load, resolve_path, rl_config, validate
+from verifiers_rl.config.run_file import RunFile, build_rl_config
 from verifiers_rl.errors import ConfigError
 from verifiers_rl.plan.run import PLAN_ENV, from_ranks_env
 from verifiers_rl.scripts.common import load_env, resolve_model, run_cli, split_argv, train_and_evaluate
@@ -33,23 +33,22 @@ def run_command(argv: list[str] | None = None) -> int:
         if argv == [FROM_PLAN]:
             return from_plan()
         path, overrides, flags = split_argv(argv, "vf-train")
-        cfg = validate(apply_overrides(load(path), overrides), "vf-train")
-        model = None
-        if "sft" in cfg:
+        run = RunFile.read(path, overrides, "vf-train")
+        if run.sft_file is not None:
             from verifiers_rl.scripts.sft import sft_plan
 
-            model = sft_plan(resolve_path(cfg["sft"]["config"], path), dry_run=True)["final_dir"]
-        if model is None:
-            model = resolve_model(cfg, path)
+            model = sft_plan(run.sft_file).final_dir
+        else:
+            model = resolve_model(run)
             check_model(model, dry_run="--dry-run" in flags)
-        args = rl_config(cfg, server_mode="connect", config_path=path)
+        args = run.rl_config(server_mode="connect")
         if "--dry-run" in flags:
             print(
-                f"vf-train: would train {model} on {cfg['env']['id']} against "
+                f"vf-train: would train {model} on {', '.join(e.id for e in run.env)} against "
                 f"http://{args.vllm_server_host}:{args.vllm_server_port or DEFAULT_PORT} -> {args.output_dir}"
             )
             return 0
-        return train_and_evaluate(model, load_env(cfg), args, cfg)
+        return train_and_evaluate(model, load_env(run), args, run)
 
     return run_cli("vf-train", body)
 
@@ -60,8 +59,8 @@ def from_plan() -> int:
     inputs = from_ranks_env()[1]
     if not inputs:
         raise ConfigError(f"{FROM_PLAN}: no trainer inputs in ${PLAN_ENV} (vf-rl sets it); by hand: vf-train @ CONFIG")
-    cfg = inputs["config"]
-    return train_and_evaluate(inputs["model"], load_env(cfg), build_rl_config(inputs["args"]), cfg)
+    run = RunFile.from_plan(inputs["config"])
+    return train_and_evaluate(inputs["model"], load_env(run), build_rl_config(inputs["args"]), run)
 
 
 if __name__ == "__main__":
