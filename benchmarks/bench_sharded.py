@@ -5,7 +5,8 @@
 For each layout the same RL run is launched as users launch it: `accelerate launch` with a ZeRO-3 or FSDP2 config
 (as tests/e2e/test_sharded.py; `use_cpu`, 2 processes, no mixed precision) or plain multi-process DDP, running this
 file with `--worker`: RLTrainer with full fine-tuning of a random Qwen3-shaped model (~100M parameters; `--quick`:
-~10M) on `reverse-text`, its own CPU-engine server, `max_async_level = 0`, a weight sync after every step.
+~10M, DDP and FSDP2 only) on `reverse-text`, its own CPU-engine server, `max_async_level = 0`, a weight sync
+after every step.
 
 - **sync seconds**: the trainer's `timing/sync_s` of each step (rank 0's sender clock: the export's gathers, bucket
   packing, checksums, the broadcast, the server's load and its checksum report), median over the steps after the
@@ -42,6 +43,8 @@ from verifiers_rl.plan.ranks import LAYOUTS  # noqa: E402
 
 NAME = "bench_sharded"
 MODELS = {"full": ("~100M", 704, 22), "quick": ("~10M", 256, 16)}  # (label, hidden, layers) as bench_sync.py
+# --quick (CI checks that it runs): the baseline and one sharded layout; tests/e2e/test_sharded.py runs both
+QUICK_LAYOUTS = ("ddp", "fsdp2")
 ACCELERATE = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
 # the shipped configs/accelerate/<layout>.yaml on 2 CPU processes, as tests/e2e/test_sharded.py runs them
 ON_CPU = {"use_cpu": True, "num_processes": 2, "mixed_precision": "no"}
@@ -169,7 +172,7 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
         results["model"] = {"label": label, "hidden": hidden, "layers": layers, "params": params}
         del model
         log(f"model {label}: {params:,} parameters, full fine-tuning, {steps} steps per layout")
-        for layout in LAYOUTS:
+        for layout in QUICK_LAYOUTS if quick else LAYOUTS:
             results["layouts"][layout] = launch(layout, model_dir, Path(tmp) / layout, steps, log)
     rows, info = _rows(results, label, params, quick)
     title = f"sharded training ({'quick' if quick else 'full'}; {label}, 2 CPU processes per layout)"
@@ -179,6 +182,8 @@ def run(quick: bool = False, wait_quiet: float | None = None) -> dict:
 def _rows(results: dict, label: str, params: int, quick: bool) -> tuple[list[dict], list[dict]]:
     ddp, rows, info = results["layouts"]["ddp"], [], []
     for layout, name in (("zero3", "ZeRO-3"), ("fsdp2", "FSDP2")):
+        if layout not in results["layouts"]:
+            continue
         res = results["layouts"][layout]
         ratio = res["sync_s"] / ddp["sync_s"]
         rows.append(
@@ -221,7 +226,7 @@ def _rows(results: dict, label: str, params: int, quick: bool) -> tuple[list[dic
 
 
 def main(argv=None) -> int:
-    p = arg_parser(__doc__, "a ~10M model, 2 steps per layout")
+    p = arg_parser(__doc__, "a ~10M model, 2 steps, DDP and FSDP2")
     p.add_argument("--worker", nargs=3, metavar=("MODEL_DIR", "OUT", "STEPS"), help="(internal) one rank's run")
     args = p.parse_args(argv)
     if args.worker:
