@@ -202,22 +202,17 @@ def test_an_editor_with_the_schema_takes_every_shipped_config_and_flags_a_typo(p
             RunFile.parse(bad)
 
 
-def test_the_configuration_takes_one_path_from_vf_rl_to_its_plan(tmp_path):
-    """`vf-rl --dry-run` traced (benchmarks/config_path.py): read and checked in config/, then planned; at most 20
-    stops and 4 climbs back to a module it had left, with a warm-start's file and without one."""
+def test_the_configuration_takes_one_path_from_vf_rl_to_its_plan():
+    """`vf-rl --dry-run` traced (benchmarks/config_path.py) on a config with a warm-start's file: read and checked in
+    config/, then planned; at most 20 stops and 4 climbs back to a module it had left."""
     import sys
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from config_path import DEFAULT, climbs, stops, trace
 
-    plain = tmp_path / "configs" / "run.toml"
-    plain.parent.mkdir()
-    plain.write_text(re.sub(r"\[sft\]\nconfig = .*\n", "", DEFAULT.read_text()))
-    assert "[sft]" not in plain.read_text()
-    for config in (DEFAULT, plain):
-        path = stops(trace(config))
-        modules = [m for m, _ in path]
-        assert len(path) <= 20 and len(climbs(path)) <= 4, path
-        first_plan = modules.index("verifiers_rl.scripts.rl_plan")
-        assert all(m.startswith("verifiers_rl.config.") for m in modules[:first_plan]), modules
-        assert not any(m.startswith("verifiers_rl.config.") for m in modules[first_plan:]), modules
+    path = stops(trace(DEFAULT))
+    modules = [m for m, _ in path]
+    assert len(path) <= 20 and len(climbs(path)) <= 4, path
+    first_plan = modules.index("verifiers_rl.scripts.rl_plan")
+    assert all(m.startswith("verifiers_rl.config.") for m in modules[:first_plan]), modules
+    assert not any(m.startswith("verifiers_rl.config.") for m in modules[first_plan:]), modules

@@ -174,10 +174,6 @@ class RunFile(Section):
         out["env"] = self.env_spec()
         return out
 
-    def wants_resume(self) -> bool:
-        """vf-rl and vf-train resume from output_dir's checkpoints unless resume_from_checkpoint = false."""
-        return self.trainer.args.get("resume_from_checkpoint") is not False
-
     def resolve(self, value: str) -> str:
         """A path the file names, relative to the file (`toml.resolve_path`)."""
         return toml.resolve_path(value, self._path) if self._path else value

@@ -176,7 +176,7 @@ def train_and_evaluate(model: str, env, args, run: RunFile, server=None, serving
 
     ev = run.eval
     args = with_eval_settings(args, ev)
-    resume = True if run.wants_resume() and has_checkpoint(args.output_dir) else None
+    resume = True if wants_resume(args) and has_checkpoint(args.output_dir) else None
     trainer = RLTrainer(model=model, env=env, args=args)
     trainer.run_config = run.as_dict()
     trainer.runtime.session.watched = server  # the server vf-rl started: a dead or stuck one is named at once
@@ -203,6 +203,11 @@ def train_and_evaluate(model: str, env, args, run: RunFile, server=None, serving
     if final and trainer.is_world_process_zero():
         print(f"final model: {final} (serve it: vf-vllm --model {final})", flush=True)
     return 0
+
+
+def wants_resume(args) -> bool:
+    """vf-rl and vf-train resume from output_dir's checkpoints unless resume_from_checkpoint = false."""
+    return args.resume_from_checkpoint is not False
 
 
 def earlier_evals(output_dir: str, when: str) -> dict[str, dict]:

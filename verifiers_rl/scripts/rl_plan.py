@@ -21,7 +21,7 @@ from verifiers_rl.errors import ConfigError
 from verifiers_rl.export.run_settings import Resume, decide, env_identity, run_settings
 from verifiers_rl.plan.devices import child_visible_devices
 from verifiers_rl.plan.run import PLAN_ENV, Layout, Machine, RunPlan, plan_run
-from verifiers_rl.scripts.common import resolve_model
+from verifiers_rl.scripts.common import resolve_model, wants_resume
 from verifiers_rl.serving.launcher import server_of
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ def plan_resume(run_file: RunFile, args, model: str) -> Resume:
     """What this run does with output_dir's checkpoints, decided as the trainer decides it (run_settings.decide):
     changed settings stop here, before anything starts, with the line the trainer would raise."""
     settings = run_settings(args, model, env_identity(run_file.env_spec()))
-    resume = decide(args.output_dir, settings, args.max_steps, args.on_settings_change, run_file.wants_resume())
+    resume = decide(args.output_dir, settings, args.max_steps, args.on_settings_change, wants_resume(args))
     if resume.stops:
         raise ConfigError(resume.line())
     return resume
