@@ -2,11 +2,11 @@
 printed plan, every call of a function of ours that is handed the configuration recorded by module.
 
 What counts as the configuration: a `RunFile`, one of its sections (or a list of them: the [[env]] tables), the TOML
-as data (the dicts `config.toml` returns, and every table in them) or a run file's `[trainer.args]`; handed to a
-function as an argument (a run file's own method reading it is not a stop). A *stop* is a run of
-such calls in one module (consecutive calls in the same module are one stop); a *climb* is a stop in a module the
-configuration had already left. `python benchmarks/config_path.py [CONFIG]` prints the path and the counts;
-tests/unit/test_config.py holds them to the issue's bounds (20 stops, 4 climbs).
+as data (the dicts `config.toml` returns, and every table in them), a run file's `[trainer.args]`, and what a
+function handed any of these returns (a run file's own method reading it is not a stop; what it returns counts).
+A *stop* is a run of such calls in one module (consecutive calls in the same module are one stop); a *climb* is a
+stop in a module the configuration had already left. `python benchmarks/config_path.py [CONFIG]` prints the path
+and the counts; tests/unit/test_config.py holds them to the issue's bounds (20 stops, 4 climbs).
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def trace(config: str | Path = DEFAULT) -> list[tuple[str, str]]:
             return
         if isinstance(frame.f_locals.get("self"), RunFile):
             carries(frame.f_locals["self"])  # a run file being read: its [trainer.args] is the configuration too
+            handed_to.add(frame)  # and what its methods return (env_spec, rl_arguments) is the configuration
         code = frame.f_code
         names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
         # a method of the run file reading itself is the configuration being read, not going somewhere

@@ -93,6 +93,7 @@ def build_plan(run_file: RunFile, machine: Machine | Callable[[], Machine], dry_
     from verifiers_rl.plan.memory import shape_of
     from verifiers_rl.scripts.sft import sft_plan
 
+    tiny = _tiny_shape(run_file)  # the offline tiny model's shape, known before it is built
     sft = None
     if run_file.sft_file is not None:
         sft = sft_plan(run_file.sft_file)
@@ -110,14 +111,15 @@ def build_plan(run_file: RunFile, machine: Machine | Callable[[], Machine], dry_
         trainer_gpus=run_file.trainer.gpus,
         accelerate_config=run_file.accelerate_config(),
     )
-    shape = shape_of(model) or (shape_of(sft.file.model) if sft else None) or _tiny_shape(run_file)
+    shape = shape_of(model) or (shape_of(sft.file.model) if sft else None) or tiny
     user_set = frozenset(run_file.trainer.args)
     run = plan_run(args, model, machine, layout, shape=shape, user_set=user_set)
     run.server, args = server_of(run), run.args  # the RLConfig with what the memory fit chose
     # RLConfig checked this in one process; the plan knows how many the trainer will run in
     if uneven := uneven_split(args.batch_size, args.micro_batch_size, run.gpus.trainer_processes, "trainer processes"):
         raise ConfigError(f"trainer.args.batch_size={args.batch_size} {uneven} (trainer.gpus)")
-    plan = Plan(run_file, run, sft, arguments, resume=plan_resume(run_file, args, model))
+    plan = Plan(run_file, run, sft, arguments)
+    plan.resume = plan_resume(run_file, args, model)
     if run.gpus.trainer:  # every GPU layout: the trainer in processes of its own, on its own GPUs
         launch = launcher_args(len(run.gpus.trainer), layout.accelerate_config)
         plan.trainer_cmd = trainer_command(launch)
