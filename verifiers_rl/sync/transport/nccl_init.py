@@ -15,36 +15,14 @@ vLLM is imported lazily, as in nccl.py.
 from __future__ import annotations
 
 import math
-import threading
 import time
-from collections.abc import Callable
 
 import torch
 
 from verifiers_rl.errors import ServerError
+from verifiers_rl.sync.transport.watchdog import Background
 
 STORE, COMMUNICATOR, REQUEST = "store rendezvous", "communicator creation", "server's init request"
-
-
-class _Background:
-    """`fn()` on a daemon thread: a stage that never returns must not keep the process alive at exit."""
-
-    def __init__(self, fn: Callable, name: str):
-        self.done = threading.Event()
-        self.value, self.error = None, None
-        threading.Thread(target=self._run, args=(fn,), name=name, daemon=True).start()
-
-    def _run(self, fn: Callable) -> None:
-        try:
-            self.value = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            self.error = e
-        finally:
-            self.done.set()
-
-    @property
-    def failed(self) -> bool:
-        return self.done.is_set() and self.error is not None
 
 
 class BoundedInit:
@@ -68,12 +46,12 @@ class BoundedInit:
             **{k: getattr(info, k) for k in wire if hasattr(info, k)},
         )
         payload = worker_init_payload(workers)
-        request = _Background(lambda: self.control.init_weight_transfer_engine(payload), "nccl-init-request")
-        store = _Background(lambda: self._rendezvous(info), "nccl-init-store")
+        request = Background(lambda: self.control.init_weight_transfer_engine(payload), "nccl-init-request")
+        store = Background(lambda: self._rendezvous(info), "nccl-init-store")
         where = f"no worker of the server connected to the trainer's store at {info.master_address}:{info.master_port}"
         group = self._wait(STORE, store, request, where)
         device = torch.accelerator.current_device_index()  # here: a new thread's current CUDA device is 0
-        comm = _Background(lambda: _communicator(group, device), "nccl-init-communicator")
+        comm = Background(lambda: _communicator(group, device), "nccl-init-communicator")
         hint = "the server's workers reached the store but did not join the NCCL communicator: see the server's log"
         communicator = self._wait(COMMUNICATOR, comm, request, hint)
         if getattr(communicator, "disabled", False):
@@ -95,7 +73,7 @@ class BoundedInit:
             store_timeout=math.ceil(self.timeout_s),
         )
 
-    def _wait(self, stage: str, work: _Background, request: _Background | None, hint: str):
+    def _wait(self, stage: str, work: Background, request: Background | None, hint: str):
         deadline = time.monotonic() + self.timeout_s
         while not work.done.wait(self.poll_s):
             if request is not None and request.failed:  # the workers gave up: nothing will join this stage

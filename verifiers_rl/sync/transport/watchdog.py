@@ -37,6 +37,35 @@ class SyncAborted(ServerError):
     """A transfer the watchdog ended: its communicator is aborted and unusable."""
 
 
+class Background:
+    """`fn()` on a daemon thread (work that never returns must not keep the process alive at exit); `result()`
+    waits for it and gives its value or raises its error."""
+
+    def __init__(self, fn: Callable, name: str | None = None):
+        self.value, self.error = None, None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Callable) -> None:
+        try:
+            self.value = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            self.error = e
+        finally:
+            self.done.set()
+
+    @property
+    def failed(self) -> bool:
+        return self.done.is_set() and self.error is not None
+
+    def result(self):
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 class Watchdog:
     def __init__(
         self,
@@ -56,51 +85,39 @@ class Watchdog:
         self.poll_s = poll_s
 
     def run(self, work: Callable[[], T], what: str) -> T:
-        box: dict = {}
-        done = threading.Event()
-
-        def target() -> None:
-            try:
-                box["value"] = work()
-            except BaseException as e:  # noqa: BLE001 - handed to the watching thread
-                box["error"] = e
-            finally:
-                done.set()
-
-        thread = threading.Thread(target=target, name=f"vf-{what}", daemon=True)
         start = time.monotonic()
-        thread.start()
+        thread = Background(work, f"vf-{what}")
         next_health, misses = start + HEALTH_EVERY_S, 0
         try:
-            while not done.wait(self.poll_s):
+            while not thread.done.wait(self.poll_s):
                 if (failed := self.failure()) is not None:
-                    self._abort(what, thread, done, f"the server failed: {type(failed).__name__}: {failed}")
+                    self._abort(what, thread, f"the server failed: {type(failed).__name__}: {failed}")
                 now = time.monotonic()
                 if now >= next_health:
                     misses = 0 if self.healthy() else misses + 1
                     next_health = time.monotonic() + HEALTH_EVERY_S
                     if misses >= HEALTH_MISSES:
-                        self._abort(what, thread, done, "the server stopped answering /health")
+                        self._abort(what, thread, "the server stopped answering /health")
                 if now - start > self.timeout_s:
-                    self._abort(what, thread, done, f"it did not finish within {self.timeout_s:g}s")
+                    self._abort(what, thread, f"it did not finish within {self.timeout_s:g}s")
         except SyncAborted:
             raise
         except BaseException:  # a signal's exception, raised in this thread by its handler: end the transfer too
-            self._stop(thread, done)
+            self._stop(thread)
             raise
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        return thread.result()
 
-    def _abort(self, what: str, thread: threading.Thread, done: threading.Event, why: str):
+    def _abort(self, what: str, thread: Background, why: str):
         stage = self.stage()  # read before the abort moves the transfer on
-        self._stop(thread, done)
+        self._stop(thread)
         raise SyncAborted(f"{what} aborted {stage}: {why}; its communicator was aborted")
 
-    def _stop(self, thread: threading.Thread, done: threading.Event) -> None:
+    def _stop(self, thread: Background) -> None:
         try:
             self.abort()
         except Exception as e:  # noqa: BLE001 - the cause the caller raises says more
             logger.warning("aborting the weight transfer's communicator failed: %s", e)
-        if not done.wait(JOIN_S):  # NCCL did not give the call back: leave the daemon thread, the run ends anyway
-            logger.warning("the aborted weight transfer's thread %s did not return; it is left behind", thread.name)
+        if not thread.done.wait(JOIN_S):  # NCCL did not give the call back: leave the daemon thread, the run ends
+            logger.warning(
+                "the aborted weight transfer's thread %s did not return; it is left behind", thread.thread.name
+            )
