@@ -228,10 +228,6 @@ class Receiving:
         if self._index is not None:  # its values are in the next bucket; this buffer is about to be reused
             self._index = (self._index[0], self._index[1].clone())
 
-    def into(self, named: Iterable[tuple[str, torch.Tensor]], load_weights: Callable[..., int]) -> int:
-        """One bucket through our CPU engine's `load_weights(named, write=apply)`; its count."""
-        return load_weights(self.updates(named), write=apply)
-
     @torch.no_grad()
     def through(self, named: Iterable[tuple[str, torch.Tensor]], load_weights: Callable) -> list[str]:
         """One bucket through a checkpoint loader (a vLLM model's `load_weights`), in place, then compared where it

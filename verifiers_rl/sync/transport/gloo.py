@@ -68,12 +68,9 @@ class GlooInitInfo:
 
     def __post_init__(self):
         try:
-            self.master_port, self.rank_offset, self.world_size = (
-                int(self.master_port),
-                int(self.rank_offset),
-                int(self.world_size),
-            )
-            self.bucket_bytes, self.timeout_s = int(self.bucket_bytes), float(self.timeout_s)
+            ints = (self.master_port, self.rank_offset, self.world_size, self.bucket_bytes)
+            self.master_port, self.rank_offset, self.world_size, self.bucket_bytes = map(int, ints)
+            self.timeout_s = float(self.timeout_s)
         except (TypeError, ValueError) as e:
             raise ValueError(f"init_info has a non-numeric port, rank, size or timeout: {e}") from None
         if not 0 < self.master_port < 65536:
@@ -102,11 +99,9 @@ class GlooInitInfo:
 
 def open_store(host: str, port: int = 0, world_size: int = 2, timeout_s: float = 300.0):
     """The trainer's rendezvous store, listening on `host` only (port 0: a free one, read back from `store.port`).
-
-    TCPStore on its own listens on every interface; it is handed a socket bound to `host` instead, so a store
-    for a loopback server is not reachable from the network at all. The store owns (and closes when it is
-    destroyed) the descriptor it is given: it gets a duplicate, so no descriptor is closed twice — a second close
-    would hit whatever reused the number, e.g. the next store's socket after a server restart."""
+    TCPStore on its own listens on every interface; handed a socket bound to `host`, a store for a loopback server
+    is not reachable from the network at all. The store closes the descriptor it is given: it gets a duplicate, so
+    no descriptor is closed twice (a second close would hit whatever reused the number)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

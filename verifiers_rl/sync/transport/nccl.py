@@ -1,12 +1,9 @@
 """GPU weight sync: vLLM's own trainer-side NCCL engine (packed broadcast), driven through our client.
 
-Everything vLLM-specific is imported lazily: this module loads without vLLM, and only `NCCLSender.init`
-needs it. NCCL needs the trainer and the server on different GPUs (it cannot put two ranks on one device).
+vLLM is imported lazily: only `NCCLSender.init` needs it. NCCL needs the trainer and the server on different GPUs.
 The init follows vLLM's `trainer_init` with each stage bounded and named (nccl_init.py); each sync runs under a
-watchdog that aborts the communicator when the server fails, stops answering, or the deadline passes, or a signal
-comes (watchdog.py): an NCCL call has no timeout of its own. On CPU machines
-tests/e2e/test_nccl_sync.py drives this sender with vLLM's real trainer and worker engines, only CUDA and the NCCL
-communicator replaced.
+watchdog (watchdog.py): an NCCL call has no timeout of its own. On CPU machines tests/e2e/test_nccl_sync.py drives
+this sender with vLLM's real trainer and worker engines, only CUDA and the NCCL communicator replaced.
 """
 
 from __future__ import annotations
@@ -25,9 +22,8 @@ from verifiers_rl.sync.transport.watchdog import SyncAborted, Watchdog
 
 
 class SyncControl:
-    """vLLM's `VLLMWeightSyncClient` protocol (four methods, plain dicts) over our authenticated client, so
-    vLLM's trainer engine sends our control token and the weight version we choose. Every request of a sync
-    may take as long as the sync itself (`/update_weights` answers once every worker loaded every tensor)."""
+    """vLLM's `VLLMWeightSyncClient` protocol over our authenticated client, so vLLM's trainer engine sends our
+    control token and the weight version we choose. Every request of a sync may take as long as the sync itself."""
 
     def __init__(self, client, timeout_s: float = 300.0):
         self.client = client
@@ -64,8 +60,8 @@ class SyncControl:
 
 
 def _stream_source(sender: NCCLSender):
-    """A vLLM WeightSource over the sync in progress: described from the stream's metas, and iterated lazily,
-    so vLLM's packer pulls (and merges) one bucket's tensors at a time instead of a copy of the whole model."""
+    """A vLLM WeightSource over the sync in progress, iterated lazily: vLLM's packer pulls (and merges) one
+    bucket's tensors at a time instead of a copy of the whole model."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
     class StreamSource(WeightSource):
@@ -82,8 +78,7 @@ def _stream_source(sender: NCCLSender):
 
 
 class NCCLSender:
-    """vLLM's packed NCCL broadcast. The TCP rendezvous port is picked here (NCCL's own store needs one
-    before the server is told where it is)."""
+    """vLLM's packed NCCL broadcast. The rendezvous port is picked here: the server is told where it is."""
 
     backend = "nccl"
 

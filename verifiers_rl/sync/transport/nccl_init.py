@@ -1,15 +1,12 @@
 """The NCCL weight-transfer init with every stage bounded, and named when it fails.
 
-vLLM's `NCCLTrainerWeightTransferEngine.trainer_init` sends the server's init request on a side thread, opens the
-trainer's endpoint (a TCP store rendezvous, then `PyNcclCommunicator`, whose `ncclCommInitRank` waits for every
-rank) and only then reads the request's answer. A worker that fails after it reached the store never joins the
-communicator: the trainer waits in `ncclCommInitRank` forever, while the error that says why is already in the
-request's answer. Here the same three stages run in turn, each on a daemon thread the caller watches: the request's
-failure ends whichever stage is waiting, at once, with the server's error; a stage that outlasts its bound ends the
-init with its name. A thread left in `ncclCommInitRank` cannot be cancelled (NCCL's blocking init has no timeout,
-and no handle to abort exists before it returns): it stays behind as a daemon, and the error stops the run.
-
-vLLM is imported lazily, as in nccl.py.
+vLLM's `trainer_init` sends the server's init request on a side thread, opens the trainer's endpoint (a TCP store
+rendezvous, then `ncclCommInitRank`, which waits for every rank) and only then reads the request's answer: a worker
+that fails after it reached the store leaves the trainer in `ncclCommInitRank` forever, while the error that says
+why is already in the answer. Here the same three stages run in turn, each on a daemon thread the caller watches:
+the request's failure ends whichever stage is waiting, at once, with the server's error; a stage that outlasts its
+bound ends the init with its name. A thread left in `ncclCommInitRank` cannot be cancelled: it stays behind as a
+daemon, and the error stops the run. vLLM is imported lazily.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """A weight transfer that cannot hang: its blocking part runs on a daemon thread that the caller's thread watches.
 
-NCCL calls have no timeout, and the stream synchronize inside PyNccl is C code: no Python signal handler runs in
-the thread that waits there, so a sync whose peer is gone (a worker that raised in `load_weights`, or died: OOM is
-the common case) would hold the trainer for good. vLLM's trainer engine checks the server's update request once,
-before it broadcasts. So the caller's thread stays in Python and watches, until the transfer ends:
-
-- the server's requests of this sync (a failed one means the workers stopped receiving),
-- the server's `/health` (a dead engine answers 503 or nothing, while the request may never return),
-- the sync's deadline,
-- a signal (SIGTERM, Ctrl-C): its handler runs on the caller's thread, here, and whatever it raises aborts too.
-
-On any of them the communicator is aborted (`ncclCommAbort` through vLLM's `destroy`), which fails the stuck
-call, and the sync ends with one line naming the stage it was in. The caller's recovery then treats it like any
-failed sync: a dead server is replaced and synced again (serving/recovery.py).
+NCCL calls have no timeout, and no Python signal handler runs in a thread waiting in PyNccl's C code, so a sync
+whose peer is gone (a worker that raised in `load_weights`, or died) would hold the trainer for good. So the
+caller's thread watches the server's requests of this sync (a failed one means the workers stopped receiving), its
+`/health` (a dead engine may never answer the request), the deadline, and signals (their handlers run here). On
+any of them the communicator is aborted (`ncclCommAbort` through vLLM's `destroy`), which fails the stuck call, and
+the sync ends with one line naming its stage; recovery then treats it like any failed sync (serving/recovery.py).
 """
 
 from __future__ import annotations
