@@ -1,20 +1,15 @@
 """Send only what changed (sync_changed_only), behind one seam: a sender calls `Changes.sending`, a receiver
-`receiving`; no other module knows what a sync of changes looks like.
+`receiving`. In full fine-tuning most bf16 elements keep their value through an optimizer step (their fp32 master
+moved less than half a bf16 step), so a sync need only carry the elements whose wire-dtype bits changed: per tensor,
+the flat indices and the new values (`Sparse`), or the whole tensor where that is smaller, or nothing.
 
-In full fine-tuning most bf16 elements keep their value through an optimizer step (their fp32 master moved less
-than half a bf16 step), so a sync need only carry the elements whose wire-dtype bits changed: per tensor, the flat
-indices and the new values (`Sparse`), or the whole tensor where that is smaller, or nothing.
-
-Trainer side (`Changes`): the last-sent wire-dtype copy of every tensor (one extra copy of the synced weights, on
-their own device), updated with the same `apply` the receiver runs so the two stay equal, and the version the
-server holds it as. Changes are only valid against that version: `sending` reads the server's version first, and
-our CPU engine checks the header's base version again; any doubt is a whole sync. Over gloo the sparse parts
-travel as ordinary tensors (`<name>#delta_index`, `<name>#delta_values`) through the bucket path, and the header
-(`UpdateInfo.delta`) names the base version and the whole tensors they update; over NCCL they go to vLLM's sparse
-engine as patches (sync/transport/sparse_nccl.py).
-
-Receiver side (`Receiving`): the received tensors paired back into updates, written by our CPU engine's
-`load_weights` with `apply`, or through a vLLM model's checkpoint loader (`through`, below).
+The trainer keeps the last-sent wire-dtype copy of every tensor (`Changes`), updated with the same `apply` the
+receiver runs so the two stay equal, and the version the server holds it as: changes are only valid against that
+version, and any doubt is a whole sync. Over gloo the sparse parts travel as ordinary tensors (`<name>#delta_index`,
+`<name>#delta_values`) through the bucket path, with a header (`UpdateInfo.delta`) naming the base version and the
+whole tensors they update; over NCCL they go to vLLM's sparse engine as patches (sync/transport/sparse_nccl.py).
+The receiver (`Receiving`) pairs them back into updates, written by our CPU engine's `load_weights` with `apply`, or
+through a vLLM model's checkpoint loader (`through`, below).
 """
 
 from __future__ import annotations
@@ -118,10 +113,9 @@ class Changes:
     """Trainer side: the last-sent wire-dtype tensors and the version the server holds them as (None: nothing valid
     to diff against). One per sender, so per weight group: a replaced server gets a new one."""
 
-    def __init__(self, threshold: float = 1.0):
+    def __init__(self):
         self.tensors: dict[str, torch.Tensor] = {}
         self.version: int | None = None
-        self.threshold = threshold
         self.diffed = 0  # syncs sent as changes (benchmarks and tests count them)
 
     @contextlib.contextmanager
@@ -167,13 +161,13 @@ class Outgoing:
     def updates(self) -> Iterator[tuple[str, Sparse | torch.Tensor]]:
         """(name, update) for each tensor that changed, the snapshot then holding the new tensors; with no base,
         every tensor whole: the snapshot's copy (a stream's tensor may be a view its producer reuses)."""
-        held, threshold = self.changes.tensors, self.changes.threshold
+        held = self.changes.tensors
         for name, t in self.stream:
             if self.base is None:
                 held[name] = t.detach().clone()
                 yield name, held[name]
                 continue
-            update = diff(held[name], t, threshold)
+            update = diff(held[name], t)
             if update is not None:
                 apply(held[name], update)
                 yield name, update if isinstance(update, Sparse) else held[name]

@@ -2,9 +2,7 @@
 
 Version v is the policy after v optimizer steps (the trainer's `global_step`); it becomes the server's version
 (`PolicyVersion`) when a sync carrying it finishes. `PolicySync` advances it, and nothing else does; the
-orchestrator reads it (to tag what a batch was generated with) and can wait for it (to start a batch only once its
-policy is served). The server echoes it back per response (`policy_version`); nothing else counts versions.
-
+orchestrator reads it and can wait for it; the server only echoes it back per response (`policy_version`).
 After each optimizer step (and before evaluating) the trainer asks `sync(version)`. The rule, in one place:
 
 - the server already serves `version` (nothing trained since): nothing to do;

@@ -9,11 +9,10 @@ slot for the policy adapter; the base weights never move. Per sync (the client p
 The RPC's result is `{"error": reason}` when the server refuses the update (DoRA, biases, modules_to_save, a
 rank above --max-lora-rank, a module the model lacks); it drains the buckets first and keeps the old adapter.
 Every receiving rank also leaves its result in the trainer's store (`gloo.publish_report`): vLLM's
-/collective_rpc answers with the first data-parallel engine's results only, and a refusal by another engine must
-not pass for a sync. vLLM runs it in every worker (`vllm/lora.LoraSyncExtension`), which installs the adapter in
-place of the one registered at startup (`--lora-modules policy=<dir>`), so requests that name the adapter, in
-flight ones included, continue on the new weights; our CPU engine applies W = W0 + B @ A on pristine base
-weights. `/collective_rpc` rather than `/update_weights`: vLLM drops every LoRA adapter at `/finish_weight_update`.
+/collective_rpc answers with the first data-parallel engine's results only. vLLM's workers install it in place of
+the adapter registered at startup (`vllm/lora.LoraSyncExtension`); our CPU engine applies W = W0 + B @ A on
+pristine base weights. `/collective_rpc` rather than `/update_weights`: vLLM drops every LoRA adapter at
+`/finish_weight_update`.
 """
 
 from __future__ import annotations

@@ -17,16 +17,15 @@ import time
 import torch
 
 from verifiers_rl.errors import ServerError
-from verifiers_rl.sync.transport.watchdog import Background
+from verifiers_rl.sync.transport.watchdog import POLL_S, Background
 
 STORE, COMMUNICATOR, REQUEST = "store rendezvous", "communicator creation", "server's init request"
 
 
 class BoundedInit:
-    def __init__(self, control, timeout_s: float, poll_s: float = 0.05):
+    def __init__(self, control, timeout_s: float):
         self.control = control  # SyncControl: the server's /init_weight_transfer_engine
         self.timeout_s = timeout_s  # each stage's bound
-        self.poll_s = poll_s
 
     def open(self, info):
         """vLLM's trainer_init for the sender (NCCL rank 0; the server's workers take ranks 1..n): returns the
@@ -72,7 +71,7 @@ class BoundedInit:
 
     def _wait(self, stage: str, work: Background, request: Background | None, hint: str):
         deadline = time.monotonic() + self.timeout_s
-        while not work.done.wait(self.poll_s):
+        while not work.done.wait(POLL_S):
             if request is not None and request.failed:  # the workers gave up: nothing will join this stage
                 raise ServerError(
                     f"NCCL weight-transfer init: the server's init request failed while the trainer waited for the "

@@ -23,6 +23,7 @@ T = TypeVar("T")
 
 HEALTH_EVERY_S = 1.0  # how often the server's /health is asked while a transfer runs
 HEALTH_MISSES = 2  # answers in a row that it is down before the transfer is aborted (one can be a hiccup)
+POLL_S = 0.05  # how often the watching thread looks
 JOIN_S = 5.0  # how long an aborted transfer's thread is given to return after the abort
 
 
@@ -68,21 +69,19 @@ class Watchdog:
         stage: Callable[[], str],
         failure: Callable[[], BaseException | None] = lambda: None,
         healthy: Callable[[], bool] = lambda: True,
-        poll_s: float = 0.05,
     ):
         self.timeout_s = timeout_s
         self.abort = abort  # makes the transfer's blocked call return (with an error)
         self.stage = stage  # where the transfer is, in words, for the error
         self.failure = failure  # the first request of the transfer that failed, if any
         self.healthy = healthy  # the server's /health; False: it cannot receive
-        self.poll_s = poll_s
 
     def run(self, work: Callable[[], T], what: str) -> T:
         start = time.monotonic()
         thread = Background(work, f"vf-{what}")
         next_health, misses = start + HEALTH_EVERY_S, 0
         try:
-            while not thread.done.wait(self.poll_s):
+            while not thread.done.wait(POLL_S):
                 if (failed := self.failure()) is not None:
                     self._abort(what, thread, f"the server failed: {type(failed).__name__}: {failed}")
                 now = time.monotonic()
