@@ -1,8 +1,8 @@
 """GPU weight sync: vLLM's own trainer-side NCCL engine (packed broadcast), driven through our client.
 
 vLLM is imported lazily: only `NCCLSender.init` needs it. NCCL needs the trainer and the server on different GPUs.
-The init follows vLLM's `trainer_init` with each stage bounded and named (nccl_init.py); each sync runs under a
-watchdog (watchdog.py): an NCCL call has no timeout of its own. On CPU machines tests/e2e/test_nccl_sync.py drives
+The init follows vLLM's `trainer_init` with each stage bounded and named, and each sync runs under a watchdog
+(watchdog.py): an NCCL call has no timeout of its own. On CPU machines tests/e2e/test_nccl_sync.py drives
 this sender with vLLM's real trainer and worker engines, only CUDA and the NCCL communicator replaced.
 """
 
@@ -17,8 +17,7 @@ from verifiers_rl.config.net import LOOPBACK, free_port
 from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES
 from verifiers_rl.sync.sender import NamedTensors, SyncStats
 from verifiers_rl.sync.stream import WeightStream, as_stream
-from verifiers_rl.sync.transport.nccl_init import BoundedInit
-from verifiers_rl.sync.transport.watchdog import SyncAborted, Watchdog
+from verifiers_rl.sync.transport.watchdog import BoundedInit, SyncAborted, Watchdog
 
 
 class SyncControl:
@@ -90,7 +89,7 @@ class NCCLSender:
         self.host = host
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        self.init_timeout_s = timeout_s  # the bound of each stage of the init (nccl_init.py)
+        self.init_timeout_s = timeout_s  # the bound of each stage of the init (watchdog.py)
         self.device: torch.device | None = None  # the NCCL communicator's GPU: tensors are broadcast from there
         self._stream: WeightStream | None = None
         self.engine = None
