@@ -18,7 +18,8 @@ import httpx
 from verifiers_rl.config.net import LOOPBACK
 from verifiers_rl.errors import ServerError
 from verifiers_rl.serving.auth import TOKEN_HEADER, needs_control, under_api_key
-from verifiers_rl.sync.sender import NamedTensors, SyncStats, WeightSender, create_sender
+from verifiers_rl.sync.backends import create_sender
+from verifiers_rl.sync.sender import NamedTensors, SyncStats, WeightSender
 
 logger = logging.getLogger(__name__)
 # What a request meets on a keep-alive connection the server has closed since its last answer (vLLM closes it
@@ -185,7 +186,7 @@ class InferenceClient:
         shared_memory: bool = True,
         changed_only: bool = False,
     ) -> WeightSender:
-        """Join the server's workers in a weight-transfer group (`sync.sender.create_sender` backends).
+        """Join the server's workers in a weight-transfer group (`sync.backends.create_sender` backends).
         `server_pauses`: the server pauses and resumes itself around a sync (our CPU engine, gloo).
         `shared_memory`: with `server_pauses` and a loopback `host`, offer the server buckets through shared
         memory (sync/transport/shm.py); False keeps every byte on gloo. `changed_only`: after the first sync, send only
