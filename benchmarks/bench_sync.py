@@ -81,9 +81,9 @@ def unverified_sync(client, model) -> tuple[float, int]:
     stream = as_stream(model.named_parameters())
     buckets = plan_buckets(stream.metas, sender.bucket_bytes)
     body = {"update_info": UpdateInfo.from_metas(stream.metas).to_dict(), "weight_version": str(version)}
-    pending = gloo.run_in_thread(lambda: sender.post("/update_weights", body))
+    pending = gloo.Background(lambda: sender.post("/update_weights", body))
     sent = gloo.send_buckets(sender.group, buckets, stream)
-    pending.join()
+    pending.result()
     return time.perf_counter() - t0, sent
 
 

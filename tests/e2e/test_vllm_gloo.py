@@ -80,7 +80,7 @@ def _vllm_server(model_dir: str, log_path: Path, extra=(), env=None):
     """Start real vLLM with the gloo backend on a free loopback port; always kill its process group."""
     import httpx
 
-    from verifiers_rl.inference.vllm.command import build_vllm_command
+    from verifiers_rl.inference.vllm_command import build_vllm_command
 
     port = _free_port()
     argv, env_add = build_vllm_command(
@@ -188,7 +188,7 @@ def test_plugin_registers_in_vllm_venv():
         "from vllm.distributed.weight_transfer.base import WeightTransferEngine\n"
         "cls = F._registry['gloo']()\n"
         "assert issubclass(cls, WeightTransferEngine), cls\n"
-        "from verifiers_rl.inference.vllm.command import check_vllm\n"
+        "from verifiers_rl.inference.vllm_command import check_vllm\n"
         "print(cls.__name__, check_vllm())\n"
     )
     out = subprocess.run([VLLM_PYTHON, "-c", code], capture_output=True, text=True, timeout=120)

@@ -16,7 +16,7 @@ from verifiers_rl.rollouts.client import ROLLOUT_KEY
 from verifiers_rl.rollouts.difficulty_filter import DifficultyFilter, prompts_drawn, select_groups
 from verifiers_rl.rollouts.orchestrator import Orchestrator, batch_rows
 from verifiers_rl.rollouts.rollouts import Rollout
-from verifiers_rl.sync.policy_version import PolicyVersion
+from verifiers_rl.sync.policy_sync import PolicyVersion
 
 
 def _group(group: int, rewards, error: str | None = None, truncated: bool = False) -> list[Rollout]:

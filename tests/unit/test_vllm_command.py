@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from verifiers_rl.inference.vllm import command as vllm_command
-from verifiers_rl.inference.vllm.command import build_vllm_command, check_vllm
+from verifiers_rl.inference import vllm_command
+from verifiers_rl.inference.vllm_command import build_vllm_command, check_vllm
 
 
 def _values(argv: list[str], flag: str) -> list[str]:

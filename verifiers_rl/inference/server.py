@@ -146,7 +146,7 @@ def _start_watchdog(stop) -> None:
 
 
 def run_vllm(args, passthrough: list[str]) -> int:
-    from verifiers_rl.inference.vllm.command import build_vllm_command, check_vllm
+    from verifiers_rl.inference.vllm_command import build_vllm_command, check_vllm
 
     try:
         version = check_vllm()

@@ -43,7 +43,7 @@ from verifiers_rl.rollouts.process import (
 from verifiers_rl.rollouts.rollouts import Rollout, rollouts_from_outputs
 from verifiers_rl.rollouts.stages import stages_of, stuck_message
 from verifiers_rl.serving.recovery import quiet_lost_requests
-from verifiers_rl.sync.policy_version import PolicyVersion
+from verifiers_rl.sync.policy_sync import PolicyVersion
 
 logger = logging.getLogger(__name__)
 

@@ -18,30 +18,26 @@ def create_sender(
     changed_only: bool = False,
 ) -> WeightSender:
     """`backend`: 'gloo' (merged weights over a gloo group), 'adapter' (LoRA A/B only, into the server's LoRA
-    slot for the policy adapter; see sync/transport/adapter.py) or 'nccl' (vLLM's own packed NCCL engine; GPU only).
-    `changed_only`: after the first sync, send only the elements that changed (delta.py; vLLM's sparse_nccl
-    engine over NCCL)."""
+    slot for the policy adapter) or 'nccl' (vLLM's own packed NCCL engine; GPU only). `changed_only`: after the
+    first sync, send only the elements that changed (delta.py; vLLM's sparse_nccl engine over NCCL)."""
     from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES
 
-    bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
     if changed_only and backend not in (Transport.GLOO, Transport.NCCL):
         raise ValueError(
             f"sending only what changed (sync_changed_only) needs whole-weight sync over gloo or nccl, not {backend!r}"
         )
+    kwargs = {"host": host, "bucket_bytes": bucket_bytes or DEFAULT_BUCKET_BYTES, "timeout_s": timeout_s}
     if backend == Transport.GLOO:
         from verifiers_rl.sync.transport.gloo import GlooSender
 
-        return GlooSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s, changed_only=changed_only)
+        return GlooSender(client, changed_only=changed_only, **kwargs)
     if backend == Transport.ADAPTER:
         from verifiers_rl.sync.transport.adapter import AdapterSender
 
-        return AdapterSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-    if backend == Transport.NCCL and changed_only:
-        from verifiers_rl.sync.transport.sparse_nccl import SparseNCCLSender
-
-        return SparseNCCLSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        return AdapterSender(client, **kwargs)
     if backend == Transport.NCCL:
         from verifiers_rl.sync.transport.nccl import NCCLSender
+        from verifiers_rl.sync.transport.sparse_nccl import SparseNCCLSender
 
-        return NCCLSender(client, host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        return (SparseNCCLSender if changed_only else NCCLSender)(client, **kwargs)
     raise ValueError(f"weight-sync backend={backend!r}; allowed: {', '.join(values(Transport))}")

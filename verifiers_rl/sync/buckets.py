@@ -7,6 +7,9 @@ than the bucket size travels alone. Per-tensor broadcasts were what made the old
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -14,10 +17,6 @@ import torch
 # Small enough that packing the next bucket overlaps sending this one, large enough that per-broadcast
 # overhead vanishes; both peers keep two buckets of staging memory.
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -35,10 +34,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -48,23 +44,26 @@ class Bucket:
     nbytes: int
 
 
+def consecutive(items: list, nbytes: Callable, bucket_bytes: int) -> Iterator[list]:
+    """Consecutive items of at most `bucket_bytes` in all (a larger item makes a group of its own)."""
+    group, size = [], 0
+    for item in items:
+        if group and size + nbytes(item) > bucket_bytes:
+            yield group
+            group, size = [], 0
+        group.append(item)
+        size += nbytes(item)
+    if group:
+        yield group
+
+
 def plan_buckets(metas: list[TensorMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
-    """Group consecutive tensors into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
-    buckets: list[Bucket] = []
-    cur: list[TensorMeta] = []
-    offsets: list[int] = []
-    size = 0
-    for meta in metas:
-        if cur and size + meta.nbytes > bucket_bytes:
-            buckets.append(Bucket(tuple(cur), tuple(offsets), size))
-            cur, offsets, size = [], [], 0
-        cur.append(meta)
-        offsets.append(size)
-        size += meta.nbytes
-    if cur:
-        buckets.append(Bucket(tuple(cur), tuple(offsets), size))
+    buckets = []
+    for group in consecutive(metas, lambda m: m.nbytes, bucket_bytes):
+        ends = list(itertools.accumulate(m.nbytes for m in group))
+        buckets.append(Bucket(tuple(group), (0, *ends[:-1]), ends[-1]))
     return buckets
 
 
@@ -115,9 +114,9 @@ class UpdateInfo:
             )
 
     @classmethod
-    def from_metas(cls, metas: list[TensorMeta]) -> UpdateInfo:
-        names = [m.name for m in metas]
-        return cls(names, [dtype_name(m.dtype) for m in metas], [list(m.shape) for m in metas])
+    def from_metas(cls, metas: list[TensorMeta], report: str = "") -> UpdateInfo:
+        dtypes = [str(m.dtype).removeprefix("torch.") for m in metas]
+        return cls([m.name for m in metas], dtypes, [list(m.shape) for m in metas], report)
 
     @classmethod
     def parse(cls, info: dict) -> UpdateInfo:
@@ -138,13 +137,8 @@ class UpdateInfo:
         return {**out, "delta": self.delta} if self.delta is not None else out
 
     def metas(self) -> list[TensorMeta]:
-        return _metas(self.names, self.dtype_names, self.shapes)
-
-
-def _metas(names, dtype_names, shapes) -> list[TensorMeta]:
-    try:
-        return [
-            TensorMeta(n, dtype_from_name(d), tuple(int(x) for x in s)) for n, d, s in zip(names, dtype_names, shapes)
-        ]
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"update_info: {e}") from None
+        try:
+            shapes = [tuple(int(x) for x in s) for s in self.shapes]
+            return [TensorMeta(*m) for m in zip(self.names, map(dtype_from_name, self.dtype_names), shapes)]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"update_info: {e}") from None

@@ -1,21 +1,15 @@
 """Send only what changed (sync_changed_only), behind one seam: a sender calls `Changes.sending`, a receiver
-`receiving`; no other module knows what a sync of changes looks like.
+`receiving`. In full fine-tuning most bf16 elements keep their value through an optimizer step (their fp32 master
+moved less than half a bf16 step), so a sync need only carry the elements whose wire-dtype bits changed: per tensor,
+the flat indices and the new values (`Sparse`), or the whole tensor where that is smaller, or nothing.
 
-In full fine-tuning most bf16 elements keep their value through an optimizer step (their fp32 master moved less
-than half a bf16 step), so a sync need only carry the elements whose wire-dtype bits changed: per tensor, the flat
-indices and the new values (`Sparse`), or the whole tensor where that is smaller, or nothing.
-
-Trainer side (`Changes`): the last-sent wire-dtype copy of every tensor (on the tensors' own device: one extra copy
-of the synced weights), updated with the same `apply` the receiver runs so the two stay equal, and the version the
-server holds it as. Changes are only valid against that version: `sending` reads the server's version first, and
-our CPU engine checks the header's base version again; any doubt is a whole sync. Over gloo
-(sync/transport/gloo.py) the sparse parts travel as ordinary tensors (`<name>#delta_index`, `<name>#delta_values`)
-through the same bucket path as whole tensors, and the header (`UpdateInfo.delta`) names the base version and the
+The trainer keeps the last-sent wire-dtype copy of every tensor (`Changes`), updated with the same `apply` the
+receiver runs so the two stay equal, and the version the server holds it as: changes are only valid against that
+version, and any doubt is a whole sync. Over gloo the sparse parts travel as ordinary tensors (`<name>#delta_index`,
+`<name>#delta_values`) through the bucket path, with a header (`UpdateInfo.delta`) naming the base version and the
 whole tensors they update; over NCCL they go to vLLM's sparse engine as patches (sync/transport/sparse_nccl.py).
-
-Receiver side (`Receiving`): the header checked, the received tensors paired back into updates, written through the
-receiver's own writer: its `load_weights` with `apply` as the write (our CPU engine, which then reports checksums of
-the whole tensors read back), or a vLLM model's checkpoint loader (`through`, below; inference/vllm/gloo_engine.py).
+The receiver (`Receiving`) pairs them back into updates, written by our CPU engine's `load_weights` with `apply`, or
+through a vLLM model's checkpoint loader (`through`, below).
 """
 
 from __future__ import annotations
@@ -34,7 +28,6 @@ from verifiers_rl.sync.verify import tensor_checksum
 
 INDEX_SUFFIX = "#delta_index"
 VALUE_SUFFIX = "#delta_values"
-_INT32_MAX = 2**31 - 1
 # Integer dtypes of each element size: changes are compared bit for bit (NaN == NaN, -0.0 != 0.0, as the bytes)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _HEADER = {"base_version", "names", "dtype_names", "shapes"}
@@ -49,56 +42,47 @@ class Sparse:
 
 
 def index_dtype(numel: int) -> torch.dtype:
-    return torch.int32 if numel <= _INT32_MAX else torch.int64
+    return torch.int32 if numel <= 2**31 - 1 else torch.int64
 
 
 def sparse_nbytes(changed: int, numel: int, elem_size: int) -> int:
-    """Bytes of a sparse update of `changed` elements of a tensor of `numel` elements."""
-    return changed * (torch.empty((), dtype=index_dtype(numel)).element_size() + elem_size)
+    return changed * (index_dtype(numel).itemsize + elem_size)
 
 
-def _comparable(old: torch.Tensor, new: torch.Tensor) -> None:
+def _bits(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if old.dtype != new.dtype or old.shape != new.shape:
         raise ValueError(f"cannot compare {old.dtype}{tuple(old.shape)} with {new.dtype}{tuple(new.shape)}")
+    bits = _BITS[old.element_size()]
+    return old.reshape(-1).view(bits), new.detach().reshape(-1).view(bits)
 
 
 def changed_mask(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Flat bool mask of the elements whose bits differ (`old` and `new` of one dtype and shape)."""
-    _comparable(old, new)
-    bits = _BITS[old.element_size()]
-    return old.reshape(-1).view(bits) != new.detach().reshape(-1).view(bits)
+    """Flat bool mask of the elements whose bits differ."""
+    a, b = _bits(old, new)
+    return a != b
 
 
 def diff(old: torch.Tensor, new: torch.Tensor, threshold: float = 1.0) -> Sparse | torch.Tensor | None:
     """What turns `old` into `new`: None (nothing changed), a `Sparse` update, or `new` itself (dense) when the
-    sparse update would take more than `threshold` times the whole tensor's bytes (1.0: the break-even)."""
-    if old.device.type == "cpu":
-        return _cpu_diff(old, new, threshold)
-    mask = changed_mask(old, new)
-    changed = int(mask.sum())
-    if changed == 0:
-        return None
-    numel, size = mask.numel(), new.element_size()
-    if sparse_nbytes(changed, numel, size) > threshold * numel * size:
-        return new
-    index = mask.nonzero().squeeze(1).to(index_dtype(numel))
-    return Sparse(index, new.detach().reshape(-1)[index])
+    sparse update would take more than `threshold` times the whole tensor's bytes (1.0: the break-even).
 
-
-def _cpu_diff(old: torch.Tensor, new: torch.Tensor, threshold: float) -> Sparse | torch.Tensor | None:
-    """`diff` in numpy, the same result: single-threaded. torch's element-wise ops and nonzero run on every
-    intra-op thread, and on a CPU shared by trainer and server each of a sync's hundreds of them waits for a
-    descheduled thread (2.1 s instead of 0.16 s for 15M bf16 elements, measured on 2 loaded cores)."""
-    _comparable(old, new)
-    bits = _BITS[old.element_size()]
-    a, b = old.reshape(-1).view(bits).numpy(), new.detach().reshape(-1).view(bits).numpy()
+    On the CPU in numpy, single-threaded: torch's element-wise ops and nonzero run on every intra-op thread, and on
+    a CPU shared by trainer and server each of a sync's hundreds of them waits for a descheduled thread (2.1 s
+    instead of 0.16 s for 15M bf16 elements, measured on 2 loaded cores)."""
+    a, b = _bits(old, new)
+    on_cpu = old.device.type == "cpu"
+    if on_cpu:
+        a, b = a.numpy(), b.numpy()
     mask = a != b
-    changed = int(np.count_nonzero(mask))
+    changed = int(np.count_nonzero(mask) if on_cpu else mask.sum())
     if changed == 0:
         return None
-    numel, size = mask.size, new.element_size()
+    numel, size = new.numel(), new.element_size()
     if sparse_nbytes(changed, numel, size) > threshold * numel * size:
         return new
+    if not on_cpu:
+        index = mask.nonzero().squeeze(1).to(index_dtype(numel))
+        return Sparse(index, new.detach().reshape(-1)[index])
     index = np.flatnonzero(mask).astype(np.int32 if index_dtype(numel) == torch.int32 else np.int64)
     return Sparse(torch.from_numpy(index), torch.from_numpy(b[index]).view(new.dtype))
 
@@ -111,7 +95,7 @@ def apply(target: torch.Tensor, update: Sparse | torch.Tensor) -> None:
             return
         flat = target.view(-1)  # a view: the update lands in target's own memory
         values = update.values.to(target.dtype)
-        if flat.device.type == "cpu" and update.index.device.type == "cpu":  # single-threaded, as `_cpu_diff`
+        if flat.device.type == "cpu" and update.index.device.type == "cpu":  # single-threaded, as `diff`
             bits = _BITS[flat.element_size()]
             flat.view(bits).numpy()[update.index.numpy()] = values.view(bits).numpy()
         else:
@@ -119,31 +103,27 @@ def apply(target: torch.Tensor, update: Sparse | torch.Tensor) -> None:
 
 
 def wire_items(name: str, update: Sparse | torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """The tensors an update travels as over gloo (see the module docstring)."""
+    """The tensors an update travels as over gloo."""
     if isinstance(update, Sparse):
         return [(name + INDEX_SUFFIX, update.index), (name + VALUE_SUFFIX, update.values)]
     return [(name, update)]
 
 
-# ---------------------------------------------------------------------------------------------------- trainer side
-
-
 class Changes:
-    """The last-sent wire-dtype tensors and the version the server holds them as (None: nothing valid to diff
-    against). One per sender, so per weight group: a replaced server gets a new one."""
+    """Trainer side: the last-sent wire-dtype tensors and the version the server holds them as (None: nothing valid
+    to diff against). One per sender, so per weight group: a replaced server gets a new one."""
 
-    def __init__(self, threshold: float = 1.0):
+    def __init__(self):
         self.tensors: dict[str, torch.Tensor] = {}
         self.version: int | None = None
-        self.threshold = threshold
         self.diffed = 0  # syncs sent as changes (benchmarks and tests count them)
 
     @contextlib.contextmanager
     def sending(self, stream: WeightStream, served: Callable[[], str | None], version: int) -> Iterator[Outgoing]:
-        """Around one sync of `stream` as `version`: what to send. Changes against the snapshot when the server
-        (`served()`: the version it serves now) holds exactly the snapshot's version; every tensor otherwise (a
-        restart, a replaced server, a version moved without us), recorded as the new snapshot. The snapshot holds
-        `version` once the sync landed, nothing if it failed: the server may hold anything, the next sync is whole."""
+        """Around one sync of `stream` as `version`: changes against the snapshot when the server (`served()`)
+        holds exactly the snapshot's version; every tensor otherwise (a restart, a replaced server, a version moved
+        without us). The snapshot holds `version` once the sync landed, nothing if it failed: the server may hold
+        anything, the next sync is whole."""
         try:
             held = self.tensors
             fits = len(stream.metas) == len(held) and all(
@@ -161,8 +141,7 @@ class Changes:
         self.version = version
 
     def relabel(self, version: int, was: int | None) -> None:
-        """The server serves the weights it held as `was` as `version` now (a step that trained nothing): the next
-        sync stays changes against them."""
+        """The server serves the weights it held as `was` as `version` now (a step that trained nothing)."""
         if self.version is not None and self.version == was:
             self.version = version
 
@@ -181,22 +160,21 @@ class Outgoing:
 
     def updates(self) -> Iterator[tuple[str, Sparse | torch.Tensor]]:
         """(name, update) for each tensor that changed, the snapshot then holding the new tensors; with no base,
-        every tensor whole. A whole tensor is the snapshot's copy (a stream's tensor may be a view its producer
-        reuses)."""
-        held, threshold = self.changes.tensors, self.changes.threshold
+        every tensor whole: the snapshot's copy (a stream's tensor may be a view its producer reuses)."""
+        held = self.changes.tensors
         for name, t in self.stream:
             if self.base is None:
                 held[name] = t.detach().clone()
                 yield name, held[name]
                 continue
-            update = diff(held[name], t, threshold)
+            update = diff(held[name], t)
             if update is not None:
                 apply(held[name], update)
                 yield name, update if isinstance(update, Sparse) else held[name]
 
     def wire(self) -> WeightStream:
-        """The sync as bucketed tensors: every tensor whole, recorded as it passes; or the changes as index and
-        values tensors, made up front (a bucket plan needs them described), with the checksums of the targets."""
+        """Every tensor whole, recorded as it passes; or the changes, made up front (a bucket plan needs them
+        described), with the checksums of the targets."""
         if self.base is None:
             return WeightStream(self.targets, self.updates)
         items = [item for name, update in self.updates() for item in wire_items(name, update)]
@@ -204,19 +182,16 @@ class Outgoing:
         return WeightStream([TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in items], lambda: iter(items))
 
 
-# --------------------------------------------------------------------------------------------------- receiver side
-
-
 def receiving(info: UpdateInfo, served: int | None = None) -> Receiving | None:
-    """The receiver's side of a sync of changes, None for a sync of whole tensors. A malformed header is a
-    ValueError before anything is received; `served`, where the receiver knows the version it serves: a header of
-    another base is `refused` (raised once the buckets are drained: the trainer is mid-broadcast)."""
+    """The receiver's side of a sync of changes, None for a sync of whole tensors (see `Receiving`)."""
     return None if info.delta is None else Receiving(info.delta, served)
 
 
 class Receiving:
-    """One sync of changes, receiver side. An index and its values may arrive in two buckets: the index is copied
-    out of the staging buffer until they meet."""
+    """One sync of changes, receiver side. A malformed header is a ValueError before anything is received; a header
+    of another base than `served` (where the receiver knows it) is `refused`, raised once the buckets are drained
+    (the trainer is mid-broadcast). An index and its values may arrive in two buckets: the index is copied out of
+    the staging buffer until they meet."""
 
     def __init__(self, header: dict, served: int | None = None):
         if not isinstance(header, dict) or set(header) != _HEADER:
@@ -247,11 +222,6 @@ class Receiving:
         if self._index is not None:  # its values are in the next bucket; this buffer is about to be reused
             self._index = (self._index[0], self._index[1].clone())
 
-    def into(self, named: Iterable[tuple[str, torch.Tensor]], load_weights: Callable[..., int]) -> int:
-        """One bucket through a receiver's `load_weights(named, write=...)` that writes each update into its tensor
-        of that name with `write(tensor, update)` (our CPU engine); its count."""
-        return load_weights(self.updates(named), write=apply)
-
     @torch.no_grad()
     def through(self, named: Iterable[tuple[str, torch.Tensor]], load_weights: Callable) -> list[str]:
         """One bucket through a checkpoint loader (a vLLM model's `load_weights`), in place, then compared where it
@@ -265,17 +235,11 @@ class Receiving:
 # A sync of changes into vLLM's parameters follows its checkpoint-patch contract
 # (model_loader/checkpoint_weight_patch.py, what its sparse_nccl engine applies): each checkpoint tensor goes to the
 # model's `load_weights` with NaN at every element that did not change, and the loader's final `Tensor.copy_`
-# becomes "copy where not NaN". So the model's own name mapping, fusing (q/k/v into qkv_proj, gate/up into
-# gate_up_proj), vocabulary padding and tensor-parallel slicing place each changed element; nothing here knows a
-# model's layout.
-# In place means no layerwise reload: the parameters the kernels read are the ones written, which holds for
-# unquantized weights on a GPU (vLLM's CPU build repacks them: inference/vllm/gloo_engine.py refuses there).
-#
-# vLLM offers no per-call writer for this: `load_weights` takes (name, tensor) pairs only, each parameter's
-# `weight_loader` is fixed per layer kind when the model is built, its weight-transfer engine registry picks whole
-# engines (ours is one), and its own patch function swaps `Tensor.copy_` for every thread of the process (a trainer
-# thread in the same process, the worker's other threads would write NaN-masked). A TorchFunctionMode is torch's
-# scoped hook: it sees the copies of the thread that entered it, for the duration, and no other's.
+# becomes "copy where not NaN". So the model's own name mapping, fusing, vocabulary padding and tensor-parallel
+# slicing place each changed element; nothing here knows a model's layout. In place means no layerwise reload,
+# which holds for unquantized weights on a GPU (vLLM's CPU build repacks them: inference/vllm/gloo_engine.py
+# refuses there). vLLM's own patch function swaps `Tensor.copy_` for every thread of the process; a
+# TorchFunctionMode is torch's scoped hook: it sees the copies of the thread that entered it, and no other's.
 
 
 class _FinalCopy(torch.overrides.TorchFunctionMode):
@@ -334,8 +298,8 @@ def write_through(load_weights: Callable, updates: list, targets: dict[str, Tens
 @torch.no_grad()
 def not_landed(load_weights: Callable, updates: list, targets: dict[str, TensorMeta]) -> list[str]:
     """The names among `updates` whose changed elements the parameters do not hold: loaded once more with the final
-    copy turned into a comparison, so each element is compared with the parameter it was written to. A tensor the
-    loader takes nothing from (a tied lm_head) passes, as in a sync of whole tensors."""
+    copy turned into a comparison with the parameter it was written to. A tensor the loader takes nothing from (a
+    tied lm_head) passes, as in a sync of whole tensors."""
     same: list[bool] = []
 
     def compare(destination: torch.Tensor, source: torch.Tensor) -> torch.Tensor:

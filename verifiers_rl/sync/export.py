@@ -1,29 +1,18 @@
 """Weight export: the training model turned into what the server and the loss need, whatever the parallel layout.
 
-Two consumers read the model's weights, and both go through here:
-
 - the sync: `stream(kind, bucket_bytes)` is a `WeightStream` of the tensors the server loads ("merged": every weight
-  with LoRA merged out of place; "adapter": LoRA A/B only), described up front and produced in order. The plan
-  of a sync (`policy_weights.merged_items` / `adapter_items`) comes from the model's structure; each layout only
-  says how its parameters are spread over the ranks. The final model reads "merged" and "adapter_state" (the
-  adapter as peft saves it) the same way.
-- the loss: the output projection. A replicated head is applied to the trained positions' hidden states in
-  chunks (`loss.forward`); a sharded one is reached inside the model's own forward (`head_in_forward`), whose
-  hooks gather it and route its gradient back to the shards.
+  with LoRA merged out of place; "adapter": LoRA A/B only). The plan (`policy_weights.merged_items` /
+  `adapter_items`) comes from the model's structure; each layout only says how its parameters are spread over the
+  ranks. The final model reads "merged" and "adapter_state" (the adapter as peft saves it) the same way.
+- the loss: a replicated output projection is applied in chunks (`loss.forward`); a sharded one is reached inside
+  the model's own forward (`head_in_forward`), whose hooks gather it and route its gradient back to the shards.
 
-`weight_export(model, accelerator)` picks the implementation:
-
-- `ReplicatedExport`: one process, DDP, ZeRO-1/2 (every rank holds every parameter).
-- `ZeRO3Export`: DeepSpeed ZeRO-3 (flat partitions, `ds_tensor`; `deepspeed.zero.GatheredParameters` otherwise).
-- `FSDP2Export`: FSDP2's DTensor parameters (dim-0 shards; `full_tensor()` otherwise).
-
-Under a sharded layout producing a tensor is a collective: every rank walks the stream in the same order
-(`collective = True`), and each walk opens with rank 0 telling the others to (`ShardedExport.stream`: the one
-place that rule lives). Only rank 0 sends, so on the CPU a sync brings the pieces to rank 0 alone (shard_gather.py:
-point-to-point, or through shared memory on one host), a group of about `bucket_bytes` at a time, the next group
-in flight while rank 0 sends this one: no rank holds more than about two groups beyond its shard, and rank 0
-receives into buffers it reuses. On an accelerator a sync takes the libraries' gathers, group by group
-(`hand_gather` says why; `gathered(names)`, every parameter whole on every rank, serves layouts it does not know).
+`weight_export(model, accelerator)` picks `ReplicatedExport` (one process, DDP, ZeRO-1/2), `ZeRO3Export` or
+`FSDP2Export`. Under a sharded layout producing a tensor is a collective: every rank walks the stream in the same
+order (`collective = True`), and each walk opens with rank 0 telling the others to (`ShardedExport.stream`). Only
+rank 0 sends, so on the CPU a sync brings the pieces to rank 0 alone (shard_gather.py), a group of about
+`bucket_bytes` at a time, the next group in flight while rank 0 sends this one; on an accelerator it takes the
+libraries' gathers, group by group (`hand_gather` says why).
 """
 
 from __future__ import annotations
@@ -38,7 +27,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES, TensorMeta
+from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, consecutive
 from verifiers_rl.sync.policy_weights import (
     ExportItem,
     adapter_items,
@@ -105,7 +94,13 @@ class ShardedExport(ABC):
         self.leads = leads  # the RankZeroLeads whose `run` every rank joins (trainer/rank_zero.py); None: none
         self.inner, _ = unwrap_peft(model)
         self.params = dict(self.inner.named_parameters())
-        self._hand: bool | None = None  # `hand_gather` as set; None: by where the parameters live
+        # Which gather a sync uses: the hand path (shard_gather.py) only where a benchmark shows it faster, the CPU
+        # over gloo: bench_gather.py, 2 CPU processes, ~100M parameters, merged stream, medians of 3: FSDP2 0.35 s
+        # hand vs 3.19 s `full_tensor()` per parameter (9.1x), ZeRO-3 0.28 s vs 0.99 s `GatheredParameters` per
+        # bucket (3.5x); ~10M: 4.7x and 4.3x (benchmarks/results/bench_gather*.json). On an accelerator (NCCL) it
+        # was never measured, and the libraries' collectives are the ones their authors tune there. bench_gather.py
+        # and test_shard_gather.py set it to run either path; bench_gather run on NCCL would move this line.
+        self.hand_gather = all(p.device.type == "cpu" for p in self.params.values())
 
     @abstractmethod
     def gathered(self, names: list[str]) -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
@@ -125,7 +120,7 @@ class ShardedExport(ABC):
                 raise RuntimeError("a sharded weight sync outside RankZeroLeads.run: the other ranks cannot join it")
             if several:
                 self.leads.open_stream(kind, bucket_bytes)
-            yield from self._produce(items, bucket_bytes)
+            yield from (self._produce_hand if self.hand_gather else self._produce_gathered)(items, bucket_bytes)
 
         return WeightStream([i.meta for i in items], walk, config, rank)
 
@@ -133,29 +128,6 @@ class ShardedExport(ABC):
     def pieces(self, p) -> Pieces | None:
         """How parameter `p` is spread over the ranks, in a layout the sync gathers point-to-point to rank 0
         (shard_gather.py); None for any other (whole on every rank, or a layout only `gathered` knows)."""
-
-    # Which gather a sync uses: the hand path (point-to-point or shared memory to rank 0, shard_gather.py) only
-    # where a benchmark shows it faster, the CPU over gloo: bench_gather.py, both paths interleaved on 2 CPU
-    # processes, ~100M parameters, merged stream, medians of 3: FSDP2 0.35 s hand vs 3.19 s `full_tensor()` per
-    # parameter (9.1x), ZeRO-3 0.28 s vs 0.99 s `GatheredParameters` per bucket (3.5x); ~10M: 4.7x and 4.3x
-    # (benchmarks/results/bench_gather*.json). On an accelerator (NCCL) it was never measured, and the libraries'
-    # collectives are the ones their authors tune there: `gathered`, bucket by bucket. bench_gather.py and
-    # test_shard_gather.py set `hand_gather` to run either path; bench_gather run on NCCL would move this line.
-    def _hand_gather_by_default(self) -> bool:
-        return all(p.device.type == "cpu" for p in self.params.values())
-
-    @property
-    def hand_gather(self) -> bool:
-        return self._hand if self._hand is not None else self._hand_gather_by_default()
-
-    @hand_gather.setter
-    def hand_gather(self, value: bool | None) -> None:
-        self._hand = value
-
-    def _produce(self, items: list[ExportItem], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.hand_gather:
-            return self._produce_hand(items, bucket_bytes)
-        return self._produce_gathered(items, bucket_bytes)
 
     def _produce_gathered(self, items: list[ExportItem], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         """The libraries' own gathers (`gathered`: GatheredParameters, `full_tensor()`), one bucket's parameters at
@@ -218,16 +190,7 @@ def _sources(group: list[ExportItem]) -> list[str]:
 
 
 def _groups(items: list[ExportItem], bucket_bytes: int) -> Iterator[list[ExportItem]]:
-    """Consecutive items whose tensors add up to about one bucket (a larger item makes a group of its own)."""
-    group, size = [], 0
-    for item in items:
-        if group and size + item.meta.nbytes > bucket_bytes:
-            yield group
-            group, size = [], 0
-        group.append(item)
-        size += item.meta.nbytes
-    if group:
-        yield group
+    return consecutive(items, lambda item: item.meta.nbytes, bucket_bytes)
 
 
 class ZeRO3Export(ShardedExport):

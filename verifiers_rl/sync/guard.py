@@ -1,18 +1,14 @@
 """The guard every sync backend gets: at `max_async_level = 0` the sampler and the trainer hold the same weights,
-so `mismatch_kl` (k3 KL(sampler ‖ trainer) at the trained tokens) is numerical noise: ~1e-14 with float32 on
-both sides, ~1e-3 with bf16 kernels on a GPU. A sync that did not land, or landed wrong, shows as a jump in the
-first batch sampled after it. Checksums (sync/verify.py) catch a receiver that lost or never
-loaded bytes; this catches what they cannot: wrong bytes both sides agree on (a wrongly gathered shard), and
-backends that report nothing (vLLM's NCCL engine).
+so `mismatch_kl` (k3 KL(sampler ‖ trainer) at the trained tokens) is numerical noise (~1e-14 in float32, ~1e-3
+with bf16 GPU kernels), and a sync that did not land, or landed wrong, shows as a jump in the first batch sampled
+after it. It catches what checksums (sync/verify.py) cannot: wrong bytes both sides agree on (a wrongly gathered
+shard), and backends that report nothing (vLLM's NCCL engines).
 
 The rule (docs/training.md says why): a step stops the run when its mismatch_kl is above
-`max(mismatch_kl_floor, mismatch_kl_guard x baseline)`. The baseline is the median of earlier steps' values
-(the floor before the first step). A step that passes joins the baseline only when it stays within
-sqrt(mismatch_kl_guard) x baseline (halfway to the limit on a log scale), so that a server drifting away a little
-more at every step (a sync that silently stopped landing) cannot carry the baseline up with it; the first step
-always joins. Only `max_async_level = 0` runs are checked: with `max_async_level >= 1` the sampler is
-legitimately older and the guard is off. (At 0 every batch is sampled after the sync of the step before it; a
-server whose rollouts name an older version has not taken that sync either, and the line says so.)
+`max(mismatch_kl_floor, mismatch_kl_guard x baseline)`, the baseline being the median of earlier steps' values.
+A passing step joins the baseline only within sqrt(mismatch_kl_guard) x baseline, so that a server drifting a
+little more at every step cannot carry the baseline up with it; the first step always joins. With
+`max_async_level >= 1` the sampler is legitimately older and the guard is off.
 """
 
 from __future__ import annotations

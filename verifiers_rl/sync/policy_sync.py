@@ -1,5 +1,8 @@
 """Policy sync: the one owner of which policy version the server serves, and of when weights must move.
 
+Version v is the policy after v optimizer steps (the trainer's `global_step`); it becomes the server's version
+(`PolicyVersion`) when a sync carrying it finishes. `PolicySync` advances it, and nothing else does; the
+orchestrator reads it and can wait for it; the server only echoes it back per response (`policy_version`).
 After each optimizer step (and before evaluating) the trainer asks `sync(version)`. The rule, in one place:
 
 - the server already serves `version` (nothing trained since): nothing to do;
@@ -8,19 +11,49 @@ After each optimizer step (and before evaluating) the trainer asks `sync(version
 - otherwise the weights move: the export's stream (merged or adapter, as the serving plan says) through the
   client's weight sender, which checks that every receiving rank loaded what was sent (sync/verify.py); a
   sync that did not land stops the run.
-
-The served version lives in `PolicyVersion` (the orchestrator reads it); this class is its only writer.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from verifiers_rl.errors import TrainingError
 from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES
 from verifiers_rl.sync.export import WeightExport
-from verifiers_rl.sync.policy_version import PolicyVersion
 from verifiers_rl.sync.verify import SyncMismatch
+
+
+class PolicyVersion:
+    def __init__(self, value: int | None = None):
+        self._value = value
+        self._cond = threading.Condition()
+
+    @property
+    def value(self) -> int | None:
+        """The version the server serves; None while its weights are not known to be any version of this run
+        (no sync yet, or a new server)."""
+        with self._cond:
+            return self._value
+
+    def advance(self, value: int) -> None:
+        with self._cond:
+            self._value = value
+            self._cond.notify_all()
+
+    def forget(self) -> None:
+        """The server is gone: a next one serves whatever it is started from, not a known version."""
+        with self._cond:
+            self._value = None
+
+    def reached(self, value: int) -> bool:
+        with self._cond:
+            return self._value is not None and self._value >= value
+
+    def wait_for(self, value: int, timeout: float | None = None) -> bool:
+        """Block until the served version is >= `value`; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._value is not None and self._value >= value, timeout)
 
 
 class PolicySync:

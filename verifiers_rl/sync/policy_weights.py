@@ -65,10 +65,6 @@ def full_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(getattr(p, "ds_shape", p.shape))
 
 
-def _linear_lora(layer, adapter: str) -> bool:
-    return adapter in layer.lora_A and isinstance(layer.get_base_layer(), torch.nn.Linear)
-
-
 def merged_items(model, dtype: torch.dtype | None = None) -> list[ExportItem]:
     """Every base weight under its engine name; a LoRA'd linear weight is merged with its delta (out of place)."""
     inner, peft_base = unwrap_peft(model)
@@ -83,7 +79,7 @@ def merged_items(model, dtype: torch.dtype | None = None) -> list[ExportItem]:
         module = name[: -len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
         layer = lora.get(module)
         if layer is not None and adapter in layer.lora_A and not layer.merged:
-            if not _linear_lora(layer, adapter):
+            if not isinstance(layer.get_base_layer(), torch.nn.Linear):
                 raise ValueError(f"merged sync supports LoRA on linear layers only ({module})")
             sources = (name, f"{module}.lora_A.{adapter}.weight", f"{module}.lora_B.{adapter}.weight")
             scaling, fan = float(layer.scaling[adapter]), bool(getattr(layer, "fan_in_fan_out", False))
@@ -94,8 +90,8 @@ def merged_items(model, dtype: torch.dtype | None = None) -> list[ExportItem]:
 
 
 def materialize(item: ExportItem, full: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The tensor of `item` from whole source tensors (`full`: name -> tensor). Merges and scales in float32, then
-    casts to the transfer dtype, so every layout (replicated, ZeRO-3, FSDP2) rounds the same way."""
+    """The tensor of `item` from whole source tensors. Merges and scales in float32, then casts to the transfer
+    dtype, so every layout (replicated, ZeRO-3, FSDP2) rounds the same way."""
     with torch.no_grad():
         if item.role in ("copy", "lora_A"):
             return full[item.sources[0]].detach().to(item.meta.dtype).contiguous()
@@ -136,11 +132,10 @@ def merged_weights(model, dtype: torch.dtype | None = None) -> Iterator[tuple[st
 
 @dataclass
 class AdapterWeights:
-    """A LoRA adapter as the adapter-sync protocol carries it: peft's on-disk tensor names
-    (`base_model.model.<module>.lora_A.weight` / `.lora_B.weight`) with each B pre-multiplied by its module's
-    LoRA scaling, and an adapter config that says so (`lora_alpha == r` per module, no rsLoRA). Every reader
-    (vLLM's LoRA manager, our CPU engine) then applies W0 + B @ A, so alpha, rsLoRA and rank/alpha patterns
-    stay peft's business. Iterates as (name, tensor) pairs, like the merged weights."""
+    """A LoRA adapter as adapter sync carries it: peft's on-disk names (`base_model.model.<module>.lora_A.weight`)
+    with each B pre-multiplied by its module's LoRA scaling, and a config that says so (`lora_alpha == r`, no
+    rsLoRA). Every reader (vLLM's LoRA manager, our CPU engine) then applies W0 + B @ A, so alpha, rsLoRA and
+    rank/alpha patterns stay peft's business. Iterates as (name, tensor) pairs."""
 
     tensors: list[tuple[str, torch.Tensor]]
     peft_config: dict

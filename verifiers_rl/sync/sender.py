@@ -1,4 +1,4 @@
-"""The trainer's side of a weight sync, behind one small interface (one module per backend).
+"""The trainer's side of a weight sync, behind one small interface (one module per backend, sync/backends.py).
 
     sender = create_sender("gloo", client, bucket_bytes=64 << 20)
     sender.init()                                  # join the server's workers in one group

@@ -1,23 +1,17 @@
 """Whole parameters on rank 0, from their shards, for a sync: only rank 0 sends to the server, so only it needs them.
 
-The layouts' own gathers make every parameter whole on every rank: FSDP2's `DTensor.full_tensor()` (an all-gather
-per parameter), DeepSpeed's `GatheredParameters`. For a sync that moves each shard to every rank, where rank 0 is
-the only reader, and into freshly allocated memory each time: on gloo an all-gather costs several times a
-send/recv of the same bytes, and fresh memory pays its page faults on every sync
-(benchmarks/results/design_measurements.md#shard-gather).
-
+The layouts' own gathers (FSDP2's `DTensor.full_tensor()`, DeepSpeed's `GatheredParameters`) move each shard to
+every rank, into fresh memory each time: on gloo an all-gather costs several times a send/recv of the same bytes,
+and fresh memory pays its page faults on every sync (benchmarks/results/design_measurements.md#shard-gather).
 So here each rank sends its piece of each parameter straight to rank 0 (point-to-point, no copy on the sender),
-and rank 0 receives it in place into a reused buffer, where the whole parameter is then a view. A group's
-transfers are posted at once and waited for later, so the next group travels while rank 0 sends this one. On one
-host, CPU ranks skip the socket: rank 0's buffers are shared memory, and each rank copies its pieces into them
-(`Ring.share`; faster than point-to-point in bench_sharded).
+into a reused buffer where the whole parameter is then a view; a group's transfers are posted at once, so the next
+group travels while rank 0 sends this one. On one host, CPU ranks skip the socket: rank 0's buffers are shared
+memory, and each rank copies its pieces into them (`Ring.share`; faster than point-to-point in bench_sharded).
 
-A layout describes a parameter as `Pieces`: the parameter flattened is the concatenation of every rank's
-contiguous piece in rank order (FSDP2: torch.chunk's rows on dim 0; ZeRO-3: equal flat partitions, of which only
-the part before the end of the parameter is sent). A parameter whole on every rank is one piece, rank 0's. Rank 0
-lays a group's parameters end to end in its buffer, as the sender's bucket lays them (`plan_buckets`), so a
-bucket is broadcast from there with no packing (`wire.send_buckets`; into a CPU engine on this host it is copied
-once, into the shared-memory slot, sync/transport/shm.py).
+A layout describes a parameter as `Pieces`: flattened, it is every rank's contiguous piece in rank order (FSDP2:
+torch.chunk's rows on dim 0; ZeRO-3: equal flat partitions, sent up to the end of the parameter). Rank 0 lays a
+group's parameters end to end in its buffer, as the sender's bucket lays them, so a bucket is broadcast from there
+with no packing (`wire.in_place`).
 """
 
 from __future__ import annotations
@@ -30,8 +24,8 @@ import torch.distributed as dist
 
 
 def dim0_rows(rows: int, world: int) -> list[int]:
-    """Rows each rank holds of a dim-0 sharded tensor with `rows` rows (torch.chunk's split, as FSDP2 and DTensor's
-    Shard(0) cut it: `ceil(rows / world)` each, the last ranks fewer or none)."""
+    """Rows each rank holds of a dim-0 sharded tensor (torch.chunk's split, as FSDP2 and DTensor's Shard(0) cut it:
+    `ceil(rows / world)` each, the last ranks fewer or none)."""
     per = math.ceil(rows / world) if rows else 0
     return [max(0, min(per, rows - r * per)) for r in range(world)]
 
@@ -56,28 +50,23 @@ def flat_lengths(numel: int, size: int, world: int) -> list[int]:
     return [max(0, min(size, numel - r * size)) for r in range(world)]
 
 
-def _aligned(off: int, dtype: torch.dtype) -> int:
-    size = torch.empty((), dtype=dtype).element_size()
-    return -(-off // size) * size
-
-
-def carve(buf: torch.Tensor, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
-    """1-D views of `buf` (uint8), one per (elements, dtype), end to end (a gap only where a dtype's alignment
-    needs one): one dtype gives exactly the bucket's layout."""
+def _spans(sizes: list[tuple[int, torch.dtype]]) -> list[tuple[int, int]]:
+    """(offset, bytes) of each (elements, dtype), end to end (a gap only where a dtype's alignment needs one)."""
     out, off = [], 0
     for n, dtype in sizes:
-        off = _aligned(off, dtype)
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        out.append(buf[off : off + nbytes].view(dtype))
-        off += nbytes
+        off = -(-off // dtype.itemsize) * dtype.itemsize
+        out.append((off, n * dtype.itemsize))
+        off += n * dtype.itemsize
     return out
 
 
+def carve(buf: torch.Tensor, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
+    """1-D views of `buf` (uint8), one per (elements, dtype): one dtype gives exactly the bucket's layout."""
+    return [buf[off : off + n].view(dtype) for (off, n), (_, dtype) in zip(_spans(sizes), sizes)]
+
+
 def carved_bytes(sizes: list[tuple[int, torch.dtype]]) -> int:
-    off = 0
-    for n, dtype in sizes:
-        off = _aligned(off, dtype) + n * torch.empty((), dtype=dtype).element_size()
-    return off
+    return sum(_spans(sizes)[-1]) if sizes else 0
 
 
 def place_pieces(dest: torch.Tensor, lengths: list[int], rank: int) -> torch.Tensor:
@@ -88,15 +77,11 @@ def place_pieces(dest: torch.Tensor, lengths: list[int], rank: int) -> torch.Ten
 
 class Ring:
     """Reused receive buffers, one per group in flight; a sync yields views of them. The stream posts group k+1
-    when the sender pulls group k, and the sender (sync/transport/wire.py `send_buckets`, whose buckets are these
-    groups) may still be broadcasting buckets k-1 and k-2 straight from this memory (`wire.in_place`: it sends a
-    group laid out as its bucket without packing, and waits for bucket k-2 only after pulling bucket k): four
-    buffers, none reused while the sender can still read it. A group larger than
-    `slot_bytes` (one tensor bigger than a bucket) gets memory of its own instead of growing a buffer for good.
-
-    On a CPU, when every rank of the process group is on this host, the buffers are shared memory every rank maps
-    (`share`): a rank then copies its pieces straight into rank 0's buffer, instead of sending them through
-    gloo's TCP loopback (a copy into the kernel and one out of it, on the cores the server's receive also needs)."""
+    when the sender pulls group k, and the sender (`wire.send_buckets`) may still be broadcasting buckets k-1 and
+    k-2 straight from this memory: four buffers, none reused while the sender can still read it. A group larger
+    than `slot_bytes` (one tensor bigger than a bucket) gets memory of its own instead of growing a buffer for good.
+    Shared memory every rank maps (`share`) spares gloo's TCP loopback a copy into the kernel and one out of it,
+    on the cores the server's receive also needs."""
 
     SLOTS = 4
 

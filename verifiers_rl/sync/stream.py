@@ -1,10 +1,8 @@
-"""One sync's tensors as a stream: described up front (`metas`, in order), produced lazily (`iter()` yields the
-tensors in that order). A sender plans its buckets from the description before any tensor exists, then holds
-about one bucket at a time: a merged LoRA model is never materialised whole, and a sharded model is gathered
-bucket by bucket (every rank iterates; rank 0 sends, and only rank 0's stream yields tensors).
-
-A yielded tensor may be a view of memory its producer reuses a few buckets later (a sharded export's receive
-buffers, export.py): a consumer that keeps tensors beyond that copies them."""
+"""One sync's tensors as a stream: described up front (`metas`, in order), produced lazily in that order. A sender
+plans its buckets before any tensor exists, then holds about one bucket at a time: a merged LoRA model is never
+materialised whole, and a sharded model is gathered bucket by bucket (every rank iterates; only rank 0's stream
+yields tensors). A yielded tensor may be a view of memory its producer reuses a few buckets later (a sharded
+export's receive buffers): a consumer that keeps tensors beyond that copies them."""
 
 from __future__ import annotations
 
@@ -31,9 +29,8 @@ class WeightStream:
         return self._live
 
     def drain(self) -> None:
-        """Produce what is left of the stream and drop it. A sender that failed mid-sync calls this: producing a
-        sharded model's tensors is a collective, and the other ranks are waiting in it (a stream never iterated
-        was never opened to them: nothing to finish)."""
+        """Produce what is left of the stream and drop it: after a failed sync, the other ranks are waiting in a
+        sharded model's collective (a stream never iterated was never opened to them: nothing to finish)."""
         it, self._live = self._live, None
         for _ in it or ():
             pass
@@ -44,8 +41,8 @@ class WeightStream:
 
 
 def as_stream(named_tensors) -> WeightStream:
-    """A WeightStream as it is; any other iterable of (name, tensor) pairs (a model's `named_parameters()`, an
-    `AdapterWeights`) is taken as it stands, with its peft config and rank when it has them."""
+    """A WeightStream as it is; any other iterable of (name, tensor) pairs (`named_parameters()`, `AdapterWeights`)
+    as it stands, with its peft config and rank when it has them."""
     if isinstance(named_tensors, WeightStream):
         return named_tensors
     items = [(n, t) for n, t in named_tensors]
@@ -57,8 +54,8 @@ def as_stream(named_tensors) -> WeightStream:
 def bucket_tensors(
     buckets: list[Bucket], tensors: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[Bucket, list[torch.Tensor]]]:
-    """Pair each bucket with its tensors, pulled from the stream as the bucket is reached; a tensor that is not
-    the one the plan expects (another name, dtype or shape) is an error, not a silently wrong sync."""
+    """Pair each bucket with its tensors, pulled as the bucket is reached; a tensor that is not the one the plan
+    expects is an error, not a silently wrong sync."""
     it = iter(tensors)
     for bucket in buckets:
         out = []

@@ -1,24 +1,18 @@
 """Did a sync land? Both sides checksum every tensor of a sync the same way, from its bytes, and compare.
 
-- The trainer checksums each tensor as its stream produced it, while sending (`wire.send_buckets`).
-- Each receiving rank checksums what it loaded: our CPU engine reads its parameters back once the sync is in
-  (so a tensor received but never written, or written elsewhere, shows); a vLLM worker checksums the tensors it
-  hands to `model.load_weights` (its own parameters are fused and sharded, so they cannot be compared with the
-  trainer's); adapter sync checksums the A/B tensors each receiver installs.
-- Each rank leaves its list in the trainer's rendezvous store (`gloo.publish_report`: vLLM's /collective_rpc
-  answers for data-parallel engine 0 only), and the trainer compares rank by rank (`verify`). A difference stops
-  the run with one line: which sync, which tensors, how many bytes. There is no retry: a sync that went wrong
-  once says something is broken.
-
-vLLM's NCCL backend receives with vLLM's own engine, which reports nothing: those syncs are not checksummed.
-The trainer's mismatch_kl guard (`sync/guard.py`) covers every backend, and catches what checksums
-cannot: wrong bytes that both sides agree on (a wrongly gathered shard).
+The trainer checksums each tensor as its stream produced it, while sending (`wire.send_buckets`). Each receiving
+rank checksums what it loaded: our CPU engine reads its parameters back (so a tensor received but never written
+shows); a vLLM worker checksums the tensors it hands to `model.load_weights` (its own parameters are fused and
+sharded); adapter sync checksums the A/B tensors each receiver installs. Each rank leaves its list in the trainer's
+store (`gloo.publish_report`: vLLM's /collective_rpc answers for data-parallel engine 0 only), and `verify` compares
+rank by rank. A difference stops the run with one line; there is no retry: a sync that went wrong once says
+something is broken. vLLM's NCCL engines report nothing: the mismatch_kl guard (sync/guard.py) covers every
+backend, and catches wrong bytes both sides agree on (a wrongly gathered shard).
 
 The checksum is memory-bandwidth bound (8-12 GB/s on one CPU core): the bytes as 64-bit words, summed per block of
 8 KiB, then the block sums summed plain and weighted by block index, all modulo 2**64 (integer arithmetic, so
-every device, library and summation order gives the same answer: numpy on CPU, torch on a GPU); the bytes past
-the last whole word and the length are mixed in. Floats are never summed as floats: bf16 and fp32 bytes are
-checked alike.
+every device, library and summation order gives the same answer); the bytes past the last whole word and the
+length are mixed in. Floats are never summed as floats: bf16 and fp32 bytes are checked alike.
 """
 
 from __future__ import annotations
@@ -38,32 +32,22 @@ class SyncMismatch(RuntimeError):
     """A sync whose receivers hold other bytes than the trainer sent; the message is the whole story."""
 
 
-def _words(b: torch.Tensor) -> torch.Tensor | None:
-    """`b` (uint8, a multiple of 8 long) as int64 words without a copy, or None where its address is unaligned."""
-    if b.data_ptr() % 8:
-        return None
-    try:
-        return b.view(torch.int64)
-    except RuntimeError:
-        return None
-
-
 def tensor_checksum(t: torch.Tensor) -> int:
     """A 64-bit checksum of `t`'s bytes (any dtype, any device; the same bytes give the same number)."""
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
     n = b.numel()
     whole = n - n % 8
-    words = _words(b[:whole])
-    if words is None:  # a view at an odd address (a bf16 tensor packed behind another): an aligned copy
-        words = b[:whole].clone().view(torch.int64)
+    words = b[:whole]
+    if words.data_ptr() % 8 or words.storage_offset() % 8:  # unaligned (a bf16 view behind another): copied
+        words = words.clone()
+    words = words.view(torch.int64)
     plain, weighted = (_cpu_sums if words.device.type == "cpu" else _torch_sums)(words)
     tail = int.from_bytes(bytes(b[whole:].cpu().tolist()), "little") if whole < n else 0
     return ((plain & _MASK) * _MIX + (weighted & _MASK) + tail * 31 + n) & _MASK
 
 
 def _torch_sums(words: torch.Tensor) -> tuple[int, int]:
-    """(sum of the words, sum of the 8 KiB block sums weighted by block index), modulo 2**64: on the tensor's device
-    (a vLLM worker's GPU)."""
+    """(sum of the words, sum of the block sums weighted by block index) on the tensor's device (a vLLM GPU)."""
     rows = words.numel() // _BLOCK
     blocks = words[: rows * _BLOCK].view(rows, _BLOCK).sum(1)
     index = torch.arange(1, rows + 1, dtype=torch.int64, device=blocks.device)
@@ -71,9 +55,8 @@ def _torch_sums(words: torch.Tensor) -> tuple[int, int]:
 
 
 def _cpu_sums(words: torch.Tensor) -> tuple[int, int]:
-    """`_torch_sums` in numpy, the same integer arithmetic: single-threaded. torch's reductions run on every intra-op
-    thread, and on a CPU shared by trainer and server (or any busy one) each of a sync's hundreds of small parallel
-    reductions waits for a descheduled thread, up to 100x slower than one thread on a loaded machine
+    """`_torch_sums` in numpy, single-threaded: torch's reductions run on every intra-op thread, and on a busy CPU
+    each of a sync's hundreds of small parallel reductions waits for a descheduled thread, up to 100x slower
     (benchmarks/results/design_measurements.md#checksums)."""
     w = words.numpy()
     rows = w.size // _BLOCK

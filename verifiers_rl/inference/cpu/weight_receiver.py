@@ -17,8 +17,6 @@ if TYPE_CHECKING:
 
 
 class WeightReceiver:
-    """Server side of the gloo weight transfer (same init_info/update_info as our vLLM plugin)."""
-
     def __init__(self, engine: ServingEngine):
         self.engine = engine
         self.pg = None
@@ -55,7 +53,7 @@ class WeightReceiver:
             nonlocal loaded, error
             if error is None:
                 try:
-                    loaded += changes.into(named, load) if changes else load(named)
+                    loaded += load(changes.updates(named), write=delta.apply) if changes else load(named)
                 except (KeyError, ValueError, RuntimeError) as e:
                     error = e
 
@@ -129,17 +127,15 @@ class WeightReceiver:
         return {"tensors": len(metas), "modules": modules, "checksums": sums}
 
     def abandon(self) -> None:
-        """A one-call sync that failed: serve on with the weights it has (already partly replaced on error)."""
+        """A one-call sync that failed (or finished): serve on with the weights it has."""
         if self.paused_by_update:
             self.engine.resume()
             self.paused_by_update = False
 
     def finish(self, version: int | None) -> int:
-        v = self.engine.finish_update(version)
-        if self.paused_by_update:
-            self.engine.resume()
-            self.paused_by_update = False
-        return v
+        version = self.engine.finish_update(version)
+        self.abandon()
+        return version
 
     def shutdown(self) -> None:
         self.pg = None

@@ -1,8 +1,6 @@
 """The served weights of a CPU engine, and how a sync replaces them: full tensors copied in place, or LoRA A/B
-pairs applied as W = W0 + scaling * B @ A against the pristine base weights (adapter sync).
-
-Both CPU engines inherit this; each wraps `load_weights` in its own lock so a sync never lands between two
-layers of a forward pass.
+pairs applied as W = W0 + scaling * B @ A against the pristine base weights (adapter sync). Both CPU engines inherit
+this; each wraps `load_weights` in its own lock so a sync never lands between two layers of a forward pass.
 """
 
 from __future__ import annotations
@@ -34,11 +32,10 @@ class ServedWeights(ABC):
         self._params = dict(self.model.named_parameters())  # looked up per received tensor on every sync
 
     def flatten_parameters(self) -> None:
-        """Lay every parameter out in one buffer, in `named_parameters()` order, each parameter a view of it.
-
-        The trainer sends merged weights in that same order, bucket by bucket, so each tensor of a bucket has its
-        own span here and arrives there directly (`placement`), with no staging copy. The forward reads the same
-        memory (the lean decoder packs q/k/v and gate/up as views of adjacent spans). Skipped for mixed dtypes."""
+        """Lay every parameter out in one buffer, in `named_parameters()` order, each parameter a view of it: the
+        trainer sends merged weights in that order, so each tensor of a bucket arrives in its own span directly
+        (`placement`), with no staging copy. The lean decoder packs q/k/v and gate/up as views of adjacent spans.
+        Skipped for mixed dtypes."""
         params = list(self.model.named_parameters())
         dtypes = {p.dtype for _, p in params}
         if len(dtypes) != 1:
@@ -56,9 +53,8 @@ class ServedWeights(ABC):
         self._arena, self._spans = arena, spans
 
     def placement(self, bucket) -> list[torch.Tensor] | None:
-        """Where each tensor of a bucket of full tensors belongs, as uint8 views of the served parameters (their
-        dtype and shape as served), in bucket order; None when any of them has no such place (the bucket is then
-        staged and copied by `load_weights`)."""
+        """Where each tensor of a bucket of full tensors belongs, as uint8 views of the served parameters, in bucket
+        order; None when any of them has no such place (the bucket is then staged and copied by `load_weights`)."""
         spans = getattr(self, "_spans", None)
         if not spans:
             return None

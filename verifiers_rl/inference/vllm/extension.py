@@ -1,10 +1,6 @@
 """The worker extension every vLLM server started by `vf-vllm` gets (`--worker-extension-cls`): adapter sync
-(`lora.py`), and what the trainer asks the workers about themselves before it plans: the GPUs they run on.
-
-vLLM mixes the class into every worker; `POST /collective_rpc {"method": ...}` calls a method on each and lists
-their answers.
-Nothing here imports vLLM at module level; the trainer asks through `serving.session.reported_gpus`.
-"""
+(`lora.py`), and what the trainer asks the workers before it plans (`serving.session.reported_gpus`). vLLM mixes
+it into every worker; `POST /collective_rpc {"method": ...}` calls a method on each. No vLLM import here."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """The `gloo` weight-transfer engine vLLM's workers run (registered by `plugin.register`): it receives the
-trainer's bucketed gloo broadcasts (sync/transport/gloo.py) and loads them through the model's own `load_weights`, under
-vLLM's layerwise reload for whole tensors, in place for a sync of changes only (sync/delta.py `Receiving.through`).
-
-Per sync the trainer sends the requests our CPU engine also accepts:
-  POST /start_weight_update                                      -> start_weight_update
-  POST /update_weights {"update_info": UpdateInfo.to_dict()}     -> update_weights: receive buckets, load, report
-  POST /finish_weight_update {"weight_version": "<n>"}           -> finish_weight_update: finalize the reload
-  POST /reset_prefix_cache
-
-This module imports vLLM: only vLLM's workers import it (the factory loads it by module path on first use).
+trainer's bucketed gloo broadcasts (sync/transport/gloo.py) and loads them through the model's own `load_weights`,
+under vLLM's layerwise reload for whole tensors, in place for a sync of changes only (`delta.Receiving.through`).
+Per sync: /start_weight_update, /update_weights (receive buckets, load, report), /finish_weight_update (finalize
+the reload), /reset_prefix_cache. This module imports vLLM: only vLLM's workers import it.
 """
 
 from __future__ import annotations
@@ -26,12 +20,8 @@ from verifiers_rl.sync.verify import tensor_checksum
 
 
 def _retie_cpu_lm_head(model, model_config) -> None:
-    """Re-pack a tied lm_head after a reload on CPU.
-
-    vLLM's CPU linear kernels run from a packed copy of the weight made when the layer is processed. A tied
-    lm_head shares `embed_tokens.weight`, but layerwise reload only processes the embedding, so the head
-    would keep sampling from the old packed weights while the embedding uses the new ones.
-    """
+    """Re-pack a tied lm_head after a reload on CPU: vLLM's CPU linear kernels run from a packed copy of the weight,
+    and layerwise reload only processes the embedding the head shares, so the head would keep the old weights."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -47,24 +37,11 @@ def _retie_cpu_lm_head(model, model_config) -> None:
     dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
 
 
-def _mtp_check_disabled():
-    # vLLM's NCCL backend loads under this guard so a partial (no-MTP-head) checkpoint is accepted; older
-    # vLLMs do not have it.
-    try:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-    except ImportError:
-        return contextlib.nullcontext()
-    return disable_mtp_completeness_check()
-
-
 class _DrainingLoader:
     """A bucket callback that loads until one load fails, then keeps taking (and dropping) the rest: the trainer
-    is mid-broadcast and would otherwise wait out the group timeout before it learns anything.
-
-    Each tensor is copied out of the receive buffer first: layerwise reload keeps the loaded tensors until every
-    weight of a layer has arrived, a layer (q/k/v, gate/up) can straddle buckets, and the next bucket overwrites
-    the buffer. The copies are checksummed (`verify.tensor_checksum`) as they are handed to `load_weights`: vLLM's
-    own parameters are fused and sharded, so what this worker checks is what it loaded from."""
+    is mid-broadcast and would otherwise wait out the group timeout before it learns anything. Each tensor is copied
+    out of the receive buffer first (layerwise reload keeps it until the whole layer, which can straddle buckets,
+    has arrived) and checksummed as it is handed to `load_weights`: vLLM's own parameters are fused and sharded."""
 
     def __init__(self, load_weights, device):
         self.load_weights, self.device = load_weights, device
@@ -92,10 +69,9 @@ class _DrainingLoader:
 
 
 class _ChangeLoader(_DrainingLoader):
-    """`_DrainingLoader` for a sync of changes only: written into the live parameters and compared where they
-    landed (sync/delta.py `Receiving.through`). The report holds the checksums of the tensors received; a tensor
-    whose changes did not land reports 0 (no tensor's checksum: the length is mixed in), so the trainer names it
-    as holding other bytes than were sent."""
+    """`_DrainingLoader` for a sync of changes only, written into the live parameters and compared where they
+    landed (`delta.Receiving.through`); a tensor whose changes did not land reports checksum 0 (no tensor's: the
+    length is mixed in), so the trainer names it."""
 
     def __init__(self, model, changes: delta.Receiving, device):
         super().__init__(self._load, device)
@@ -176,8 +152,11 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         publish_report(self.joined(), sync_id, result)
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
+        # vLLM's NCCL backend loads under this guard so a partial (no-MTP-head) checkpoint is accepted
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
         loader = _loader_for(self, update_info)
-        with _mtp_check_disabled():
+        with disable_mtp_completeness_check():
             self.receive(update_info.metas(), loader)
         if update_info.report:
             self.report(update_info.report, loader.report(update_info.names))

@@ -1,15 +1,10 @@
-"""vLLM worker extension for adapter sync: install the trainer's LoRA tensors in the policy adapter's slot.
+"""vLLM worker extension for adapter sync (protocol: sync/transport/adapter.py): install the trainer's LoRA tensors
+in the policy adapter's slot. vLLM is started with `--enable-lora --lora-modules policy=<step-0 adapter dir>`
+(`layout.AdapterServing.vllm_args`) and our gloo weight-transfer backend.
 
-Start vLLM with `--enable-lora --max-loras 1 --lora-modules policy=<step-0 adapter dir> --worker-extension-cls
-verifiers_rl.inference.vllm.lora.LoraSyncExtension` (`layout.AdapterServing.vllm_args`) and our gloo
-weight-transfer backend. vLLM mixes this class into every worker; `/collective_rpc` calls its methods on all
-workers of all data-parallel engines. The protocol is in `sync/transport/adapter.py`.
-
-Each sync builds a LoRA model from the received tensors and swaps it in under the adapter's lora_int_id: the
-same id before and after, so requests already running on the adapter continue on the new weights, and the
-adapter stays pinned, so vLLM never falls back to re-reading the step-0 files. Nothing touches a disk.
-
-Nothing here imports vLLM at module level: the trainer names this class without vLLM installed.
+Each sync builds a LoRA model from the received tensors and swaps it in under the same lora_int_id, so requests
+already running on the adapter continue on the new weights, and the adapter stays pinned, so vLLM never falls back
+to re-reading the step-0 files. Nothing touches a disk. No vLLM import at module level.
 """
 
 from __future__ import annotations

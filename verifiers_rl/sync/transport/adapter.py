@@ -1,7 +1,5 @@
 """Adapter-only LoRA sync: the LoRA A/B matrices (1-2% of a merged sync's bytes) go into the server's LoRA
-slot for the policy adapter; the base weights never move.
-
-One protocol, two engines. Per sync (the client pauses generation around it):
+slot for the policy adapter; the base weights never move. Per sync (the client pauses generation around it):
 
     POST /collective_rpc {"method": "vf_lora_update", "args": [AdapterUpdate.to_json()]}
         while the trainer broadcasts the tensors in buckets over the gloo group of /init_weight_transfer_engine
@@ -10,36 +8,26 @@ One protocol, two engines. Per sync (the client pauses generation around it):
 
 The RPC's result is `{"error": reason}` when the server refuses the update (DoRA, biases, modules_to_save, a
 rank above --max-lora-rank, a module the model lacks); it drains the buckets first and keeps the old adapter.
-Every receiving rank also leaves its result in the trainer's store under the update's `report` id
-(`gloo.publish_report`): under data parallelism vLLM's /collective_rpc answers with the first engine's results
-only, and a refusal by another engine must not pass for a sync.
-
-vLLM runs it in every worker through our worker extension (`vllm/extension.WorkerExtension`; the adapter methods
-are `vllm/lora.LoraSyncExtension`), which installs the adapter in place of the one registered at startup
-(`--lora-modules policy=<dir>`, lora_int_id 1), so requests that name the adapter, in flight ones included,
-continue on the new weights. Our CPU engine applies
-W = W0 + B @ A on pristine base weights. `/collective_rpc` rather than `/update_weights`: vLLM drops every
-LoRA adapter at `/finish_weight_update`. Tensors and config come from `policy_weights.adapter_weights`.
+Every receiving rank also leaves its result in the trainer's store (`gloo.publish_report`): vLLM's
+/collective_rpc answers with the first data-parallel engine's results only. vLLM's workers install it in place of
+the adapter registered at startup (`vllm/lora.LoraSyncExtension`); our CPU engine applies W = W0 + B @ A on
+pristine base weights. `/collective_rpc` rather than `/update_weights`: vLLM drops every LoRA adapter at
+`/finish_weight_update`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from verifiers_rl.plan.layout import WORKER_EXTENSION
-from verifiers_rl.sync.buckets import UpdateInfo, plan_buckets
+from verifiers_rl.sync.buckets import UpdateInfo
 from verifiers_rl.sync.sender import NamedTensors, SyncStats
 from verifiers_rl.sync.stream import as_stream
-from verifiers_rl.sync.transport.gloo import (
-    GlooSender,
-    run_in_thread,
-    send_buckets,
-)
+from verifiers_rl.sync.transport.gloo import GlooSender
 
 UPDATE_RPC = "vf_lora_update"
 INFO_RPC = "vf_lora_info"
@@ -146,20 +134,16 @@ class AdapterSender(GlooSender):
             )
         t0 = time.perf_counter()
         tensors = as_stream(named_tensors)
-        metas = tensors.metas
-        buckets = plan_buckets(metas, self.bucket_bytes)
-        report, sums = f"{version}-{secrets.token_hex(6)}", []
-        update = AdapterUpdate(self.update_info(metas, report), config)
-        body = {"method": UPDATE_RPC, "args": [update.to_json()]}
-        pending = run_in_thread(lambda: self.post("/collective_rpc", body))
-        sent = send_buckets(self.group, buckets, tensors, sums)
-        pending.join()
-        self.verify(report, metas, sums, version)
+
+        def rpc(info: UpdateInfo) -> dict:
+            return {"method": UPDATE_RPC, "args": [AdapterUpdate(info, config).to_json()]}
+
+        sent, buckets = self._move(tensors, version, rpc, path="/collective_rpc")
         # The prefix cache is keyed by adapter name and path, which stay the same: blocks computed with the old
         # adapter would be served again.
         self.client.reset_prefix_cache(timeout=self.timeout_s)
         self.post("/update_weight_version", {"new_version": str(version)})
-        return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)
+        return SyncStats(time.perf_counter() - t0, sent, len(tensors.metas), buckets, version)
 
 
 def write_zero_adapter(model_name: str, args, directory) -> None:

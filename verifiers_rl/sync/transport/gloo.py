@@ -11,30 +11,26 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import ipaddress
 import json
 import os
 import secrets
 import socket
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-# Where the buckets move (wire.py); imported from here by the receivers, the adapter sender and the benchmarks.
-from verifiers_rl.config.net import LOOPBACK
+from verifiers_rl.config.net import LOOPBACK, is_loopback
 from verifiers_rl.errors import ServerError
-from verifiers_rl.sync.buckets import (
-    DEFAULT_BUCKET_BYTES,
-    TensorMeta,
-    UpdateInfo,
-    plan_buckets,
-)
+from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, UpdateInfo, plan_buckets
 from verifiers_rl.sync.delta import Changes, Outgoing
 from verifiers_rl.sync.sender import NamedTensors, SyncStats
 from verifiers_rl.sync.stream import WeightStream, as_stream
 from verifiers_rl.sync.transport.shm import SharedSlots
+from verifiers_rl.sync.transport.watchdog import Background
+
+# Where the buckets move; imported from here by the receivers, the adapter sender and the benchmarks.
 from verifiers_rl.sync.transport.wire import (  # noqa: F401
     WeightGroup,
     broadcast,
@@ -72,12 +68,9 @@ class GlooInitInfo:
 
     def __post_init__(self):
         try:
-            self.master_port, self.rank_offset, self.world_size = (
-                int(self.master_port),
-                int(self.rank_offset),
-                int(self.world_size),
-            )
-            self.bucket_bytes, self.timeout_s = int(self.bucket_bytes), float(self.timeout_s)
+            ints = (self.master_port, self.rank_offset, self.world_size, self.bucket_bytes)
+            self.master_port, self.rank_offset, self.world_size, self.bucket_bytes = map(int, ints)
+            self.timeout_s = float(self.timeout_s)
         except (TypeError, ValueError) as e:
             raise ValueError(f"init_info has a non-numeric port, rank, size or timeout: {e}") from None
         if not 0 < self.master_port < 65536:
@@ -106,11 +99,9 @@ class GlooInitInfo:
 
 def open_store(host: str, port: int = 0, world_size: int = 2, timeout_s: float = 300.0):
     """The trainer's rendezvous store, listening on `host` only (port 0: a free one, read back from `store.port`).
-
-    TCPStore on its own listens on every interface; it is handed a socket bound to `host` instead, so a store
-    for a loopback server is not reachable from the network at all. The store owns (and closes when it is
-    destroyed) the descriptor it is given: it gets a duplicate, so no descriptor is closed twice — a second close
-    would hit whatever reused the number, e.g. the next store's socket after a server restart."""
+    TCPStore on its own listens on every interface; handed a socket bound to `host`, a store for a loopback server
+    is not reachable from the network at all. The store closes the descriptor it is given: it gets a duplicate, so
+    no descriptor is closed twice (a second close would hit whatever reused the number)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -215,16 +206,16 @@ class GlooSender:
         key = secrets.token_hex(16)
         info = GlooInitInfo(self.host, store.port, 1, world, self.bucket_bytes, self.timeout_s, key)
         # our CPU engine, one receiver, on this machine: offer it shared memory (shm.py)
-        local = self.pauses_itself and self.offers_shared_memory and world == 2 and _local(self.host)
+        local = self.pauses_itself and self.offers_shared_memory and world == 2 and is_loopback(self.host)
         offer = SharedSlots.create(self.bucket_bytes) if local else None
         if offer is not None:
             info.shm_path, info.shm_nonce = offer[0].path, offer[1]
         # the server's workers join while this thread waits in the rendezvous
         body = {"init_info": dataclasses.asdict(info)}
-        joined = run_in_thread(lambda: self.post("/init_weight_transfer_engine", body))
+        joined = Background(lambda: self.post("/init_weight_transfer_engine", body))
         try:
             self.group = join_group(store, 0, world, self.timeout_s, key)
-            answer = joined.join()
+            answer = joined.result()
         finally:
             if offer is not None:
                 offer[0].unlink()  # mapped by both sides now (or declined): the mappings keep the memory
@@ -235,35 +226,6 @@ class GlooSender:
     def shared_memory(self) -> bool:
         """Whether buckets travel through shared memory (shm.py) rather than over gloo."""
         return self.group is not None and self.group.shm is not None
-
-    def update_info(self, metas: list[TensorMeta], report: str = "") -> UpdateInfo:
-        info = UpdateInfo.from_metas(metas)
-        info.report = report
-        return info
-
-    def verify(self, report: str, metas: list[TensorMeta], sent: list[int], version: int) -> None:
-        """Every receiving rank's checksums of what it loaded against the trainer's (verify.py). A rank that
-        refused the update (the adapter's RPC does, after draining the data, so the group stays usable) reports
-        {"error": ...} instead."""
-        reports = collect_reports(self.group, report, min(REPORT_WAIT_S, self.timeout_s))
-        refused = _refusal(reports)
-        if refused:
-            raise ServerError(refused)
-        verify(version, [m.name for m in metas], [m.nbytes for m in metas], sent, reports)
-
-    def _answer(self, pending: _Result, report: str):
-        """The update request's answer. vLLM answers a worker's refusal with a bare 500; the worker left its reason
-        in the store first, so the error says that instead."""
-        try:
-            return pending.join()
-        except ServerError as e:
-            try:
-                refused = _refusal(collect_reports(self.group, report, 1.0))
-            except RuntimeError:
-                refused = None
-            if refused:
-                raise ServerError(refused) from e
-            raise
 
     def send(self, named_tensors: NamedTensors, version: int) -> SyncStats:
         if self.group is None:
@@ -280,34 +242,66 @@ class GlooSender:
         if self.changes is not None:
             self.changes.relabel(version, was)
 
-    def _send(self, tensors: WeightStream, version: int, t0: float, out: Outgoing | None = None):
-        """Describe the sync, move its buckets, check what landed; `out`: with changed_only (sync/delta.py). For
-        a sync of changes our CPU engine reports checksums of the whole tensors it updates (read back); vLLM's
-        workers, whose parameters are fused and sharded, report the tensors received (and 0 for those whose changes
-        did not land where they compared them)."""
+    def _send(self, tensors: WeightStream, version: int, t0: float, out: Outgoing | None = None) -> SyncStats:
+        if self.pauses_itself:  # our CPU engine: the whole sync is one request (vLLM keeps its own routes)
+            body = {"weight_version": str(version)}
+            sent, buckets = self._move(tensors, version, lambda info: {"update_info": info.to_dict(), **body}, out)
+        else:
+            self.post("/start_weight_update")
+            sent, buckets = self._move(tensors, version, lambda info: {"update_info": info.to_dict()}, out)
+            # verified before finish: a sync that did not land never gets its version
+            self.post("/finish_weight_update", {"weight_version": str(version)})
+            self.client.reset_prefix_cache(timeout=self.timeout_s)
+        return SyncStats(time.perf_counter() - t0, sent, len(tensors.metas), buckets, version)
+
+    def _move(
+        self,
+        tensors: WeightStream,
+        version: int,
+        body: Callable,
+        out: Outgoing | None = None,
+        path: str = "/update_weights",
+    ) -> tuple[int, int]:
+        """Describe the sync (`body(UpdateInfo)`, POSTed to `path` on its own thread), move its buckets, check what
+        landed: (bytes sent, buckets). `out`: a sync of changes (sync/delta.py), for which our CPU engine reports
+        checksums of the whole tensors it updates (read back); vLLM's workers, whose parameters are fused and
+        sharded, report the tensors received (and 0 for those whose changes did not land where they compared
+        them)."""
         metas = tensors.metas
         buckets = plan_buckets(metas, self.bucket_bytes)
         report, sums = f"{version}-{secrets.token_hex(6)}", []
-        info = self.update_info(metas, report)
+        info = UpdateInfo.from_metas(metas, report)
         info.delta = out.header if out is not None else None
-        info = info.to_dict()
-        whole = info.get("delta") is not None and self.pauses_itself
-        held, held_sums = (out.targets, out.checksums) if whole else (metas, sums)
-        if self.pauses_itself:  # our CPU engine: the whole sync is one request (vLLM keeps its own routes)
-            body = {"update_info": info, "weight_version": str(version)}
-            pending = run_in_thread(lambda: self.post("/update_weights", body))
-            sent = send_buckets(self.group, buckets, tensors, None if whole else sums)
-            self._answer(pending, report)
-            self.verify(report, held, held_sums, version)
-            return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)
-        self.post("/start_weight_update")
-        pending = run_in_thread(lambda: self.post("/update_weights", {"update_info": info}))
+        whole = info.delta is not None and self.pauses_itself
+        pending = Background(lambda: self.post(path, body(info)))
         sent = send_buckets(self.group, buckets, tensors, None if whole else sums)
         self._answer(pending, report)
-        self.verify(report, held, held_sums, version)  # before finish: a sync that did not land never gets its version
-        self.post("/finish_weight_update", {"weight_version": str(version)})
-        self.client.reset_prefix_cache(timeout=self.timeout_s)
-        return SyncStats(time.perf_counter() - t0, sent, len(metas), len(buckets), version)
+        self.verify(report, *((out.targets, out.checksums) if whole else (metas, sums)), version)
+        return sent, len(buckets)
+
+    def verify(self, report: str, metas: list[TensorMeta], sent: list[int], version: int) -> None:
+        """Every receiving rank's checksums of what it loaded against the trainer's (verify.py). A rank that
+        refused the update (the adapter's RPC does, after draining the data, so the group stays usable) reports
+        {"error": ...} instead."""
+        reports = collect_reports(self.group, report, min(REPORT_WAIT_S, self.timeout_s))
+        refused = _refusal(reports)
+        if refused:
+            raise ServerError(refused)
+        verify(version, [m.name for m in metas], [m.nbytes for m in metas], sent, reports)
+
+    def _answer(self, pending: Background, report: str):
+        """The update request's answer. vLLM answers a worker's refusal with a bare 500; the worker left its reason
+        in the store first, so the error says that instead."""
+        try:
+            return pending.result()
+        except ServerError as e:
+            try:
+                refused = _refusal(collect_reports(self.group, report, 1.0))
+            except RuntimeError:
+                refused = None
+            if refused:
+                raise ServerError(refused) from e
+            raise
 
     def close(self, polite: bool = True) -> None:
         if self.group is not None:
@@ -329,35 +323,3 @@ def _refusal(reports: dict[int, dict]) -> str | None:
     rank, reason = next(iter(refused.items()))
     where = f"inference rank {rank}" + (f" and {len(refused) - 1} more" if len(refused) > 1 else "")
     return f"the weight update was refused by the server ({where}): {reason}"
-
-
-def _local(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def run_in_thread(fn) -> _Result:
-    """A control request that must run while this thread broadcasts; join() re-raises its error."""
-    res = _Result(fn)
-    res.start()
-    return res
-
-
-class _Result(threading.Thread):
-    def __init__(self, fn):
-        super().__init__(daemon=True)
-        self.fn, self.error, self.value = fn, None, None
-
-    def run(self):
-        try:
-            self.value = self.fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in join()
-            self.error = e
-
-    def join(self, timeout=None):
-        super().join(timeout)
-        if self.error is not None:
-            raise self.error
-        return self.value

@@ -1,12 +1,9 @@
 """GPU weight sync: vLLM's own trainer-side NCCL engine (packed broadcast), driven through our client.
 
-Everything vLLM-specific is imported lazily: this module loads without vLLM, and only `NCCLSender.init`
-needs it. NCCL needs the trainer and the server on different GPUs (it cannot put two ranks on one device).
-The init follows vLLM's `trainer_init` with each stage bounded and named (nccl_init.py); each sync runs under a
-watchdog that aborts the communicator when the server fails, stops answering, or the deadline passes, or a signal
-comes (watchdog.py): an NCCL call has no timeout of its own. On CPU machines
-tests/e2e/test_nccl_sync.py drives this sender with vLLM's real trainer and worker engines, only CUDA and the NCCL
-communicator replaced.
+vLLM is imported lazily: only `NCCLSender.init` needs it. NCCL needs the trainer and the server on different GPUs.
+The init follows vLLM's `trainer_init` with each stage bounded and named, and each sync runs under a watchdog
+(watchdog.py): an NCCL call has no timeout of its own. On CPU machines tests/e2e/test_nccl_sync.py drives
+this sender with vLLM's real trainer and worker engines, only CUDA and the NCCL communicator replaced.
 """
 
 from __future__ import annotations
@@ -20,14 +17,12 @@ from verifiers_rl.config.net import LOOPBACK, free_port
 from verifiers_rl.sync.buckets import DEFAULT_BUCKET_BYTES
 from verifiers_rl.sync.sender import NamedTensors, SyncStats
 from verifiers_rl.sync.stream import WeightStream, as_stream
-from verifiers_rl.sync.transport.nccl_init import BoundedInit
-from verifiers_rl.sync.transport.watchdog import SyncAborted, Watchdog
+from verifiers_rl.sync.transport.watchdog import BoundedInit, SyncAborted, Watchdog
 
 
 class SyncControl:
-    """vLLM's `VLLMWeightSyncClient` protocol (four methods, plain dicts) over our authenticated client, so
-    vLLM's trainer engine sends our control token and the weight version we choose. Every request of a sync
-    may take as long as the sync itself (`/update_weights` answers once every worker loaded every tensor)."""
+    """vLLM's `VLLMWeightSyncClient` protocol over our authenticated client, so vLLM's trainer engine sends our
+    control token and the weight version we choose. Every request of a sync may take as long as the sync itself."""
 
     def __init__(self, client, timeout_s: float = 300.0):
         self.client = client
@@ -64,8 +59,8 @@ class SyncControl:
 
 
 def _stream_source(sender: NCCLSender):
-    """A vLLM WeightSource over the sync in progress: described from the stream's metas, and iterated lazily,
-    so vLLM's packer pulls (and merges) one bucket's tensors at a time instead of a copy of the whole model."""
+    """A vLLM WeightSource over the sync in progress, iterated lazily: vLLM's packer pulls (and merges) one
+    bucket's tensors at a time instead of a copy of the whole model."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
     class StreamSource(WeightSource):
@@ -82,8 +77,7 @@ def _stream_source(sender: NCCLSender):
 
 
 class NCCLSender:
-    """vLLM's packed NCCL broadcast. The TCP rendezvous port is picked here (NCCL's own store needs one
-    before the server is told where it is)."""
+    """vLLM's packed NCCL broadcast. The rendezvous port is picked here: the server is told where it is."""
 
     backend = "nccl"
 
@@ -95,7 +89,7 @@ class NCCLSender:
         self.host = host
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        self.init_timeout_s = timeout_s  # the bound of each stage of the init (nccl_init.py)
+        self.init_timeout_s = timeout_s  # the bound of each stage of the init (watchdog.py)
         self.device: torch.device | None = None  # the NCCL communicator's GPU: tensors are broadcast from there
         self._stream: WeightStream | None = None
         self.engine = None

@@ -1,20 +1,16 @@
 """Shared-memory buckets for a receiver on the trainer's own machine (our CPU engine): the bytes skip the socket.
 
-Over loopback gloo a bucket is copied four times on a machine that has no core to spare: packed by the trainer, into
-the kernel's socket buffers, out of them, and (where it cannot land in place) out of the staging buffer. Packing and
-checksums add their own time to the socket's (benchmarks/results/design_measurements.md#shared-memory-buckets).
-Through two slots of shared memory a bucket is copied twice, once on each side, and the two copies run on
-different cores at the same time: the trainer packs bucket i+1 while the server copies bucket i out.
+Over loopback gloo a bucket is copied four times: packed, into the kernel's socket buffers, out of them, and out of
+the staging buffer (benchmarks/results/design_measurements.md#shared-memory-buckets). Through two slots of shared
+memory it is copied twice, on different cores at the same time: the trainer packs bucket i+1 while the server
+copies bucket i out. The same bucket plan, checksums, reports and gloo group; the group carries the handshake, one
+byte per bucket each way: "bucket i is in slot i % 2" and "slot free". A bucket larger than a slot travels by gloo
+broadcast, in its turn.
 
-Nothing else changes: the same bucket plan, checksums, reports and gloo group. The group carries the handshake,
-one byte per bucket each way (tagged point-to-point messages): "bucket i is in slot i % 2" and "slot free". A
-bucket larger than a slot (one tensor above the bucket size) travels by gloo broadcast, in its turn.
-
-Offered only where it can work: the trainer creates the file in /dev/shm when it has room for both slots, and
-sends its path with a nonce in `init_info`; the receiver maps it only if it finds that nonce there (a server in
-another container or host sees another /dev/shm or none) and says so in its answer; otherwise, and for every
-vLLM receiver, the group stays plain gloo. The trainer unlinks the file once the receiver answered: the two
-mappings keep the memory, and nothing is left in /dev/shm when either side dies.
+Offered only where it can work: the trainer creates the file in /dev/shm and sends its path with a nonce in
+`init_info`; the receiver maps it only if it finds that nonce there (another container or host sees another
+/dev/shm) and says so in its answer. The trainer unlinks the file once the receiver answered: the two mappings keep
+the memory, and nothing is left in /dev/shm when either side dies.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Changes only over NCCL: vLLM's own `sparse_nccl` engines, fed from our snapshot (sync/delta.py).
 
-vLLM ships a sparse NCCL backend (`SparseNCCLTrainerWeightTransferEngine` here, its worker engine on the server,
-started with `--weight-transfer-config '{"backend": "sparse_nccl"}'`): flat int32 indices and values per checkpoint
-tensor, written on each worker through the model's own loader into the live parameters, TP shards and fused q/k/v
-and gate/up included. It takes sparse patches only, so a tensor that travels whole (the first sync, a sync after
-the server was replaced, a tensor that changed almost everywhere) is a patch of every index: 3x its bf16 bytes,
-paid once per run plus whatever delta.py's threshold sends whole. Tensors go out in chunks of about a bucket, one
-`/update_weights` each, so a full sync never holds more than a bucket of patches besides the snapshot.
-
-Like the dense NCCL path, vLLM's workers report nothing about what they loaded: the mismatch guard (guard.py) is
-the check. vLLM is imported lazily.
+vLLM's sparse backend (the server started with `--weight-transfer-config '{"backend": "sparse_nccl"}'`) takes flat
+int32 indices and values per checkpoint tensor, written on each worker through the model's own loader into the
+live parameters. It takes sparse patches only, so a tensor that travels whole (the first sync, a replaced server,
+a tensor that changed almost everywhere) is a patch of every index: 3x its bf16 bytes. Tensors go out in chunks of
+about a bucket, one `/update_weights` each. vLLM's workers report nothing about what they loaded: the mismatch
+guard (guard.py) is the check.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ from verifiers_rl.sync.transport.nccl import NCCLSender
 
 
 def _patch(name: str, update: Sparse | torch.Tensor, shape: tuple[int, ...], device: torch.device | None):
-    """The patch on the communicator's `device`: NCCL sends from there, and a tensor may lie elsewhere (ZeRO-3's
-    parameter offload keeps it on the CPU)."""
+    """The patch on the communicator's `device`: a tensor may lie elsewhere (ZeRO-3's offload keeps it on the CPU)."""
     if index_dtype(math.prod(shape)) != torch.int32:  # a Sparse index there is int64, which int32 would wrap
         raise ValueError(f"{name} has {math.prod(shape)} elements; vLLM's sparse_nccl indexes with int32")
     from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseWeightPatch

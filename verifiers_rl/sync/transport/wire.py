@@ -53,46 +53,47 @@ def send_buckets(
     pulling each bucket's tensors from `tensors` (a stream in bucket order) only when it is packed; a bucket
     whose tensors already lie as the bucket lays them (one contiguous tensor; a sharded export's receive buffer)
     is sent straight from their memory, no copy (`in_place`). `checksums` (a list) receives each
-    tensor's `verify.tensor_checksum` as the stream produced it."""
+    tensor's `verify.tensor_checksum` as the stream produced it (while the previous bucket is on the wire)."""
     if not buckets:
         return 0
+    checked = _checked(buckets, tensors, checksums)
     if group.shm is not None:
-        return _send_shared(group, buckets, tensors, checksums)
+        return _send_shared(group, checked)
     bufs = group.staging(max(b.nbytes for b in buckets))
     in_flight: list = [None, None]
-    sent = 0
-    for i, (bucket, ts) in enumerate(bucket_tensors(buckets, tensors)):
-        slot = i % 2
-        if checksums is not None:  # while the previous bucket is on the wire
-            checksums.extend(tensor_checksum(t) for t in ts)
-        if in_flight[slot] is not None:
-            in_flight[slot][0].wait()  # this staging buffer is free again
-        payload = in_place(bucket, ts)
-        if payload is None:
-            payload = pack(bucket, ts, out=bufs[slot][: bucket.nbytes])
-        in_flight[slot] = (broadcast_async(group, payload), payload)
-        sent += bucket.nbytes
+    for i, (bucket, ts) in enumerate(checked):
+        if in_flight[i % 2] is not None:
+            in_flight[i % 2][0].wait()  # this staging buffer is free again
+        payload = _payload(bucket, ts, bufs[i % 2])
+        in_flight[i % 2] = (broadcast_async(group, payload), payload)  # the payload kept alive while it travels
     for item in in_flight:
         if item is not None:
             item[0].wait()
-    return sent
+    return sum(b.nbytes for b in buckets)
 
 
-def _send_shared(group: WeightGroup, buckets: list[Bucket], tensors, checksums) -> int:
+def _checked(buckets: list[Bucket], tensors, checksums: list | None):
+    for bucket, ts in bucket_tensors(buckets, tensors):
+        if checksums is not None:
+            checksums.extend(tensor_checksum(t) for t in ts)
+        yield bucket, ts
+
+
+def _payload(bucket: Bucket, ts: list[torch.Tensor], buf: torch.Tensor) -> torch.Tensor:
+    payload = in_place(bucket, ts)
+    return payload if payload is not None else pack(bucket, ts, out=buf[: bucket.nbytes])
+
+
+def _send_shared(group: WeightGroup, checked) -> int:
     """`send_buckets` through shared memory (shm.py): pack bucket i into slot i % 2 once the receiver has freed
     it, then tell the receiver; it copies the bucket out while the next one is packed."""
     shm, pg = group.shm, group.pg
     freed: list = [None, None]  # per slot: the receiver's "slot free" for the bucket last packed there
     ready: list = []
     sent = n_shared = 0
-    for i, (bucket, ts) in enumerate(bucket_tensors(buckets, tensors)):
-        if checksums is not None:
-            checksums.extend(tensor_checksum(t) for t in ts)
+    for i, (bucket, ts) in enumerate(checked):
         if not shm.fits(bucket.nbytes):  # one tensor above the bucket size: by broadcast, in its turn
-            payload = in_place(bucket, ts)
-            if payload is None:
-                payload = pack(bucket, ts, out=group.staging(bucket.nbytes)[0][: bucket.nbytes])
-            broadcast(group, payload)
+            broadcast(group, _payload(bucket, ts, group.staging(bucket.nbytes)[0]))
         else:
             slot, n_shared = n_shared % 2, n_shared + 1
             if freed[slot] is not None:
@@ -162,9 +163,8 @@ def in_place(bucket: Bucket, ts: list[torch.Tensor]) -> torch.Tensor | None:
     storage = first.untyped_storage()
     start = first.data_ptr()
     for t, meta, off in zip(ts, bucket.metas, bucket.offsets):
-        if t.dtype != meta.dtype or not t.is_contiguous() or t.data_ptr() != start + off:
-            return None
-        if t.untyped_storage().data_ptr() != storage.data_ptr():
+        same = t.untyped_storage().data_ptr() == storage.data_ptr() and t.data_ptr() == start + off
+        if t.dtype != meta.dtype or not t.is_contiguous() or not same:
             return None
     begin = start - storage.data_ptr()
     if not bucket.nbytes or begin + bucket.nbytes > storage.nbytes():
@@ -183,7 +183,6 @@ def receive_buckets(group: WeightGroup, buckets: list[Bucket], on_bucket, place=
     if not buckets:
         return
     bufs: list[torch.Tensor] = []
-
     dropped = dropped_buckets(len(buckets), group.rank)  # empty unless a test breaks this receiver on purpose
     if group.shm is not None:
         return _receive_shared(group, buckets, on_bucket, place, dropped)
