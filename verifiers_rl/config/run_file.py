@@ -121,7 +121,7 @@ class RunFile(Section):
         try:
             run = cls.model_validate(data)
         except ValidationError as e:
-            raise ConfigError("; ".join(_messages(e, data, several))) from None
+            raise ConfigError("; ".join(_messages(e, several))) from None
         run._check(command, several)
         if command != "vf-sft":
             check_trainer_args(run.trainer.args, spelled)
@@ -199,22 +199,22 @@ class RunFile(Section):
         return build_rl_config(self.rl_arguments(**overrides), cuda, quiet)
 
 
-def _messages(error: ValidationError, data: dict[str, Any], several: bool) -> list[str]:
+def _messages(error: ValidationError, several: bool) -> list[str]:
     """pydantic's errors in our words: the key as the TOML spells it (`env[1].ratio`, `inference.gpus`), what was
     given and what is allowed. Errors inside a union name the field once."""
     out: list[str] = []
     for err in error.errors():
-        key, field, model = _locate(err["loc"], several)
+        key, field = _locate(err["loc"], several)
         given = err.get("input")
         kind = err["type"]
         if kind == "extra_forbidden":
-            line = _unknown(key, model, isinstance(given, dict))
+            line = _unknown(key, isinstance(given, dict))
         elif kind == "missing":
             *section, name = key.split(".")
             line = f"missing required key {'[' + section[0] + '] ' if section else ''}{name} in the config"
-        elif kind in ("greater_than_equal", "greater_than"):
-            line = f"{key}={given!r}: must be {'>=' if kind.endswith('equal') else '>'} {err['ctx'].get('ge', 0)}"
-        elif kind.endswith("_type") or kind in ("model_attributes_type", "dict_type"):
+        elif kind == "greater_than_equal":  # the only bound a section declares (gpus >= 0)
+            line = f"{key}={given!r}: must be >= {err['ctx']['ge']}"
+        elif kind.endswith("_type"):
             line = f"{key}={given!r}: expected {_expected(field)}"
         else:
             line = f"{key}={given!r}: {err['msg']}"
@@ -223,24 +223,23 @@ def _messages(error: ValidationError, data: dict[str, Any], several: bool) -> li
     return out
 
 
-def _locate(loc: tuple, several: bool) -> tuple[str, Any, type[BaseModel]]:
-    """(the TOML key, its pydantic field, the section model holding it) for an error location; what follows the
-    field in `loc` (a union member's name) is dropped."""
+def _locate(loc: tuple, several: bool) -> tuple[str, Any]:
+    """(the TOML key, its pydantic field) for an error location; what follows the field in `loc` (a union member's
+    name) is dropped."""
     model: Any = RunFile
-    key, field, parent = "", None, RunFile
+    key, field = "", None
     for part in loc:
         if isinstance(part, int):
             key += f"[{part}]" if several else ""
             continue
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             break
-        parent = model
         key = f"{key}.{part}" if key else str(part)
         field = model.model_fields.get(part)
         if field is None:
             break
         model = _inner(field.annotation)
-    return key, field, parent
+    return key, field
 
 
 def _inner(annotation) -> Any:
@@ -257,8 +256,7 @@ def _expected(field) -> str:
 
     if field is None:
         return "another value"
-    inner = _inner(field.annotation)
-    if isinstance(inner, type) and issubclass(inner, BaseModel):
+    if _is_section(field):
         return "a table"
     order = ("int", "float", "bool", "str", "list", "dict")
     return " or ".join(sorted((k for k in kinds(field.annotation) if k != "null"), key=order.index))
@@ -274,7 +272,7 @@ def toml_keys() -> dict[str, list[str]]:
     return out
 
 
-def _unknown(key: str, model: type[BaseModel], table: bool) -> str:
+def _unknown(key: str, table: bool) -> str:
     section, _, name = key.rpartition(".")
     keys = toml_keys()
     if not section and table:

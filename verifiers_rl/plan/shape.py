@@ -5,6 +5,7 @@ of changes only cannot follow (plan/serving.py `check_changed_only`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -50,10 +51,7 @@ class ModelShape:
     @classmethod
     def from_config(cls, config) -> ModelShape:
         """From a model's config: a transformers config object or its config.json as a dict."""
-        if isinstance(config, dict):
-            get = lambda k, d=None: config.get(k, d)  # noqa: E731
-        else:
-            get = lambda k, d=None: getattr(config, k, d)  # noqa: E731
+        get = config.get if isinstance(config, dict) else functools.partial(getattr, config)
         hidden, layers = int(get("hidden_size")), int(get("num_hidden_layers"))
         heads = int(get("num_attention_heads"))
         kv = int(get("num_key_value_heads") or heads)
