@@ -58,10 +58,13 @@ class Sft(Section):
 
 
 class Tiny(Section):
-    hidden: int = 64
-    layers: int = 2
-    seed: int = 0
-    head_dim: int = 32
+    """The offline tiny model; a key left out takes the model's own default (`verifiers_rl.tiny.TinySpec`, the one
+    home of those defaults)."""
+
+    hidden: int | None = None
+    layers: int | None = None
+    seed: int | None = None
+    head_dim: int | None = None
 
 
 class Eval(Section):
@@ -181,6 +184,15 @@ class RunFile(Section):
     def accelerate_config(self) -> str | None:
         path = self.trainer.accelerate_config
         return str(Path(self.resolve(path)).resolve()) if path else None
+
+    def tiny_spec(self):
+        """[tiny] over the tiny model's own defaults (imports torch); a spec it cannot build is one line naming it."""
+        from verifiers_rl.tiny import TinySpec
+
+        try:
+            return TinySpec(**self.tiny.model_dump(exclude_none=True))
+        except ValueError as e:
+            raise ConfigError(f"[tiny] {e}") from None
 
     def output_dir_for(self, named: str | None, default: str) -> str:
         return toml.output_path(named, default, self._path)

@@ -105,16 +105,16 @@ def resolve_model(run: RunFile, dry_run: bool = False) -> str:
             # a config beside the current directory gives "x": keep it a path, or it would be read as a hub id
             return path if os.path.isabs(path) or path.startswith(".") else os.path.join(".", path)
         return model
-    spec = run.tiny.model_dump()
+    spec = run.tiny_spec()
     cache = Path(output_path(None, TINY_CACHE, config_path))  # the config's workspace's outputs/, not the cwd's
-    path = cache / f"h{spec['hidden']}-l{spec['layers']}-d{spec['head_dim']}-s{spec['seed']}"
+    path = cache / f"h{spec.hidden}-l{spec.layers}-d{spec.head_dim}-s{spec.seed}"
     if not dry_run and not (path / "config.json").exists():
         from verifiers_rl.export.checkpoints import staged
         from verifiers_rl.tiny import save_tiny_model
 
         try:
             with staged(path) as tmp:  # an interrupted build leaves nothing a later run would take as the model
-                save_tiny_model(tmp, **spec)
+                save_tiny_model(tmp, hidden=spec.hidden, layers=spec.layers, head_dim=spec.head_dim, seed=spec.seed)
         except ValueError as e:
             raise ConfigError(f"[tiny] {e}") from None
     return str(path)

@@ -141,9 +141,9 @@ def _tiny_shape(run_file: RunFile):
     if run_file.model != "tiny":
         return None
     from verifiers_rl.plan.memory import ModelShape
-    from verifiers_rl.tiny import TinySpec, build_config, build_tokenizer
+    from verifiers_rl.tiny import build_config, build_tokenizer
 
-    return ModelShape.from_config(build_config(build_tokenizer(), TinySpec(**run_file.tiny.model_dump())))
+    return ModelShape.from_config(build_config(build_tokenizer(), run_file.tiny_spec()))
 
 
 def launcher_args(processes: int, accelerate_config: str | None = None) -> list[str]:
